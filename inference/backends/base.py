@@ -1,0 +1,41 @@
+"""The backend contract: one object per model instance, running one batch at a time.
+
+A backend is created for each instance in ``instance_group`` and only ever called
+from that instance's worker thread, so it never sees two batches at once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A model input or output: name, shape (None = dynamic) and NumPy dtype name."""
+
+    name: str
+    shape: tuple[int | None, ...]
+    dtype: str
+
+
+class BackendError(RuntimeError):
+    """A model file that cannot be loaded or run; the message names the model and what to do."""
+
+
+class Backend(ABC):
+    """One loaded instance of a model."""
+
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    metadata: dict[str, str]
+
+    @abstractmethod
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch; arrays carry the batch dimension when the model has one."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the instance's resources."""

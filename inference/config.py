@@ -1,0 +1,174 @@
+"""Model configuration: one ``models/<name>/config.yaml`` per model.
+
+The batching fields follow Triton's model configuration so that a Triton
+user's intuition carries over::
+
+    name: ppocr_cls
+    backend: onnxruntime            # onnxruntime | tensorrt
+    model_file: {package: rapidocr_onnxruntime, path: models/ch_ppocr_mobile_v2.0_cls_infer.onnx}
+    max_batch_size: 32              # 0 = the model has no batch dimension
+    input: {shape: [3, 48, 192], mean: [0.5, 0.5, 0.5], std: [0.5, 0.5, 0.5]}
+    task: {kind: classify}
+    labels: ["0", "180"]
+    dynamic_batching:
+      preferred_batch_size: [16, 32]
+      max_queue_delay_microseconds: 2000
+      default_queue_policy: {max_queue_size: 256, timeout_action: REJECT}
+    instance_group: [{count: 1, kind: KIND_CPU}]
+    backend_options: {intra_op_threads: 2}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from inference.schema import spec
+
+TaskKind = Literal["yolo", "classify", "text_detect", "text_recognize"]
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """Where the model file is: a path (relative to the model's folder) or a file in a package."""
+
+    path: str = field(metadata=spec(help="a path relative to the model folder, or inside `package`"))
+    package: str | None = field(
+        default=None, metadata=spec(help="an installed Python package that ships the file")
+    )
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    """How an image becomes the model's input tensor (per item, without the batch dim)."""
+
+    shape: list[int] = field(
+        metadata=spec(min_len=3, help="[channels, height, width] of one item, e.g. [3, 640, 640]")
+    )
+    name: str | None = field(default=None, metadata=spec(help="input tensor name; default: the first"))
+    color: Literal["rgb", "bgr"] = "rgb"
+    scale: float = field(default=1.0 / 255.0, metadata=spec(gt=0))
+    mean: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    std: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    resize: Literal["letterbox", "stretch", "keep_height"] = field(
+        default="letterbox",
+        metadata=spec(
+            help="letterbox keeps aspect and pads; stretch fills; keep_height scales to the height "
+            "and pads the width (text recognisers)"
+        ),
+    )
+    pad_value: int = field(default=114, metadata=spec(ge=0, le=255))
+    dtype: Literal["float32", "float16"] = "float32"
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != 3 or any(d <= 0 for d in self.shape):
+            raise ValueError("input.shape must be three positive integers [C, H, W]")
+        if len(self.mean) != self.shape[0] or len(self.std) != self.shape[0]:
+            raise ValueError("input.mean and input.std need one value per channel")
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Pre/post-processing kind and its parameters."""
+
+    kind: TaskKind = field(metadata=spec(help="yolo, classify, text_detect or text_recognize"))
+    # yolo
+    layout: Literal["auto", "yolov8", "yolov5"] = "auto"
+    confidence: float = field(default=0.25, metadata=spec(ge=0, le=1))
+    iou: float = field(default=0.45, metadata=spec(ge=0, le=1))
+    max_detections: int = field(default=300, metadata=spec(ge=1))
+    # classify
+    top_k: int = field(default=1, metadata=spec(ge=1))
+    # text_detect (DB)
+    thresh: float = field(default=0.3, metadata=spec(ge=0, le=1))
+    box_thresh: float = field(default=0.5, metadata=spec(ge=0, le=1))
+    unclip_ratio: float = field(default=1.6, metadata=spec(gt=0))
+    max_candidates: int = field(default=1000, metadata=spec(ge=1))
+    min_box_size: float = field(default=3.0, metadata=spec(ge=0))
+    # text_recognize (CTC)
+    dictionary_key: str = field(
+        default="character", metadata=spec(help="model metadata key that holds the dictionary")
+    )
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    """Triton's ``ModelQueuePolicy``."""
+
+    max_queue_size: int = field(default=0, metadata=spec(ge=0, help="0 = unbounded"))
+    timeout_action: Literal["REJECT", "DELAY"] = "REJECT"
+    default_timeout_microseconds: int = field(default=0, metadata=spec(ge=0, help="0 = no timeout"))
+    allow_timeout_override: bool = False
+
+
+@dataclass(frozen=True)
+class DynamicBatching:
+    """Triton's ``ModelDynamicBatching``."""
+
+    preferred_batch_size: list[int] = field(default_factory=list)
+    max_queue_delay_microseconds: int = field(default=0, metadata=spec(ge=0))
+    preserve_ordering: bool = False
+    priority_levels: int = field(default=0, metadata=spec(ge=0))
+    default_priority_level: int = field(default=0, metadata=spec(ge=0))
+    default_queue_policy: QueuePolicy = field(default_factory=QueuePolicy)
+    priority_queue_policy: dict[str, QueuePolicy] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if any(b <= 0 for b in self.preferred_batch_size):
+            raise ValueError("dynamic_batching.preferred_batch_size values must be positive")
+        if self.priority_levels and not 1 <= self.default_priority_level <= self.priority_levels:
+            raise ValueError("dynamic_batching.default_priority_level must be in 1..priority_levels")
+
+
+@dataclass(frozen=True)
+class InstanceGroup:
+    """Triton's ``ModelInstanceGroup``: ``count`` instances of ``kind``."""
+
+    count: int = field(default=1, metadata=spec(ge=1, le=64))
+    kind: Literal["KIND_CPU", "KIND_GPU", "KIND_AUTO"] = "KIND_AUTO"
+    gpus: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Backend tuning knobs."""
+
+    intra_op_threads: int = field(default=0, metadata=spec(ge=0, help="0 = the runtime's default"))
+    inter_op_threads: int = field(default=0, metadata=spec(ge=0))
+    execution_providers: list[str] = field(
+        default_factory=list, metadata=spec(help="ONNX Runtime providers; default: best available")
+    )
+    fp16: bool = False
+    cuda_graphs: bool = False
+    workspace_mb: int = field(default=1024, metadata=spec(ge=16))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One model in the repository."""
+
+    name: str
+    model_file: ModelFile
+    input: InputConfig
+    task: TaskConfig
+    backend: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
+    max_batch_size: int = field(default=8, metadata=spec(ge=0, le=4096))
+    labels: list[str] = field(default_factory=list)
+    labels_file: str | None = None
+    version: int | None = field(default=None, metadata=spec(ge=1))
+    dynamic_batching: DynamicBatching = field(default_factory=DynamicBatching)
+    instance_group: list[InstanceGroup] = field(default_factory=lambda: [InstanceGroup()])
+    backend_options: BackendOptions = field(default_factory=BackendOptions)
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size:
+            too_big = [b for b in self.dynamic_batching.preferred_batch_size if b > self.max_batch_size]
+            if too_big:
+                raise ValueError(
+                    f"dynamic_batching.preferred_batch_size {too_big} exceeds max_batch_size "
+                    f"{self.max_batch_size}"
+                )
+
+    @property
+    def instance_count(self) -> int:
+        return sum(g.count for g in self.instance_group)

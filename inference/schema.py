@@ -1,0 +1,315 @@
+"""Typed YAML configuration with errors that point at ``FILE:LINE``.
+
+Both model configs (``models/<name>/config.yaml``) and pipeline configs are
+described as frozen dataclasses. :func:`load_yaml` parses a file with the safe
+loader while remembering the line of every key and list item, and
+:func:`build` turns the parsed tree into the dataclass, checking types, ranges
+and unknown keys. Every problem becomes a :class:`ConfigError` whose message
+reads ``FILE:LINE: path.to.key: what is wrong (hint: what to do)``.
+
+A dataclass field can carry validation metadata::
+
+    threshold: float = field(default=0.5, metadata=spec(ge=0, le=1, help="..."))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration problem located at ``file:line``."""
+
+    def __init__(self, file: str, line: int | None, path: str, problem: str, hint: str = "") -> None:
+        self.file = file
+        self.line = line
+        self.path = path
+        self.problem = problem
+        self.hint = hint
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line else self.file
+        what = f"{self.path}: {self.problem}" if self.path else self.problem
+        return f"{where}: {what}" + (f" (hint: {self.hint})" if self.hint else "")
+
+
+class LineDict(dict[str, Any]):
+    """A mapping that remembers the line of each key (1-based)."""
+
+    line: int = 0
+    key_lines: dict[str, int]
+
+
+class LineList(list[Any]):
+    """A sequence that remembers the line of each item (1-based)."""
+
+    line: int = 0
+    item_lines: list[int]
+
+
+class _LineLoader(yaml.SafeLoader):
+    """The safe loader, recording where each mapping key and list item sits."""
+
+
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> LineDict:
+    out = LineDict()
+    out.line = node.start_mark.line + 1
+    out.key_lines = {}
+    loader.flatten_mapping(node)
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if not isinstance(key, str):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"mapping keys must be strings, got {key!r}", key_node.start_mark
+            )
+        if key in out:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        out[key] = loader.construct_object(value_node, deep=True)
+        out.key_lines[key] = key_node.start_mark.line + 1
+    return out
+
+
+def _construct_sequence(loader: _LineLoader, node: yaml.SequenceNode) -> LineList:
+    out = LineList(loader.construct_object(child, deep=True) for child in node.value)
+    out.line = node.start_mark.line + 1
+    out.item_lines = [child.start_mark.line + 1 for child in node.value]
+    return out
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
+
+
+def load_yaml_text(text: str, file: str) -> Any:
+    """Parse YAML text safely; syntax errors become :class:`ConfigError`."""
+    try:
+        return yaml.load(text, Loader=_LineLoader)  # noqa: S506 - _LineLoader is a SafeLoader
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else None
+        problem = f"invalid YAML: {exc.problem or exc.context}"
+        raise ConfigError(file, line, "", problem, "check indentation, colons and quotes") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(file, None, "", f"invalid YAML: {exc}") from None
+
+
+def load_yaml(path: str | Path) -> Any:
+    """Read and parse a YAML file; a missing or unreadable file is a :class:`ConfigError`."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(p), None, "", "file not found", "check the path") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(p), None, "", f"cannot read file: {exc}") from None
+    return load_yaml_text(text, str(p))
+
+
+def spec(
+    *,
+    ge: float | None = None,
+    le: float | None = None,
+    gt: float | None = None,
+    min_len: int | None = None,
+    help: str = "",
+    check: Callable[[Any], str | None] | None = None,
+) -> dict[str, Any]:
+    """Validation metadata for a dataclass field (bounds, a help hint, a custom check)."""
+    return {"ge": ge, "le": le, "gt": gt, "min_len": min_len, "help": help, "check": check}
+
+
+@dataclass
+class _Ctx:
+    file: str
+    path: str
+    line: int | None
+
+    def child(self, key: str | int, line: int | None) -> _Ctx:
+        if isinstance(key, int):
+            path = f"{self.path}[{key}]"
+        else:
+            path = f"{self.path}.{key}" if self.path else key
+        return _Ctx(self.file, path, line or self.line)
+
+    def error(self, problem: str, hint: str = "") -> ConfigError:
+        return ConfigError(self.file, self.line, self.path, problem, hint)
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    if tp is bool:
+        return "true or false"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (list, tuple):
+        return "a list"
+    if origin in (dict, Mapping):
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp) if a is not type(None))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    if value is None:
+        return "nothing (null)"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _convert(value: Any, tp: Any, ctx: _Ctx, meta: Mapping[str, Any]) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors: list[ConfigError] = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, ctx, meta)
+            except ConfigError as exc:
+                errors.append(exc)
+        # One non-None alternative: its own error is the most precise.
+        if len(errors) == 1:
+            raise errors[0]
+        raise ctx.error(f"expected {_describe(tp)}, got {_shown(value)}", meta.get("help", ""))
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if not isinstance(value, dict):
+            raise ctx.error(f"expected a mapping, got {_shown(value)}", meta.get("help", ""))
+        return _build_dataclass(value, tp, ctx)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"did you mean {close[0]!r}?" if close else meta.get("help", "")
+            raise ctx.error(f"expected {_describe(tp)}, got {_shown(value)}", hint)
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ctx.error(f"expected a list, got {_shown(value)}", meta.get("help", ""))
+        (item_tp, *rest) = get_args(tp) or (Any,)
+        lines = getattr(value, "item_lines", [None] * len(value))
+        items = [
+            _convert(v, item_tp, ctx.child(i, lines[i] if i < len(lines) else None), {})
+            for i, v in enumerate(value)
+        ]
+        return tuple(items) if origin is tuple else items
+    if origin in (dict, Mapping):
+        if not isinstance(value, dict):
+            raise ctx.error(f"expected a mapping, got {_shown(value)}", meta.get("help", ""))
+        _, val_tp = get_args(tp) or (str, Any)
+        key_lines = getattr(value, "key_lines", {})
+        return {k: _convert(v, val_tp, ctx.child(k, key_lines.get(k)), {}) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ctx.error(f"expected true or false, got {_shown(value)}", meta.get("help", ""))
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ctx.error(f"expected an integer, got {_shown(value)}", meta.get("help", ""))
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ctx.error(f"expected a number, got {_shown(value)}", meta.get("help", ""))
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ctx.error(f"expected a string, got {_shown(value)}", meta.get("help", ""))
+        return value
+    raise TypeError(f"unsupported config type {tp!r} at {ctx.path}")
+
+
+def _check_bounds(value: Any, ctx: _Ctx, meta: Mapping[str, Any]) -> None:
+    if value is None:
+        return
+    hint = meta.get("help", "")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if meta.get("ge") is not None and value < meta["ge"]:
+            raise ctx.error(f"must be at least {meta['ge']}, got {value}", hint)
+        if meta.get("gt") is not None and value <= meta["gt"]:
+            raise ctx.error(f"must be greater than {meta['gt']}, got {value}", hint)
+        if meta.get("le") is not None and value > meta["le"]:
+            raise ctx.error(f"must be at most {meta['le']}, got {value}", hint)
+    if meta.get("min_len") is not None and len(value) < meta["min_len"]:
+        raise ctx.error(f"must have at least {meta['min_len']} item(s)", hint)
+    check = meta.get("check")
+    if check is not None:
+        problem = check(value)
+        if problem:
+            raise ctx.error(problem, hint)
+
+
+def _build_dataclass(data: dict[str, Any], cls: type[T], ctx: _Ctx) -> T:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    key_lines: dict[str, int] = getattr(data, "key_lines", {})
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "allowed keys: " + ", ".join(fields)
+            raise ctx.child(key, key_lines.get(key)).error("unknown key", hint)
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        child = ctx.child(name, key_lines.get(name))
+        if name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ctx.error(f"missing required key {name!r}", f.metadata.get("help", ""))
+            continue
+        value = _convert(data[name], hints[name], child, f.metadata)
+        _check_bounds(value, child, f.metadata)
+        kwargs[name] = value
+    try:
+        obj = cls(**kwargs)
+    except ValueError as exc:  # __post_init__ cross-field checks
+        raise ctx.error(str(exc)) from None
+    return obj
+
+
+def build(data: Any, cls: type[T], file: str, path: str = "") -> T:
+    """Validate parsed YAML ``data`` into the dataclass ``cls``."""
+    line = getattr(data, "line", None) or 1
+    ctx = _Ctx(file, path, line)
+    if not isinstance(data, dict):
+        raise ctx.error(f"expected a mapping at the top level, got {_shown(data)}")
+    return _build_dataclass(data, cls, ctx)
+
+
+def line_of(data: Any, key: str | int | None = None) -> int | None:
+    """The line of ``key`` (or of the node itself) in parsed YAML, when known."""
+    if key is None:
+        return getattr(data, "line", None)
+    if isinstance(key, int):
+        lines = getattr(data, "item_lines", None)
+        return lines[key] if lines and key < len(lines) else None
+    lines_map = getattr(data, "key_lines", None)
+    return lines_map.get(key) if lines_map else None

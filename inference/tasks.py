@@ -1,0 +1,52 @@
+"""Pre/post-processing per model kind (``task.kind`` in the model config).
+
+A task turns a list of images into one batch tensor and a batch of raw outputs
+into one result per image. It is called from a model instance's worker thread
+with a whole batch at a time::
+
+    metas = task.preprocess(images, out)        # fills out[:len(images)]
+    outputs = backend.run({input_name: out[:n]})
+    results = task.postprocess(outputs, metas)  # one Result per image
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from inference.backends.base import TensorSpec
+from inference.config import ModelConfig
+from inference.results import Result
+
+
+class Task(ABC):
+    """Batched pre/post-processing for one model."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        input_spec: TensorSpec,
+        metadata: Mapping[str, str],
+        labels: Sequence[str],
+    ) -> None:
+        self.config = config
+        self.input_spec = input_spec
+        self.metadata = dict(metadata)
+        self.labels = list(labels)
+
+    @property
+    def item_shape(self) -> tuple[int, int, int]:
+        """``(C, H, W)`` of one preprocessed item."""
+        c, h, w = self.config.input.shape
+        return (c, h, w)
+
+    @abstractmethod
+    def preprocess(self, images: Sequence[np.ndarray], out: np.ndarray) -> list[Any]:
+        """Write ``images`` (H×W×3 uint8 RGB) into ``out[:len(images)]``; return one meta per image."""
+
+    @abstractmethod
+    def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
+        """Turn the batch's raw outputs into one result per image, in source-image coordinates."""
