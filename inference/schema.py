@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -75,9 +76,7 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> LineDict:
                 None, None, f"mapping keys must be strings, got {key!r}", key_node.start_mark
             )
         if key in out:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
-            )
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         out[key] = loader.construct_object(value_node, deep=True)
         out.key_lines[key] = key_node.start_mark.line + 1
     return out
@@ -90,6 +89,17 @@ def _construct_sequence(loader: _LineLoader, node: yaml.SequenceNode) -> LineLis
     return out
 
 
+# YAML 1.2 booleans: only true/false. YAML 1.1 would read the cascade key `on:`
+# (and yes/no/off) as a boolean.
+_LineLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_LineLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool",
+    re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+    list("tTfF"),
+)
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
 
@@ -100,8 +110,14 @@ def load_yaml_text(text: str, file: str) -> Any:
         return yaml.load(text, Loader=_LineLoader)  # noqa: S506 - _LineLoader is a SafeLoader
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
+        # An unclosed bracket or quote is reported at the end of the file; the line
+        # where it was opened is the one to fix.
+        if exc.context_mark is not None and "<stream end>" in str(exc.problem):
+            mark = exc.context_mark
         line = mark.line + 1 if mark else None
         problem = f"invalid YAML: {exc.problem or exc.context}"
+        if exc.context:
+            problem += f" ({exc.context})"
         raise ConfigError(file, line, "", problem, "check indentation, colons and quotes") from None
     except yaml.YAMLError as exc:
         raise ConfigError(file, None, "", f"invalid YAML: {exc}") from None
@@ -217,7 +233,7 @@ def _convert(value: Any, tp: Any, ctx: _Ctx, meta: Mapping[str, Any]) -> Any:
     if origin in (list, tuple):
         if not isinstance(value, list):
             raise ctx.error(f"expected a list, got {_shown(value)}", meta.get("help", ""))
-        (item_tp, *rest) = get_args(tp) or (Any,)
+        item_tp = (get_args(tp) or (Any,))[0]
         lines = getattr(value, "item_lines", [None] * len(value))
         items = [
             _convert(v, item_tp, ctx.child(i, lines[i] if i < len(lines) else None), {})

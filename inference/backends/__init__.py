@@ -1,0 +1,44 @@
+"""Backends run one model instance; :func:`create_backend` picks one from ``config.yaml``::
+
+    backend: onnxruntime                # or tensorrt (NVIDIA GPUs only)
+    instance_group: [{count: 2, kind: KIND_CPU}]
+    backend_options:
+      intra_op_threads: 2
+      execution_providers: [auto]       # default: CPU only; auto = TensorRT/CUDA when present
+
+Backend modules import their runtime lazily, so importing this package is cheap
+and a machine without TensorRT can still serve ONNX Runtime models.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+
+from inference.backends.base import Backend, BackendError, TensorSpec
+from inference.config import ModelConfig
+
+__all__ = ["Backend", "BackendError", "TensorSpec", "create_backend"]
+
+_TENSORRT_MISSING = (
+    "TensorRT backend needs an NVIDIA GPU and the `tensorrt` package; use backend: onnxruntime"
+)
+
+
+def create_backend(config: ModelConfig, model_path: Path, instance: int) -> Backend:
+    """Load instance number ``instance`` (0-based, across all instance groups) of a model."""
+    if config.backend == "onnxruntime":
+        from inference.backends.onnxruntime import OnnxRuntimeBackend
+
+        return OnnxRuntimeBackend(config, model_path, instance)
+    if config.backend == "tensorrt":
+        if importlib.util.find_spec("tensorrt") is None:
+            raise BackendError(f"{config.name}: {_TENSORRT_MISSING}")
+        try:
+            module = importlib.import_module("inference.backends.tensorrt")
+        except ImportError as exc:
+            raise BackendError(f"{config.name}: {_TENSORRT_MISSING} ({exc})") from exc
+        backend: Backend = module.TensorRTBackend(config, model_path, instance)
+        return backend
+    raise BackendError(f"{config.name}: unknown backend {config.backend!r}; use backend: onnxruntime")

@@ -1,0 +1,581 @@
+"""The dynamic batch scheduler: queues requests and runs batches on a model's instances.
+
+:class:`DynamicBatcher` owns one worker thread per model instance (the
+``instance_group`` counts, summed). A free worker takes the next batch that the
+rules in :mod:`inference.batching` allow, runs it through its instance and
+answers every request in it. An instance is only ever called from its own
+worker thread, one batch at a time. It is configured by the model's
+``config.yaml``::
+
+    max_batch_size: 16
+    dynamic_batching:
+      preferred_batch_size: [8, 16]
+      max_queue_delay_microseconds: 2000
+      preserve_ordering: false          # true: answers leave in request order
+      default_queue_policy: {max_queue_size: 256, timeout_action: REJECT}
+    instance_group: [{count: 2}]
+
+Callers use ``await batcher.infer(item)`` from asyncio, or ``batcher.submit(item)``
+(a :class:`concurrent.futures.Future`) from plain threads. A request that cannot
+be served raises :class:`InferenceRejected` with a ``reason``: ``queue_full``
+(at once, when the priority level's queue is full), ``timeout`` (its queue
+timeout passed, :class:`InferenceTimeout`), ``unavailable`` (the batcher is not
+running) or ``shutdown`` (the batcher stopped before serving it). A batch whose
+instance raised fails with :class:`InferenceFailed`, for that batch's requests only.
+
+With ``preserve_ordering``, successful and failed answers are released in the
+order their requests were accepted, across all instances. Rejections (timeout,
+shutdown) are answered at once and never hold other answers back.
+
+Counters are kept in :class:`BatcherStats`; an :class:`InferenceObserver`
+receives every request outcome, batch and state change (e.g. to export
+metrics). Observer methods are called from worker threads and must be quick
+and thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import copy
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from inference.batching import BatchPolicy, PendingQueue, Send, next_batch, split_by_level
+
+log = logging.getLogger(__name__)
+
+QUEUE_FULL = "queue_full"
+TIMEOUT = "timeout"
+UNAVAILABLE = "unavailable"
+SHUTDOWN = "shutdown"
+
+
+class InferenceError(RuntimeError):
+    """A request to ``model`` was not answered with a result."""
+
+    def __init__(self, model: str, message: str) -> None:
+        self.model = model
+        super().__init__(f"{model}: {message}")
+
+
+class InferenceRejected(InferenceError):
+    """The request was refused or dropped before it ran; ``reason`` says why."""
+
+    def __init__(self, model: str, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(model, f"request rejected ({reason})" + (f": {detail}" if detail else ""))
+
+
+class InferenceTimeout(InferenceRejected):
+    """The request's queue timeout passed before a batch took it."""
+
+    def __init__(self, model: str, detail: str = "") -> None:
+        super().__init__(model, TIMEOUT, detail)
+
+
+class InferenceFailed(InferenceError):
+    """The batch holding the request raised; ``__cause__`` is the original error."""
+
+
+class InferenceObserver(Protocol):
+    """Receives the scheduler's events; called from worker threads, so keep it quick."""
+
+    def on_request(self, model: str, status: str) -> None:
+        """One request ended: ``success``, ``rejected``, ``timeout`` or ``failed``."""
+
+    def on_batch(
+        self, model: str, batch_size: int, queue_seconds: list[float], compute_seconds: float
+    ) -> None:
+        """One batch ran: its size, each request's time in the queue, and the execution time."""
+
+    def on_state(self, model: str, state: str, reason: str) -> None:
+        """The model changed state (``loading``, ``ready``, ``unavailable``, ``unloaded``)."""
+
+
+class NullObserver:
+    """The default observer: ignores everything."""
+
+    def on_request(self, model: str, status: str) -> None:
+        pass
+
+    def on_batch(
+        self, model: str, batch_size: int, queue_seconds: list[float], compute_seconds: float
+    ) -> None:
+        pass
+
+    def on_state(self, model: str, state: str, reason: str) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class BatcherStats:
+    """Counters since the batcher was created."""
+
+    received: int = 0  # accepted into the queue
+    succeeded: int = 0
+    failed: int = 0
+    rejected: int = 0  # queue_full, unavailable and shutdown
+    timed_out: int = 0
+    delayed: int = 0  # requests moved behind by timeout_action DELAY
+    cancelled: int = 0  # the caller gave up before its batch ran
+    batches: int = 0
+    batched_requests: int = 0
+    queue_seconds: float = 0.0  # summed over requests
+    compute_seconds: float = 0.0  # summed over batches
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # size -> batches of that size
+
+
+Runner = Callable[[list[Any]], Sequence[Any]]
+"""Runs one batch on one instance: items in, one result per item out (same order)."""
+
+_Outcome = tuple["_Request", Any, BaseException | None]
+
+_NEW, _RUNNING, _DRAINING, _STOPPED = "new", "running", "draining", "stopped"
+
+
+class _Request:
+    __slots__ = ("enqueued", "future", "item", "loop", "seq")
+
+    def __init__(
+        self,
+        item: Any,
+        loop: asyncio.AbstractEventLoop | None,
+        future: asyncio.Future[Any] | concurrent.futures.Future[Any],
+    ) -> None:
+        self.item = item
+        self.loop = loop
+        self.future = future
+        self.enqueued = 0.0
+        self.seq = -1
+
+    def claim(self) -> bool:
+        """Mark the request as running; ``False`` if its caller already cancelled it."""
+        if self.loop is None:
+            fut: concurrent.futures.Future[Any] = self.future  # type: ignore[assignment]
+            return fut.set_running_or_notify_cancel()
+        # Reading another loop's future state from this thread is a benign race:
+        # at worst a request cancelled this very moment still runs.
+        return not self.future.cancelled()
+
+
+def _settle_async(outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for fut, result, exc in outcomes:
+        if fut.done():
+            continue
+        if exc is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(exc)
+
+
+class DynamicBatcher:
+    """Batches requests for one model and runs them on its instances.
+
+    ``runners`` holds one callable per instance; each is called only from its own
+    worker thread. ``clock`` (seconds, monotonic) drives every timing rule; with
+    an injected clock, call :meth:`wakeup` after moving it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        policy: BatchPolicy,
+        runners: Sequence[Runner],
+        *,
+        observer: InferenceObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        if not runners:
+            raise ValueError(f"{name}: a batcher needs at least one instance")
+        self.name = name
+        self.policy = policy
+        self.observer: InferenceObserver = observer or NullObserver()
+        self._runners = list(runners)
+        self._clock = clock
+        self._stop_timeout = stop_timeout
+        self._lock = threading.Lock()
+        self._work_cond = threading.Condition(self._lock)
+        self._reaper_cond = threading.Condition(self._lock)
+        self._queue: PendingQueue[_Request] = PendingQueue(policy)
+        self._state = _NEW
+        self._idle = 0
+        self._inflight: list[list[_Request] | None] = [None] * len(self._runners)
+        self._threads: list[threading.Thread] = []
+        self._has_timeouts = policy.has_timeouts
+        self._ordered = policy.preserve_ordering
+        self._seq = 0
+        self._next_seq = 0
+        self._reorder: dict[int, _Outcome | None] = {}
+        self._reaper_target = math.inf
+        self._stats = BatcherStats()
+
+    # -- lifecycle ---------------------------------------------------------
+
+    @property
+    def instance_count(self) -> int:
+        return len(self._runners)
+
+    @property
+    def running(self) -> bool:
+        return self._state == _RUNNING
+
+    def start(self) -> None:
+        """Start one worker thread per instance (and a timeout watcher if timeouts are configured)."""
+        with self._lock:
+            if self._state != _NEW:
+                raise RuntimeError(f"{self.name}: the batcher was already started")
+            self._state = _RUNNING
+        for index, runner in enumerate(self._runners):
+            t = threading.Thread(
+                target=self._worker, args=(index, runner), name=f"{self.name}-instance-{index}", daemon=True
+            )
+            self._threads.append(t)
+        if self._has_timeouts:
+            self._threads.append(
+                threading.Thread(target=self._reaper, name=f"{self.name}-timeouts", daemon=True)
+            )
+        for t in self._threads:
+            t.start()
+
+    def stop(self, *, drain: bool = False, timeout: float | None = None) -> None:
+        """Stop taking requests and join the worker threads.
+
+        Without ``drain`` every queued request fails at once with reason
+        ``shutdown``; with it, queued requests are still run (without waiting for
+        batching delays). Batches already running always finish. If a thread is
+        still busy after ``timeout`` seconds (default: the batcher's
+        ``stop_timeout``) its requests fail with ``shutdown`` too, so no caller waits
+        forever.
+        """
+        with self._lock:
+            dropped: list[_Request] = []
+            if self._state == _NEW:
+                self._state = _STOPPED
+            elif self._state in (_RUNNING, _DRAINING):
+                if drain and self._state == _RUNNING:
+                    self._state = _DRAINING
+                else:
+                    self._state = _STOPPED
+                    dropped = self._queue.take_all()
+            self._work_cond.notify_all()
+            self._reaper_cond.notify_all()
+            deliver = self._reject_locked(dropped, SHUTDOWN)
+        self._deliver(deliver)
+        limit = self._stop_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._state = _STOPPED
+            leftovers = self._queue.take_all()
+            for index, t in enumerate(self._threads[: len(self._runners)]):
+                batch = self._inflight[index]
+                if t.is_alive() and batch:
+                    log.warning(
+                        "%s: instance %d still busy after %.1fs; failing its batch", self.name, index, limit
+                    )
+                    leftovers.extend(batch)
+                    self._inflight[index] = None
+            deliver = self._reject_locked(leftovers, SHUTDOWN)
+        self._deliver(deliver)
+
+    def wakeup(self) -> None:
+        """Re-evaluate delays and timeouts now (after moving an injected clock)."""
+        with self._lock:
+            self._work_cond.notify_all()
+            self._reaper_cond.notify_all()
+
+    # -- statistics --------------------------------------------------------
+
+    @property
+    def stats(self) -> BatcherStats:
+        """A consistent copy of the counters."""
+        with self._lock:
+            snap = copy.copy(self._stats)
+            snap.batch_sizes = dict(self._stats.batch_sizes)
+            snap.delayed = self._queue.delayed
+            return snap
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting in the queue."""
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in batches that are running now."""
+        with self._lock:
+            return sum(len(b) for b in self._inflight if b)
+
+    # -- requests ----------------------------------------------------------
+
+    async def infer(self, item: Any, *, priority: int | None = None, timeout_us: int | None = None) -> Any:
+        """Queue ``item`` and wait for its result.
+
+        ``priority`` is a level in ``1..priority_levels`` (1 is the highest); none,
+        0 or out of range means the default level. ``timeout_us`` only counts when
+        the level's ``allow_timeout_override`` is set and can only shorten its
+        default timeout.
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._enqueue(_Request(item, loop, fut), priority, timeout_us)
+        return await fut
+
+    def submit(
+        self, item: Any, *, priority: int | None = None, timeout_us: int | None = None
+    ) -> concurrent.futures.Future[Any]:
+        """Thread-safe, non-async :meth:`infer`: returns a future of the result.
+
+        A request refused at once (``queue_full``, ``unavailable``, ``shutdown``)
+        raises here rather than through the future.
+        """
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._enqueue(_Request(item, None, fut), priority, timeout_us)
+        return fut
+
+    def _enqueue(self, req: _Request, priority: int | None, timeout_us: int | None) -> None:
+        policy = self.policy
+        level = policy.level_for(priority)
+        timeout = policy.timeout_for(level, timeout_us) if self._has_timeouts else 0.0
+        queue = self._queue
+        with self._lock:
+            state = self._state
+            if state == _RUNNING:
+                now = self._clock()
+                req.enqueued = now
+                if queue.push(req, level, now, timeout):
+                    if self._ordered:
+                        req.seq = self._seq
+                        self._seq += 1
+                    self._stats.received += 1
+                    if self._idle and (
+                        len(queue) == 1
+                        or type(next_batch(policy, queue.counts, queue.oldest_enqueue(), now, True)) is Send
+                    ):
+                        # Wake a worker only when its decision changes: the first
+                        # request starts the delay timer, or a batch can go now.
+                        self._work_cond.notify()
+                    if timeout and now + timeout < self._reaper_target:
+                        self._reaper_cond.notify()
+                    return
+                reason = QUEUE_FULL
+                lp = policy.levels[level - 1]
+                detail = f"priority level {level} already holds max_queue_size={lp.max_queue_size} requests"
+            elif state == _NEW:
+                reason, detail = UNAVAILABLE, "the batcher has not been started"
+            else:
+                reason, detail = SHUTDOWN, "the model is shutting down"
+            self._stats.rejected += 1
+        self._observe_request("rejected")
+        raise InferenceRejected(self.name, reason, detail)
+
+    # -- workers -----------------------------------------------------------
+
+    def _worker(self, index: int, runner: Runner) -> None:
+        while True:
+            batch, deliver = self._next_work(index)
+            if deliver:
+                self._deliver(deliver)
+            if batch is None:
+                return
+            if batch:
+                self._run_batch(index, runner, batch)
+
+    def _next_work(self, index: int) -> tuple[list[_Request] | None, list[_Outcome]]:
+        """Block until there is a batch for this worker; ``None`` means exit."""
+        policy = self.policy
+        queue = self._queue
+        with self._lock:
+            while True:
+                now = self._clock()
+                if self._has_timeouts:
+                    expired = queue.expire(now)
+                    if expired:
+                        # Answer them outside the lock, then decide again.
+                        return [], self._timeout_locked(expired)
+                state = self._state
+                if state == _STOPPED:
+                    return None, []
+                counts = queue.counts
+                if state == _DRAINING:
+                    if not len(queue):
+                        return None, []
+                    n = min(len(queue), policy.batch_limit)
+                    decision: Send | None = Send(n, split_by_level(counts, n))
+                    wait: float | None = None
+                else:
+                    d = next_batch(policy, counts, queue.oldest_enqueue(), now, True)
+                    decision = d if type(d) is Send else None
+                    wait = None if decision else d.seconds  # type: ignore[union-attr]
+                if decision is not None:
+                    batch = queue.take(decision.per_level)
+                    self._inflight[index] = batch
+                    if len(queue) and self._idle:
+                        self._work_cond.notify()
+                    return batch, []
+                self._idle += 1
+                try:
+                    self._work_cond.wait(wait)
+                finally:
+                    self._idle -= 1
+
+    def _run_batch(self, index: int, runner: Runner, batch: list[_Request]) -> None:
+        live = [r for r in batch if r.claim()]
+        cancelled = len(batch) - len(live)
+        clock = self._clock
+        start = clock()
+        outcomes: list[_Outcome] = []
+        failed = False
+        if live:
+            items = [r.item for r in live]
+            try:
+                results = runner(items)
+                if len(results) != len(items):
+                    raise RuntimeError(f"instance returned {len(results)} results for {len(items)} requests")
+                outcomes = [(r, res, None) for r, res in zip(live, results, strict=True)]
+            except Exception as exc:
+                failed = True
+                log.warning("%s: batch of %d failed on instance %d: %s", self.name, len(items), index, exc)
+                for r in live:
+                    err = InferenceFailed(
+                        self.name, f"batch of {len(items)} failed: {type(exc).__name__}: {exc}"
+                    )
+                    err.__cause__ = exc
+                    outcomes.append((r, None, err))
+        end = clock()
+        compute = end - start
+        queue_seconds = [start - r.enqueued for r in live]
+        with self._lock:
+            if self._inflight[index] is not batch:
+                # stop() gave up on this batch and already answered it.
+                return
+            self._inflight[index] = None
+            st = self._stats
+            st.cancelled += cancelled
+            if live:
+                n = len(live)
+                st.batches += 1
+                st.batched_requests += n
+                st.batch_sizes[n] = st.batch_sizes.get(n, 0) + 1
+                st.compute_seconds += compute
+                st.queue_seconds += sum(queue_seconds)
+                if failed:
+                    st.failed += n
+                else:
+                    st.succeeded += n
+            deliver = self._order_locked(outcomes, [r for r in batch if r not in live] if cancelled else [])
+        self._deliver(deliver)
+        if live:
+            self._observe_batch(len(live), queue_seconds, compute)
+            status = "failed" if failed else "success"
+            for _ in live:
+                self._observe_request(status)
+
+    def _reaper(self) -> None:
+        """Fail or move timed-out requests even while every instance is busy."""
+        queue = self._queue
+        while True:
+            with self._lock:
+                if self._state != _RUNNING:
+                    return
+                now = self._clock()
+                expired = queue.expire(now)
+                if not expired:
+                    nd = queue.next_deadline()
+                    self._reaper_target = math.inf if nd is None else nd
+                    self._reaper_cond.wait(None if nd is None else max(0.0, nd - now))
+                    continue
+                deliver = self._timeout_locked(expired)
+            self._deliver(deliver)
+
+    # -- answers -----------------------------------------------------------
+
+    def _timeout_locked(self, expired: list[_Request]) -> list[_Outcome]:
+        self._stats.timed_out += len(expired)
+        out: list[_Outcome] = [
+            (r, None, InferenceTimeout(self.name, "its queue timeout passed before a batch took it"))
+            for r in expired
+        ]
+        return self._order_locked([], expired) + out if self._ordered else out
+
+    def _reject_locked(self, reqs: list[_Request], reason: str) -> list[_Outcome]:
+        if not reqs:
+            return []
+        self._stats.rejected += len(reqs)
+        detail = "the model stopped before the request ran"
+        out: list[_Outcome] = [(r, None, InferenceRejected(self.name, reason, detail)) for r in reqs]
+        return self._order_locked([], reqs) + out if self._ordered else out
+
+    def _order_locked(self, done: list[_Outcome], skipped: list[_Request]) -> list[_Outcome]:
+        """Release answers in request order; ``skipped`` requests never get an ordered answer."""
+        if not self._ordered:
+            return done
+        ready = self._reorder
+        nxt = self._next_seq
+        for r in skipped:
+            if r.seq >= nxt:
+                ready[r.seq] = None
+        for o in done:
+            if o[0].seq >= nxt:
+                ready[o[0].seq] = o
+        out: list[_Outcome] = []
+        while nxt in ready:
+            answer = ready.pop(nxt)
+            if answer is not None:
+                out.append(answer)
+            nxt += 1
+        self._next_seq = nxt
+        return out
+
+    def _deliver(self, outcomes: list[_Outcome]) -> None:
+        if not outcomes:
+            return
+        by_loop: dict[
+            asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, BaseException | None]]
+        ] = {}
+        statuses: list[str] = []
+        for req, result, exc in outcomes:
+            if isinstance(exc, InferenceRejected):
+                statuses.append("timeout" if exc.reason == TIMEOUT else "rejected")
+            loop = req.loop
+            if loop is None:
+                fut: concurrent.futures.Future[Any] = req.future  # type: ignore[assignment]
+                try:
+                    if exc is None:
+                        fut.set_result(result)
+                    else:
+                        fut.set_exception(exc)
+                except concurrent.futures.InvalidStateError:
+                    pass  # cancelled by its caller meanwhile
+            else:
+                by_loop.setdefault(loop, []).append((req.future, result, exc))  # type: ignore[arg-type]
+        # One wake-up per event loop per batch, not per request.
+        for loop, items in by_loop.items():
+            # A closed event loop raises RuntimeError: nobody is waiting there any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle_async, items)
+        for status in statuses:
+            self._observe_request(status)
+
+    def _observe_request(self, status: str) -> None:
+        try:
+            self.observer.on_request(self.name, status)
+        except Exception:
+            log.exception("%s: observer.on_request failed", self.name)
+
+    def _observe_batch(self, size: int, queue_seconds: list[float], compute: float) -> None:
+        try:
+            self.observer.on_batch(self.name, size, queue_seconds, compute)
+        except Exception:
+            log.exception("%s: observer.on_batch failed", self.name)

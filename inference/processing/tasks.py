@@ -1,0 +1,275 @@
+"""Concrete :class:`~inference.tasks.Task` implementations and the factory that picks one.
+
+``task.kind`` in a model config selects the class:
+
+================  ======================  =================================
+kind              class                   result per image
+================  ======================  =================================
+yolo              :class:`YoloTask`       ``list[Detection]``
+classify          :class:`ClassifyTask`   ``Classification``
+text_detect       :class:`TextDetectTask` ``list[Detection]`` (label "text")
+text_recognize    :class:`TextRecognizeTask` ``Recognition``
+================  ======================  =================================
+
+Every task preprocesses with :class:`~inference.processing.resize.ImagePreprocessor`
+and returns that image's :class:`~inference.processing.resize.ResizeMeta` as
+its meta. A model with several outputs is read through its first output.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from inference.backends.base import TensorSpec
+from inference.config import ModelConfig
+from inference.processing.classify import classify
+from inference.processing.ctc import CTCDecoder, parse_dictionary
+from inference.processing.db import DBParams, db_boxes
+from inference.processing.resize import ImagePreprocessor
+from inference.processing.yolo import decode_yolo, resolve_layout
+from inference.results import Detection, Recognition, Result
+from inference.tasks import Task
+
+__all__ = ["ClassifyTask", "TextDetectTask", "TextRecognizeTask", "YoloTask", "create_task"]
+
+
+class _ImageTask(Task):
+    """Shared preprocessing, input checks and output access."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        input_spec: TensorSpec,
+        metadata: Mapping[str, str],
+        labels: Sequence[str],
+    ) -> None:
+        super().__init__(config, input_spec, metadata, labels)
+        _check_input_spec(config, input_spec)
+        try:
+            self.preprocessor = ImagePreprocessor(config.input)
+        except ValueError as exc:
+            raise ValueError(f"model {config.name!r}: {exc}") from None
+
+    def preprocess(self, images: Sequence[np.ndarray], out: np.ndarray) -> list[Any]:
+        return list(self.preprocessor(images, out))
+
+    def _output(self, outputs: Mapping[str, np.ndarray], ndim: int, n: int) -> np.ndarray:
+        """The first output with a batch axis, at least ``n`` items and ``ndim`` dims."""
+        if not outputs:
+            raise ValueError(f"model {self.config.name!r} returned no outputs")
+        arr = np.asarray(next(iter(outputs.values())))
+        if self.config.max_batch_size == 0 and arr.ndim == ndim - 1:
+            arr = arr[None]  # a model without a batch dimension runs one image at a time
+        if arr.ndim != ndim or arr.shape[0] < n:
+            raise ValueError(
+                f"model {self.config.name!r}: output of shape {list(arr.shape)} does not fit "
+                f"{type(self).__name__} (expected {ndim} dims with a batch of {n})"
+            )
+        return arr
+
+
+class YoloTask(_ImageTask):
+    """YOLOv5/v8/v11 detectors: letterboxed input, decoded and NMS-filtered boxes in source pixels."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        input_spec: TensorSpec,
+        metadata: Mapping[str, str],
+        labels: Sequence[str],
+    ) -> None:
+        super().__init__(config, input_spec, metadata, labels or _labels_from_metadata(metadata))
+        self._layouts: dict[tuple[int, ...], str] = {}
+
+    def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
+        out = self._output(outputs, 3, len(metas))
+        key = tuple(out.shape[1:])
+        layout = self._layouts.get(key)
+        if layout is None:
+            try:
+                layout = resolve_layout(out.shape, self.config.task.layout, len(self.labels) or None)
+            except ValueError as exc:
+                raise ValueError(f"model {self.config.name!r}: {exc}") from None
+            self._layouts[key] = layout
+        t = self.config.task
+        decoded = decode_yolo(
+            out,
+            metas,
+            layout="yolov8" if layout == "yolov8" else "yolov5",
+            confidence=t.confidence,
+            iou=t.iou,
+            max_detections=t.max_detections,
+        )
+        results: list[Result] = []
+        for det in decoded:
+            results.append(
+                [
+                    Detection(box=(b[0], b[1], b[2], b[3]), score=s, class_id=c, label=self._label(c))
+                    for b, s, c in zip(
+                        det.boxes.tolist(), det.scores.tolist(), det.class_ids.tolist(), strict=True
+                    )
+                ]
+            )
+        return results
+
+    def _label(self, class_id: int) -> str:
+        return self.labels[class_id] if class_id < len(self.labels) else str(class_id)
+
+
+class ClassifyTask(_ImageTask):
+    """Image classifiers: softmax if needed, top-k labelled classes."""
+
+    def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
+        if not outputs:
+            raise ValueError(f"model {self.config.name!r} returned no outputs")
+        out = np.asarray(next(iter(outputs.values())))
+        if self.config.max_batch_size == 0 and out.ndim == 1:
+            out = out[None]
+        n = len(metas)
+        if out.ndim < 2 or out.shape[0] < n:
+            raise ValueError(
+                f"model {self.config.name!r}: output of shape {list(out.shape)} is not [N, classes]"
+            )
+        return list(classify(out[:n], self.labels, self.config.task.top_k))
+
+
+class TextDetectTask(_ImageTask):
+    """DB text detectors (PP-OCR det): rotated text-line quadrilaterals in source pixels.
+
+    ``dilate`` enables the optional 2×2 dilation of the thresholded map.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        input_spec: TensorSpec,
+        metadata: Mapping[str, str],
+        labels: Sequence[str],
+        *,
+        dilate: bool = False,
+    ) -> None:
+        super().__init__(config, input_spec, metadata, labels)
+        t = config.task
+        self.params = DBParams(
+            thresh=t.thresh,
+            box_thresh=t.box_thresh,
+            unclip_ratio=t.unclip_ratio,
+            max_candidates=t.max_candidates,
+            min_box_size=t.min_box_size,
+            dilate=dilate,
+        )
+        self.label = self.labels[0] if self.labels else "text"
+
+    def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
+        out = self._output(outputs, 4, len(metas))
+        results: list[Result] = []
+        for i, meta in enumerate(metas):
+            dets = []
+            for tb in db_boxes(out[i, 0], meta, self.params):
+                c = tb.corners
+                box = (float(c[:, 0].min()), float(c[:, 1].min()), float(c[:, 0].max()), float(c[:, 1].max()))
+                polygon = [(float(x), float(y)) for x, y in c]
+                dets.append(Detection(box=box, score=tb.score, class_id=0, label=self.label, polygon=polygon))
+            results.append(dets)
+        return results
+
+
+class TextRecognizeTask(_ImageTask):
+    """CTC text recognisers (PP-OCR rec); the dictionary comes from the model's metadata."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        input_spec: TensorSpec,
+        metadata: Mapping[str, str],
+        labels: Sequence[str],
+    ) -> None:
+        super().__init__(config, input_spec, metadata, labels)
+        key = config.task.dictionary_key
+        text = self.metadata.get(key)
+        if not text:
+            present = ", ".join(sorted(self.metadata)) or "none"
+            raise ValueError(
+                f"model {config.name!r}: its metadata has no {key!r} entry holding the recogniser's "
+                f"dictionary (one character per line); keys present: {present} "
+                "(hint: set task.dictionary_key to the key the model uses)"
+            )
+        self.dictionary = parse_dictionary(text)
+        self._decoder: CTCDecoder | None = None
+
+    def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
+        n = len(metas)
+        out = self._output(outputs, 3, n)[:n]
+        decoder = self._decoder
+        if decoder is None or decoder.num_classes != out.shape[2]:
+            try:
+                decoder = CTCDecoder.from_dictionary(self.dictionary, out.shape[2])
+            except ValueError as exc:
+                raise ValueError(
+                    f"model {self.config.name!r} (dictionary {self.config.task.dictionary_key!r}): {exc}"
+                ) from None
+            self._decoder = decoder
+        return [Recognition(text, score) for text, score in decoder.decode(out)]
+
+
+_TASKS: dict[str, type[_ImageTask]] = {
+    "yolo": YoloTask,
+    "classify": ClassifyTask,
+    "text_detect": TextDetectTask,
+    "text_recognize": TextRecognizeTask,
+}
+
+
+def create_task(
+    config: ModelConfig,
+    input_spec: TensorSpec,
+    metadata: Mapping[str, str],
+    labels: Sequence[str],
+) -> Task:
+    """The task for ``config.task.kind``; raises ``ValueError`` naming the model on bad setups."""
+    try:
+        cls = _TASKS[config.task.kind]
+    except KeyError:
+        raise ValueError(
+            f"model {config.name!r}: unknown task kind {config.task.kind!r}; expected one of {sorted(_TASKS)}"
+        ) from None
+    return cls(config, input_spec, metadata, labels)
+
+
+def _check_input_spec(config: ModelConfig, spec: TensorSpec) -> None:
+    """The model's static input dims must agree with ``input.shape``."""
+    item = tuple(config.input.shape)
+    dims = tuple(spec.shape)
+    if config.max_batch_size > 0:
+        dims = dims[1:]
+    if len(dims) != len(item):
+        raise ValueError(
+            f"model {config.name!r}: input {spec.name!r} has shape {list(spec.shape)}, which does not "
+            f"match input.shape {list(item)} (with max_batch_size {config.max_batch_size})"
+        )
+    clash = [(w, h) for w, h in zip(item, dims, strict=True) if isinstance(h, int) and h != w]
+    if clash:
+        raise ValueError(
+            f"model {config.name!r}: input.shape {list(item)} disagrees with the model's input "
+            f"{spec.name!r} of shape {list(spec.shape)}"
+        )
+
+
+def _labels_from_metadata(metadata: Mapping[str, str]) -> list[str]:
+    """Class names from an Ultralytics export's ``names`` metadata (``{0: 'person', ...}``)."""
+    raw = metadata.get("names")
+    if not raw:
+        return []
+    try:
+        names = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return []
+    if isinstance(names, dict) and all(isinstance(k, int) for k in names):
+        return [str(names.get(i, i)) for i in range(max(names, default=-1) + 1)]
+    if isinstance(names, list):
+        return [str(v) for v in names]
+    return []

@@ -1,0 +1,257 @@
+"""The ``vidpipe`` command.
+
+::
+
+    vidpipe run CONFIG [--source URL ...] [--nats URL] [--http HOST:PORT]
+                       [--max-frames N] [--duration S] [--publish core|jetstream] [--summary]
+    vidpipe validate CONFIG
+    vidpipe subscribe [--nats URL] [SUBJECT] [--count N] [--timeout S]
+    vidpipe models list REPO
+
+Exit codes: 0 done, 1 runtime failure (no source produced anything, NATS
+unreachable, a model unavailable), 2 bad config or usage (``FILE:LINE: ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from inference.schema import ConfigError
+from pipeline.config import HttpConfig, PipelineConfig, load_config
+
+log = logging.getLogger("vidpipe")
+
+EXIT_OK = 0
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse's own exit code is already 2
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="vidpipe", description="Streaming video analytics: cameras in, detections out.")
+    parser.add_argument("--log-format", choices=["plain", "json"], default="plain")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="run a pipeline")
+    run.add_argument("config", help="pipeline YAML")
+    run.add_argument(
+        "--source", action="append", metavar="URL", help="replace the config's sources (repeatable)"
+    )
+    run.add_argument("--nats", metavar="URL", help="NATS server; default: config, else an embedded one")
+    run.add_argument("--http", metavar="HOST:PORT", help="serve metrics, health, API and WHIP here")
+    run.add_argument("--max-frames", type=int, metavar="N", help="stop each source after N frames")
+    run.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
+    run.add_argument("--publish", choices=["core", "jetstream"], help="override nats.publish")
+    run.add_argument("--summary", action="store_true", help="print a line per second from the output")
+
+    validate = sub.add_parser("validate", help="check a pipeline YAML and exit")
+    validate.add_argument("config")
+
+    subscribe = sub.add_parser("subscribe", help="print detections as JSON lines")
+    subscribe.add_argument("subject", nargs="?", default="vidpipe.>")
+    subscribe.add_argument("--nats", default="nats://127.0.0.1:4222", metavar="URL")
+    subscribe.add_argument("--count", type=int, help="exit after N messages")
+    subscribe.add_argument("--timeout", type=float, help="exit after S seconds")
+
+    models = sub.add_parser("models", help="model repository tools")
+    models_sub = models.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
+    models_list = models_sub.add_parser("list", help="list models, their inputs/outputs and state")
+    models_list.add_argument("repo")
+    models_list.add_argument("--no-load", action="store_true", help="show configs only, load nothing")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pipeline.logs import setup_logging
+
+    setup_logging(args.log_level, args.log_format, args.debug)
+    try:
+        if args.command == "validate":
+            return cmd_validate(args)
+        if args.command == "run":
+            return cmd_run(args)
+        if args.command == "subscribe":
+            return asyncio.run(cmd_subscribe(args))
+        if args.command == "models":
+            return cmd_models(args)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_OK
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"vidpipe: {exc} (run with --debug for details)", file=sys.stderr)
+        return EXIT_RUNTIME
+    return EXIT_USAGE
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    print(
+        f"{args.config}: ok (pipeline {cfg.pipeline}: {len(cfg.sources)} source(s), "
+        f"{len(cfg.stages)} stage(s))"
+    )
+    return EXIT_OK
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from inference.repository import describe_repository
+
+    repo = Path(args.repo)
+    if not repo.is_dir():
+        raise ConfigError(str(repo), None, "", "model repository folder not found", "check the path")
+    print(describe_repository(repo, load=not args.no_load))
+    return EXIT_OK
+
+
+async def cmd_subscribe(args: argparse.Namespace) -> int:
+    import nats
+
+    try:
+        nc = await nats.connect(args.nats, connect_timeout=5, max_reconnect_attempts=3)
+    except Exception as exc:
+        print(f"vidpipe: cannot connect to NATS at {args.nats}: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    done = asyncio.Event()
+    received = 0
+
+    async def on_msg(msg: Any) -> None:
+        nonlocal received
+        try:
+            line = json.dumps(json.loads(msg.data), ensure_ascii=False, separators=(",", ":"))
+        except ValueError:
+            line = json.dumps({"subject": msg.subject, "data": msg.data.decode(errors="replace")})
+        print(line, flush=True)
+        received += 1
+        if args.count is not None and received >= args.count:
+            done.set()
+
+    await nc.subscribe(args.subject, cb=on_msg)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(done.wait(), timeout=args.timeout)
+    await nc.close()
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, sources=args.source)
+    if args.publish:
+        cfg = dataclasses.replace(cfg, nats=dataclasses.replace(cfg.nats, publish=args.publish))
+    if args.http:
+        token = os.environ.get("VIDPIPE_HTTP_TOKEN") or (cfg.http.token if cfg.http else None)
+        cfg = dataclasses.replace(cfg, http=HttpConfig(listen=args.http, token=token))
+    if args.max_frames is not None and args.max_frames < 1:
+        raise ConfigError("--max-frames", None, "", "must be at least 1")
+    if args.duration is not None and args.duration <= 0:
+        raise ConfigError("--duration", None, "", "must be greater than 0")
+    if not cfg.sources and cfg.http is None:
+        raise ConfigError(
+            cfg.file, None, "sources", "no sources", "add sources: in the file, or pass --source URL"
+        )
+    return asyncio.run(run_pipeline(cfg, args))
+
+
+async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
+    from pipeline.nats_server import EmbeddedNats
+    from pipeline.runtime import Runtime
+    from pipeline.summary import Summary
+
+    embedded: EmbeddedNats | None = None
+    nats_url = args.nats or cfg.nats.url
+    if nats_url is None:
+        embedded = EmbeddedNats().start()
+        nats_url = embedded.url
+        print(f"embedded NATS server at {nats_url}", flush=True)
+    runtime = Runtime(cfg, nats_url=nats_url, max_frames=args.max_frames)
+    summary: Summary | None = None
+    api: Any = None
+    loop = asyncio.get_running_loop()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            log.info("stopping: finishing frames in flight (signal again to force)")
+            runtime.request_stop()
+        else:
+            log.warning("forced exit")
+            os._exit(EXIT_RUNTIME if runtime.published_total() == 0 else EXIT_OK)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        if args.summary:
+            summary = Summary(nats_url, f"{cfg.nats.subject_prefix}.{cfg.pipeline}.>", sys.stdout)
+            await summary.start()
+        await runtime.start()
+        if cfg.http is not None:
+            from pipeline.api import ApiServer
+
+            api = ApiServer(runtime, cfg.http)
+            await api.start()
+            if not cfg.sources:
+                # A server waiting for sources added through the API.
+                runtime.keep_running()
+        await runtime.wait(args.duration)
+        await runtime.stop()
+        if summary is not None:
+            await summary.stop()
+            summary = None
+    except ConfigError:
+        raise
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"vidpipe: {exc}", file=sys.stderr)
+        with contextlib.suppress(Exception):
+            await runtime.stop()
+        return EXIT_RUNTIME
+    finally:
+        if api is not None:
+            await api.stop()
+        if summary is not None:
+            with contextlib.suppress(Exception):
+                await summary.stop()
+        if embedded is not None:
+            embedded.cleanup()
+    published = runtime.published_total()
+    failed = [r.source.id for r in runtime.sources.values() if r.source.state.value == "failed"]
+    log.info(
+        "done: %d frame(s) published from %d source(s)%s",
+        published,
+        len(runtime.sources),
+        f"; failed: {', '.join(failed)}" if failed else "",
+    )
+    if published == 0 and runtime.sources:
+        return EXIT_RUNTIME
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""Pipeline configuration: the YAML an operator writes, parsed into typed objects.
+
+Everything is validated before anything starts; every problem is reported as
+``FILE:LINE: key: what is wrong (hint: what to do)``. A minimal file::
+
+    pipeline: demo
+    models: ../samples/models        # model repository, relative to this file
+    sources:
+      - url: ../samples/generated/demo.mp4
+    stages:
+      - {name: detect, type: infer, model: squares}
+
+See docs/config.md for every key.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import parse_qsl, urlsplit
+
+from inference.schema import ConfigError, build, line_of, load_yaml, spec
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NAME_HELP = "use 1-64 letters, digits, '_' or '-' (it becomes part of a NATS subject)"
+
+
+def _check_id(value: str) -> str | None:
+    return None if _ID_RE.match(value) else f"{value!r} is not a valid name"
+
+
+SOURCE_SCHEMES = ("file", "test", "rtsp", "rtsps", "whip")
+
+
+def _check_url(value: str) -> str | None:
+    scheme = urlsplit(value).scheme
+    if scheme and len(scheme) > 1 and scheme not in SOURCE_SCHEMES:
+        return f"unsupported source scheme {scheme!r} in {redact_url(value)!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class ReconnectConfig:
+    """Backoff between reconnect attempts of a live source: ``min_delay * 2**n`` capped, with jitter."""
+
+    min_delay: float = field(default=0.5, metadata=spec(gt=0))
+    max_delay: float = field(default=10.0, metadata=spec(gt=0))
+    jitter: float = field(default=0.2, metadata=spec(ge=0, le=1))
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """One stream.
+
+    ``url`` is a file path, ``file://``, ``test://?width=&height=&fps=&frames=``,
+    ``rtsp://`` or ``whip://<id>``.
+    """
+
+    url: str = field(metadata=spec(check=_check_url, help="e.g. samples/clip.mp4 or rtsp://cam/stream"))
+    id: str | None = field(default=None, metadata=spec(check=_check_id, help=_NAME_HELP))
+    loop: bool = False
+    realtime: bool | None = field(
+        default=None, metadata=spec(help="pace files at their frame rate; default: as fast as possible")
+    )
+    max_fps: float | None = field(default=None, metadata=spec(gt=0, help="drop frames above this rate"))
+    queue_size: int = field(default=8, metadata=spec(ge=1, le=1024))
+    transport: Literal["tcp", "udp"] = "tcp"
+    open_timeout: float = field(default=10.0, metadata=spec(gt=0))
+    read_timeout: float = field(default=5.0, metadata=spec(gt=0))
+    stall_timeout: float = field(default=5.0, metadata=spec(gt=0))
+    reconnect: ReconnectConfig = field(default_factory=ReconnectConfig)
+
+    @property
+    def scheme(self) -> str:
+        scheme = urlsplit(self.url).scheme
+        return scheme if scheme in SOURCE_SCHEMES else "file"
+
+    @property
+    def live(self) -> bool:
+        """Live sources drop the oldest frame when behind; files block (lossless)."""
+        return self.scheme in ("test", "rtsp", "rtsps", "whip")
+
+    @property
+    def source_id(self) -> str:
+        assert self.id is not None, "source ids are filled in by load_config"
+        return self.id
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """One node of the graph.
+
+    ``infer`` runs a model on whole frames, or with ``on:`` on crops of an earlier
+    stage's objects; ``track`` gives objects stable ids across frames.
+    """
+
+    name: str = field(metadata=spec(check=_check_id, help=_NAME_HELP))
+    type: Literal["infer", "track"] = field(metadata=spec(help="infer or track"))
+    model: str | None = None
+    on: str | None = field(default=None, metadata=spec(help="an earlier stage whose objects to crop"))
+    classes: list[str] = field(default_factory=list, metadata=spec(help="labels to keep / to crop"))
+    confidence: float | None = field(default=None, metadata=spec(ge=0, le=1))
+    min_size: int = field(default=0, metadata=spec(ge=0, help="skip objects smaller than this (px)"))
+    max_objects: int = field(default=32, metadata=spec(ge=1, le=1024))
+    crop: Literal["box", "polygon"] = field(
+        default="polygon", metadata=spec(help="polygon warps rotated text lines upright")
+    )
+    upright_by: str | None = field(
+        default=None, metadata=spec(help="a stage whose label ('0'/'180') says how to rotate the crop")
+    )
+    priority: int | None = field(default=None, metadata=spec(ge=1))
+    timeout_ms: float | None = field(default=None, metadata=spec(gt=0))
+    # track
+    iou: float = field(default=0.3, metadata=spec(ge=0, le=1))
+    max_age: int = field(default=15, metadata=spec(ge=1))
+
+
+@dataclass(frozen=True)
+class NatsConfig:
+    """Where detections go. No ``url`` starts an embedded nats-server on loopback."""
+
+    url: str | None = None
+    publish: Literal["core", "jetstream"] = "core"
+    subject_prefix: str = field(default="vidpipe", metadata=spec(check=_check_id))
+    outbox_size: int = field(default=1000, metadata=spec(ge=1))
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Flow limits."""
+
+    max_in_flight: int = field(
+        default=4, metadata=spec(ge=1, le=256, help="frames of one source processed at once")
+    )
+    drain_timeout: float = field(default=10.0, metadata=spec(gt=0))
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """The HTTP server (metrics, health, API, WHIP). Binds loopback unless told otherwise."""
+
+    listen: str = "127.0.0.1:8080"
+    token: str | None = field(default=None, metadata=spec(help="bearer token; required off loopback"))
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """A whole pipeline file."""
+
+    pipeline: str = field(metadata=spec(check=_check_id, help=_NAME_HELP))
+    sources: list[SourceConfig] = field(default_factory=list)
+    stages: list[StageConfig] = field(default_factory=list)
+    models: str | None = field(default=None, metadata=spec(help="model repository folder"))
+    nats: NatsConfig = field(default_factory=NatsConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    http: HttpConfig | None = None
+    # Where the file lives; relative paths in it resolve against this.
+    base_dir: str = field(default=".", metadata=spec(help="set by the loader"))
+    file: str = field(default="<config>", metadata=spec(help="set by the loader"))
+
+    def models_path(self) -> Path | None:
+        if self.models is None:
+            return None
+        return (Path(self.base_dir) / self.models).resolve()
+
+    def stage(self, name: str) -> StageConfig:
+        return next(s for s in self.stages if s.name == name)
+
+
+def redact_url(url: str) -> str:
+    """Hide credentials in a URL (``rtsp://user:pass@host`` → ``rtsp://***@host``)."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return parts._replace(netloc=f"***@{host}").geturl()
+
+
+def derive_source_id(url: str) -> str:
+    """A readable id from a URL: the file stem, the RTSP path, or the WHIP id."""
+    parts = urlsplit(url)
+    if parts.scheme == "whip":
+        raw = parts.netloc or parts.path.strip("/")
+    elif parts.scheme == "test":
+        query = dict(parse_qsl(parts.query))
+        raw = query.get("id") or "test"
+    elif parts.scheme in ("rtsp", "rtsps"):
+        raw = (parts.path.strip("/").replace("/", "_") or parts.hostname) or "camera"
+    else:
+        raw = Path(parts.path if parts.scheme == "file" else url).stem or "source"
+    cleaned = re.sub(r"[^A-Za-z0-9_-]+", "_", raw).strip("_")[:64]
+    return cleaned or "source"
+
+
+def _unique_ids(sources: list[SourceConfig]) -> list[SourceConfig]:
+    """Fill in missing ids from the URL; a clash with another id gets a ``_2``, ``_3`` suffix."""
+    used = {s.id for s in sources if s.id}
+    out = []
+    for src in sources:
+        if src.id is None:
+            base = sid = derive_source_id(src.url)
+            n = 1
+            while sid in used:
+                n += 1
+                sid = f"{base}_{n}"
+            used.add(sid)
+            src = replace(src, id=sid)
+        out.append(src)
+    return out
+
+
+def _resolve_file(url: str, base: Path) -> str:
+    """Make a relative file path absolute against ``base``; other URLs pass through."""
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        path = Path(parts.netloc + parts.path)
+    elif parts.scheme in SOURCE_SCHEMES and len(parts.scheme) > 1:
+        return url
+    else:
+        path = Path(url)
+    return str(path if path.is_absolute() else (base / path).resolve())
+
+
+def _check_graph(cfg: PipelineConfig, raw: Any, file: str) -> None:
+    """Whole-graph checks that single fields cannot express."""
+
+    def err(path: str, line: int | None, problem: str, hint: str = "") -> ConfigError:
+        return ConfigError(file, line, path, problem, hint)
+
+    raw_sources = raw.get("sources") if isinstance(raw, dict) else None
+    ids: dict[str, int] = {}
+    for i, src in enumerate(cfg.sources):
+        line = line_of(raw_sources, i) if raw_sources is not None else None
+        sid = src.source_id
+        if sid in ids:
+            raise err(
+                f"sources[{i}].id", line, f"duplicate source id {sid!r}", "give each source a unique id"
+            )
+        ids[sid] = i
+
+    raw_stages = raw.get("stages") if isinstance(raw, dict) else None
+    seen: dict[str, StageConfig] = {}
+    for i, stage in enumerate(cfg.stages):
+        item = raw_stages[i] if raw_stages is not None else None
+        path = f"stages[{i}]"
+
+        def at(key: str, _item: Any = item, _path: str = path) -> tuple[str, int | None]:
+            return f"{_path}.{key}", line_of(_item, key) or line_of(_item)
+
+        if stage.name in seen:
+            raise err(*at("name"), f"duplicate stage name {stage.name!r}", "stage names must be unique")
+        if stage.type == "infer" and not stage.model:
+            raise err(*at("type"), "an infer stage needs 'model'", "name a model from the repository")
+        if stage.type != "infer" and stage.model:
+            raise err(*at("model"), f"a {stage.type} stage takes no model")
+        for ref_key in ("on", "upright_by"):
+            ref = getattr(stage, ref_key)
+            if ref is None:
+                continue
+            if ref not in seen:
+                later = any(s.name == ref for s in cfg.stages)
+                hint = (
+                    "stages run in order: move it after the stage it refers to"
+                    if later
+                    else "name an earlier stage: " + (", ".join(seen) or "(none)")
+                )
+                raise err(*at(ref_key), f"unknown stage {ref!r}", hint)
+            if seen[ref].type != "infer":
+                raise err(*at(ref_key), f"stage {ref!r} is a {seen[ref].type} stage, not infer")
+        if stage.upright_by is not None and stage.on is None:
+            raise err(*at("upright_by"), "upright_by only applies to a stage with 'on'")
+        seen[stage.name] = stage
+    if cfg.stages and cfg.models is None and any(s.type == "infer" for s in cfg.stages):
+        raise err("models", line_of(raw), "infer stages need a model repository", "add models: <folder>")
+
+
+def load_config(
+    path: str | Path,
+    *,
+    sources: list[str] | None = None,
+) -> PipelineConfig:
+    """Read, validate and resolve a pipeline file.
+
+    ``sources`` (from ``vidpipe run --source``) replaces the file's sources.
+    """
+    p = Path(path)
+    raw = load_yaml(p)
+    file = str(path)
+    if isinstance(raw, dict):
+        for key in ("base_dir", "file"):
+            if key in raw:
+                raise ConfigError(file, line_of(raw, key), key, "unknown key", "this is set by vidpipe")
+    cfg = build(raw, PipelineConfig, file)
+    if sources is not None:
+        for u in sources:
+            problem = _check_url(u)
+            if problem:
+                raise ConfigError("--source", None, "", problem, "use a file, test://, rtsp:// or whip://")
+        cwd = Path.cwd()
+        cfg = replace(cfg, sources=[SourceConfig(url=_resolve_file(u, cwd)) for u in sources])
+    else:
+        base = p.parent.resolve()
+        cfg = replace(cfg, sources=[replace(s, url=_resolve_file(s.url, base)) for s in cfg.sources])
+    cfg = replace(cfg, sources=_unique_ids(cfg.sources), base_dir=str(p.parent.resolve()), file=file)
+    _check_graph(cfg, raw, file)
+    return cfg

@@ -1,0 +1,86 @@
+"""Frames and the objects found in them, as they travel through the stage graph."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class Attribute:
+    """A secondary model's verdict on an object (``{model, label, score}`` in the payload)."""
+
+    model: str
+    label: str
+    score: float
+
+
+@dataclass(slots=True)
+class DetectedObject:
+    """One object in a frame; ``bbox`` is ``[x1, y1, x2, y2]`` in source pixels."""
+
+    id: int
+    label: str
+    class_id: int
+    score: float
+    bbox: tuple[float, float, float, float]
+    stage: str
+    polygon: list[tuple[float, float]] | None = None
+    track_id: int | None = None
+    text: str | None = None
+    text_score: float | None = None
+    attributes: list[Attribute] = field(default_factory=list)
+    # Crops cut for cascade stages, keyed by (kind, rotation), reused across stages.
+    crops: dict[tuple[str, int], np.ndarray] = field(default_factory=dict, repr=False)
+
+    def to_message(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "label": self.label,
+            "class_id": self.class_id,
+            "score": round(float(self.score), 4),
+            "bbox": [round(float(v), 1) for v in self.bbox],
+        }
+        if self.polygon is not None:
+            out["polygon"] = [[round(float(x), 1), round(float(y), 1)] for x, y in self.polygon]
+        if self.track_id is not None:
+            out["track_id"] = self.track_id
+        if self.text is not None:
+            out["text"] = self.text
+            if self.text_score is not None:
+                out["text_score"] = round(float(self.text_score), 4)
+        if self.attributes:
+            out["attributes"] = [
+                {"model": a.model, "label": a.label, "score": round(float(a.score), 4)}
+                for a in self.attributes
+            ]
+        return out
+
+
+@dataclass(slots=True)
+class Frame:
+    """A decoded frame (H×W×3 uint8 RGB) and everything the graph learns about it."""
+
+    source: str
+    index: int
+    pts: float
+    capture_ts: float
+    image: np.ndarray
+    objects: list[DetectedObject] = field(default_factory=list)
+    stage_times: dict[str, float] = field(default_factory=dict)
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(1), repr=False)
+
+    @property
+    def width(self) -> int:
+        return int(self.image.shape[1])
+
+    @property
+    def height(self) -> int:
+        return int(self.image.shape[0])
+
+    def next_object_id(self) -> int:
+        """Object ids are unique within a frame, starting at 1."""
+        return next(self._ids)

@@ -1,0 +1,137 @@
+"""Prometheus metrics, all prefixed ``vidpipe_``.
+
+Labels stay bounded: pipeline, source (the operator's id, never a URL), stage,
+model, status and reason. Each :class:`Runtime` owns one registry so tests and
+several pipelines in one process do not collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Video work spans milliseconds to seconds.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                   1.0, 2.0, 5.0, 10.0)  # fmt: skip
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+
+
+class Metrics:
+    """The metric families vidpipe exports (see docs/operations.md)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.frames = Counter(
+            "vidpipe_frames_total", "Frames decoded and accepted into the graph", ["pipeline", "source"],
+            registry=r,
+        )  # fmt: skip
+        self.frames_dropped = Counter(
+            "vidpipe_frames_dropped_total",
+            "Frames dropped, by reason (queue_full, max_fps, stage_error, shutdown)",
+            ["pipeline", "source", "reason"],
+            registry=r,
+        )
+        self.source_up = Gauge(
+            "vidpipe_source_up", "1 while the source delivers frames", ["pipeline", "source"], registry=r
+        )
+        self.source_reconnects = Counter(
+            "vidpipe_source_reconnects_total",
+            "Reconnect attempts of live sources, by reason",
+            ["pipeline", "source", "reason"],
+            registry=r,
+        )
+        self.stage_latency = Histogram(
+            "vidpipe_stage_latency_seconds",
+            "Time a frame spends in each stage",
+            ["pipeline", "stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "vidpipe_e2e_latency_seconds",
+            "Capture to publish latency per frame",
+            ["pipeline", "source"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "vidpipe_queue_depth", "Frames waiting in a source's queue", ["pipeline", "source"], registry=r
+        )
+        self.inference_requests = Counter(
+            "vidpipe_inference_requests_total",
+            "Inference requests by outcome (success, rejected, timeout, failed)",
+            ["model", "status"],
+            registry=r,
+        )
+        self.inference_queue = Histogram(
+            "vidpipe_inference_queue_seconds",
+            "Time a request waits in the batcher",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inference_compute = Histogram(
+            "vidpipe_inference_compute_seconds",
+            "Time to run one batch (preprocess, model, postprocess)",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inference_batch_size = Histogram(
+            "vidpipe_inference_batch_size",
+            "Requests per executed batch",
+            ["model"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.model_ready = Gauge(
+            "vidpipe_model_ready", "1 while the model is loaded and ready", ["model"], registry=r
+        )
+        self.published = Counter(
+            "vidpipe_published_messages_total", "Messages published to NATS", ["pipeline", "source"],
+            registry=r,
+        )  # fmt: skip
+        self.publish_errors = Counter(
+            "vidpipe_publish_errors_total",
+            "Messages that could not be published, by reason",
+            ["pipeline", "source", "reason"],
+            registry=r,
+        )
+        self.pool_buffers = Gauge(
+            "vidpipe_pool_buffers", "Buffers in a memory pool, by state", ["pool", "state"], registry=r
+        )
+
+    # The inference layer reports through this observer interface (it never imports pipeline).
+    def on_request(self, model: str, status: str) -> None:
+        self.inference_requests.labels(model, status).inc()
+
+    def on_batch(
+        self, model: str, batch_size: int, queue_seconds: list[float], compute_seconds: float
+    ) -> None:
+        self.inference_batch_size.labels(model).observe(batch_size)
+        self.inference_compute.labels(model).observe(compute_seconds)
+        hist = self.inference_queue.labels(model)
+        for q in queue_seconds:
+            hist.observe(q)
+
+    def on_state(self, model: str, state: str, reason: str) -> None:
+        self.model_ready.labels(model).set(1.0 if state.upper() == "READY" else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name vidpipe exports, as PromQL sees it (``_total``, ``_bucket``, ...).
+
+    Dashboards and alert rules are checked against this set.
+    """
+    names: set[str] = set()
+    for family in Metrics().registry.collect():
+        if family.type == "counter":
+            names.add(family.name + "_total")
+        elif family.type == "histogram":
+            names.update(family.name + suffix for suffix in ("_bucket", "_sum", "_count"))
+        else:
+            names.add(family.name)
+    return names

@@ -1,0 +1,115 @@
+"""The bounded queue between a source's decode thread and the event loop.
+
+Its overflow policy is the source's promise to the operator:
+
+* ``block`` (files): the decode thread waits, so every frame is processed;
+* ``drop_oldest`` (live cameras): the oldest waiting frame is dropped and
+  counted with reason ``queue_full``, so latency cannot grow without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Generic, Literal, TypeVar
+
+T = TypeVar("T")
+
+OverflowPolicy = Literal["block", "drop_oldest"]
+
+
+class EndOfStream:
+    """Sentinel the producer leaves when a source has no more frames."""
+
+    def __repr__(self) -> str:
+        return "EndOfStream"
+
+
+END = EndOfStream()
+
+
+class FrameQueue(Generic[T]):
+    """A bounded queue fed by one thread and drained by one asyncio task."""
+
+    def __init__(
+        self,
+        maxsize: int,
+        policy: OverflowPolicy,
+        loop: asyncio.AbstractEventLoop,
+        on_drop: Callable[[T], None] | None = None,
+    ) -> None:
+        if maxsize < 1:
+            raise ValueError("maxsize must be at least 1")
+        self.maxsize = maxsize
+        self.policy = policy
+        self._loop = loop
+        self._items: collections.deque[T | EndOfStream] = collections.deque()
+        self._cond = threading.Condition()
+        self._ready = asyncio.Event()
+        self._closed = False
+        self._on_drop = on_drop
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: T, stop: threading.Event | None = None) -> bool:
+        """Add a frame from the producer thread; False if the queue was closed meanwhile."""
+        dropped: T | None = None
+        with self._cond:
+            if self.policy == "block":
+                while len(self._items) >= self.maxsize and not self._closed:
+                    if stop is not None and stop.is_set():
+                        return False
+                    self._cond.wait(timeout=0.1)
+            if self._closed:
+                return False
+            if len(self._items) >= self.maxsize:
+                oldest = self._items.popleft()
+                assert not isinstance(oldest, EndOfStream)
+                dropped = oldest
+                self.dropped += 1
+            self._items.append(item)
+        if dropped is not None and self._on_drop is not None:
+            self._on_drop(dropped)
+        self._wake()
+        return True
+
+    def put_end(self) -> None:
+        """Mark the end of the stream; the consumer sees :data:`END` after the last frame."""
+        with self._cond:
+            self._items.append(END)
+        self._wake()
+
+    def close(self) -> None:
+        """Stop accepting frames and release a blocked producer (shutdown)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def drain(self) -> list[T]:
+        """Take every waiting frame out (used when shutting down)."""
+        with self._cond:
+            items = [i for i in self._items if not isinstance(i, EndOfStream)]
+            self._items.clear()
+            self._cond.notify_all()
+        return items
+
+    async def get(self) -> T | EndOfStream:
+        """Wait for the next frame (or :data:`END`)."""
+        while True:
+            with self._cond:
+                if self._items:
+                    item = self._items.popleft()
+                    self._cond.notify()
+                    return item
+                self._ready.clear()
+            await self._ready.wait()
+
+    def _wake(self) -> None:
+        # A closed loop means nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._ready.set)

@@ -1,0 +1,371 @@
+"""The graph runtime: sources in, stages, in-order publish out.
+
+Shape: one asyncio task per frame walks the stages (see docs/architecture.md).
+Per source:
+
+    decode thread -> FrameQueue (block | drop_oldest) -> intake task
+        -> frame task: unordered stages (infer, cascades)   up to max_in_flight at once
+        -> publisher task: awaits frame tasks in arrival order, runs ordered stages
+           (track and everything after it), then publishes.
+
+So a source's messages leave in frame order even with several frames in flight,
+model calls from all sources meet in each model's batcher, and every queue is
+bounded: the FrameQueue by ``queue_size``, frames in flight by ``max_in_flight``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import PipelineConfig, SourceConfig
+from pipeline.frames import Frame
+from pipeline.metrics import Metrics
+from pipeline.queues import EndOfStream, FrameQueue, OverflowPolicy
+from pipeline.stages.base import Stage, StageContext, create_stage
+from pipeline.stages.publish import Publisher
+from pipeline.stages.source import Source, SourceError, SourceState, create_source
+
+log = logging.getLogger("vidpipe.runtime")
+
+
+class PipelineStartError(RuntimeError):
+    """The pipeline cannot start; the message says why and what to do."""
+
+
+@dataclass
+class SourceRun:
+    """A running source and its counters (what ``GET /v1/sources`` shows)."""
+
+    config: SourceConfig
+    source: Source
+    queue: FrameQueue[Frame]
+    intake: asyncio.Task[None] | None = None
+    published: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    last_message: dict[str, Any] | None = None
+    latencies: list[float] = field(default_factory=list)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "id": self.source.id,
+            "url": self.source.display_url,
+            "state": self.source.state.value,
+            "reason": self.source.reason,
+            "live": self.source.live,
+            "frames": self.source.stats.frames,
+            "published": self.published,
+            "dropped": dict(self.dropped),
+            "reconnects": self.source.stats.reconnects,
+            "queue_depth": len(self.queue),
+        }
+
+
+class _RateLimitedLog:
+    """At most one log line per key per ``interval`` seconds, with a count of the rest."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def __call__(self, key: str, message: str) -> None:
+        now = time.monotonic()
+        last, suppressed = self._last.get(key, (0.0, 0))
+        if now - last >= self.interval:
+            extra = f" ({suppressed} more since last report)" if suppressed else ""
+            log.error("%s%s", message, extra)
+            self._last[key] = (now, 0)
+        else:
+            self._last[key] = (last, suppressed + 1)
+
+
+class Runtime:
+    """Runs one pipeline until its finite sources end, a limit is reached, or it is stopped."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        nats_url: str,
+        max_frames: int | None = None,
+        metrics: Metrics | None = None,
+        on_message: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.nats_url = nats_url
+        self.max_frames = max_frames
+        self.metrics = metrics or Metrics()
+        self.models: Any = None
+        self.stages: list[Stage] = []
+        self.publisher = Publisher(config.nats, nats_url, config.pipeline, self.metrics)
+        self.sources: dict[str, SourceRun] = {}
+        self._stopping = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._on_message = on_message
+        self._stage_error_log = _RateLimitedLog()
+        self._unordered: list[Stage] = []
+        self._ordered: list[Stage] = []
+        self.started_at = 0.0
+        self._persistent = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load models, build stages, connect NATS and start every source."""
+        self.started_at = time.time()
+        await self._load_models()
+        ctx = StageContext(config=self.config, models=self.models, metrics=self.metrics)
+        self.stages = [create_stage(s, ctx) for s in self.config.stages]
+        first_ordered = next((i for i, s in enumerate(self.stages) if s.ordered), len(self.stages))
+        self._unordered = self.stages[:first_ordered]
+        self._ordered = self.stages[first_ordered:]
+        for stage in self.stages:
+            await stage.start()
+        await self.publisher.connect()
+        log.info(
+            "pipeline %s publishing to %s (%s)", self.config.pipeline, self.nats_url, self.publisher.mode
+        )
+        for src in self.config.sources:
+            self.add_source(src)
+
+    async def _load_models(self) -> None:
+        names = sorted({s.model for s in self.config.stages if s.model})
+        if not names:
+            return
+        from inference.repository import ModelRepository
+
+        root = self.config.models_path()
+        assert root is not None  # checked by load_config
+        if not root.is_dir():
+            raise PipelineStartError(
+                f"{self.config.file}: models: repository folder {root} not found; check the path"
+            )
+        self.models = ModelRepository(Path(root), observer=self.metrics)
+        for name in names:
+            if name not in self.models.names():
+                raise PipelineStartError(
+                    f"{self.config.file}: model {name!r} is not in the repository {root} "
+                    f"(it has: {', '.join(self.models.names()) or 'no models'})"
+                )
+            await self.models.load(name)
+            state = self.models.status_of(name)
+            if state.state.value != "ready":
+                raise PipelineStartError(f"model {name} is unavailable: {state.reason}")
+            log.info("model %s ready", name)
+
+    def keep_running(self) -> None:
+        """Do not end when the sources end (an API server may add more)."""
+        self._persistent = True
+
+    async def wait(self, duration: float | None = None) -> None:
+        """Until every source has ended (or ``duration`` passed, or :meth:`request_stop`)."""
+        waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._stopping.wait())]
+        if not self._persistent:
+            waiters.append(asyncio.ensure_future(self._all_sources_done()))
+        try:
+            await asyncio.wait(waiters, timeout=duration, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+
+    async def _all_sources_done(self) -> None:
+        while True:
+            intakes = [r.intake for r in self.sources.values() if r.intake is not None]
+            if intakes and all(t.done() for t in intakes):
+                return
+            if not intakes and not self.sources:
+                return
+            self._idle.clear()
+            pending = [t for t in intakes if not t.done()]
+            await asyncio.wait([*pending, asyncio.ensure_future(self._idle.wait())],
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def stop(self) -> None:
+        """Graceful drain: stop intake, finish frames in flight, publish, flush NATS."""
+        self._stopping.set()
+        for run in self.sources.values():
+            run.source.stop()
+        intakes = [r.intake for r in self.sources.values() if r.intake is not None]
+        if intakes:
+            _, pending = await asyncio.wait(intakes, timeout=self.config.runtime.drain_timeout)
+            for t in pending:
+                t.cancel()
+            if pending:
+                log.warning("drain timed out; %d source(s) cancelled", len(pending))
+        for run in self.sources.values():
+            run.source.join(timeout=2.0)
+        await self.publisher.close()
+        for stage in self.stages:
+            await stage.stop()
+        if self.models is not None:
+            await self.models.close()
+
+    # -- sources ---------------------------------------------------------------------------
+
+    def add_source(self, config: SourceConfig) -> SourceRun:
+        """Start a source; raises ValueError if its id is taken."""
+        sid = config.source_id
+        if sid in self.sources and self.sources[sid].intake is not None:
+            existing = self.sources[sid]
+            if existing.intake is not None and not existing.intake.done():
+                raise ValueError(f"source {sid!r} already exists")
+        loop = asyncio.get_running_loop()
+        policy: OverflowPolicy = "drop_oldest" if config.live else "block"
+        pipeline = self.config.pipeline
+
+        def on_drop(frame: Frame) -> None:
+            self._count_drop(frame.source, "queue_full")
+
+        queue: FrameQueue[Frame] = FrameQueue(config.queue_size, policy, loop, on_drop)
+        source = create_source(config, self._on_source_state)
+        run = SourceRun(config=config, source=source, queue=queue)
+        self.sources[sid] = run
+        self.metrics.source_up.labels(pipeline, sid).set(0)
+        run.intake = asyncio.create_task(self._intake(run), name=f"intake-{sid}")
+        source.start(queue)
+        self._idle.set()
+        return run
+
+    async def remove_source(self, source_id: str) -> bool:
+        """Stop a source and wait for its frames in flight; False if unknown."""
+        run = self.sources.get(source_id)
+        if run is None:
+            return False
+        run.source.stop()
+        run.queue.close()
+        if run.intake is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(run.intake), self.config.runtime.drain_timeout)
+        run.source.join(timeout=2.0)
+        for stage in self.stages:
+            stage.forget_source(source_id)
+        self.sources.pop(source_id, None)
+        self.metrics.source_up.labels(self.config.pipeline, source_id).set(0)
+        self._idle.set()
+        return True
+
+    def _on_source_state(self, source: Source, state: SourceState, reason: str) -> None:
+        # Called from the source's thread; logging and prometheus are thread-safe.
+        up = 1.0 if state == SourceState.UP else 0.0
+        self.metrics.source_up.labels(self.config.pipeline, source.id).set(up)
+        if state == SourceState.FAILED:
+            log.error("%s", reason if reason.startswith("source ") else f"source {source.id}: {reason}")
+        elif state == SourceState.BACKOFF:
+            log.warning("source %s: %s", source.id, reason)
+        else:
+            log.info("source %s: %s%s", source.id, state.value, f" ({reason})" if reason else "")
+
+    def _count_drop(self, source: str, reason: str) -> None:
+        self.metrics.frames_dropped.labels(self.config.pipeline, source, reason).inc()
+        run = self.sources.get(source)
+        if run is not None:
+            run.dropped[reason] = run.dropped.get(reason, 0) + 1
+
+    # -- frames ----------------------------------------------------------------------------
+
+    async def _intake(self, run: SourceRun) -> None:
+        sid = run.source.id
+        pipeline = self.config.pipeline
+        in_flight: asyncio.Queue[asyncio.Task[Frame | None] | None] = asyncio.Queue(
+            maxsize=self.config.runtime.max_in_flight
+        )
+        publisher = asyncio.create_task(self._publish_in_order(run, in_flight), name=f"publish-{sid}")
+        accepted = 0
+        try:
+            while True:
+                item = await run.queue.get()
+                if isinstance(item, EndOfStream):
+                    break
+                self.metrics.queue_depth.labels(pipeline, sid).set(len(run.queue))
+                if self._stopping.is_set() and run.source.live:
+                    self._count_drop(sid, "shutdown")
+                    continue
+                self.metrics.frames.labels(pipeline, sid).inc()
+                accepted += 1
+                task = asyncio.create_task(self._process(item))
+                await in_flight.put(task)
+                if self.max_frames is not None and accepted >= self.max_frames:
+                    run.source.stop()
+                    run.queue.close()
+                    for _ in run.queue.drain():
+                        pass
+                    break
+        finally:
+            await in_flight.put(None)
+            await publisher
+            dropped_max_fps = run.source.stats.dropped_max_fps
+            if dropped_max_fps:
+                self.metrics.frames_dropped.labels(pipeline, sid, "max_fps").inc(dropped_max_fps)
+                run.dropped["max_fps"] = dropped_max_fps
+
+    async def _process(self, frame: Frame) -> Frame | None:
+        """Run the unordered stages; None means the frame was dropped (counted)."""
+        return await self._run_stages(frame, self._unordered)
+
+    async def _run_stages(self, frame: Frame, stages: list[Stage]) -> Frame | None:
+        pipeline = self.config.pipeline
+        for stage in stages:
+            t0 = time.perf_counter()
+            try:
+                await stage.process(frame)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._count_drop(frame.source, "stage_error")
+                self._stage_error_log(
+                    f"{stage.name}:{type(exc).__name__}",
+                    f"stage {stage.name} failed on frame {frame.index} of {frame.source}: "
+                    f"{type(exc).__name__}: {exc}; frame dropped",
+                )
+                log.debug("stage failure", exc_info=True)
+                return None
+            elapsed = time.perf_counter() - t0
+            frame.stage_times[stage.name] = elapsed
+            self.metrics.stage_latency.labels(pipeline, stage.name).observe(elapsed)
+        return frame
+
+    async def _publish_in_order(
+        self, run: SourceRun, in_flight: asyncio.Queue[asyncio.Task[Frame | None] | None]
+    ) -> None:
+        while True:
+            task = await in_flight.get()
+            if task is None:
+                return
+            frame = await task
+            if frame is None:
+                continue
+            if self._ordered and await self._run_stages(frame, self._ordered) is None:
+                continue
+            try:
+                await self.publisher.publish(frame)
+            except Exception as exc:
+                self._count_drop(frame.source, "publish_failed")
+                log.error("source %s: frame %d not published: %s", frame.source, frame.index, exc)
+                continue
+            run.published += 1
+            latency = time.time() - frame.capture_ts
+            run.latencies.append(latency)
+            if len(run.latencies) > 512:
+                del run.latencies[:256]
+            if self._on_message is not None:
+                self._on_message({"source": frame.source, "frame": frame})
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def frames_total(self) -> int:
+        return sum(r.source.stats.frames for r in self.sources.values())
+
+    def published_total(self) -> int:
+        return sum(r.published for r in self.sources.values())
+
+
+__all__ = ["PipelineStartError", "Runtime", "SourceError", "SourceRun"]

@@ -1,0 +1,203 @@
+"""Publishing: one message per processed frame to ``vidpipe.<pipeline>.<source>.detections``.
+
+::
+
+    nats:
+      url: nats://127.0.0.1:4222   # omit to start an embedded server
+      publish: core                # core | jetstream
+      outbox_size: 1000            # core: messages kept while disconnected
+
+``core`` is fire-and-forget: while the connection is down, messages wait in a
+bounded outbox; when it is full they are dropped and counted
+(``vidpipe_publish_errors_total{reason="outbox_full"}``).
+
+``jetstream`` acknowledges every message. The stream for ``<prefix>.>`` is
+created or verified at start; each message carries ``Nats-Msg-Id:
+<pipeline>/<source>/<frame>`` so a retry after a lost ack is de-duplicated by
+the server. A message is retried until acknowledged; the per-source publisher
+waits meanwhile, which backs pressure up the graph instead of dropping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.api import StreamConfig
+
+from pipeline.config import NatsConfig
+from pipeline.messages import build_message, encode, subject_for
+from pipeline.metrics import Metrics
+
+log = logging.getLogger("vidpipe.publish")
+
+
+class PublishError(RuntimeError):
+    """NATS could not be reached or set up; the message says where and what to do."""
+
+
+def stream_name(prefix: str) -> str:
+    return prefix.upper().replace("-", "_")
+
+
+class Publisher:
+    """Owns the NATS connection and publishes frames in the mode the config asks for."""
+
+    def __init__(self, config: NatsConfig, url: str, pipeline: str, metrics: Metrics) -> None:
+        self.config = config
+        self.url = url
+        self.pipeline = pipeline
+        self.metrics = metrics
+        self.nc: NatsClient | None = None
+        self.js: JetStreamContext | None = None
+        self._outbox: collections.deque[tuple[str, str, bytes]] = collections.deque()
+        self._flusher: asyncio.Task[None] | None = None
+        self._closing = False
+        self.connected = asyncio.Event()
+
+    @property
+    def mode(self) -> str:
+        return self.config.publish
+
+    async def connect(self, timeout: float = 10.0) -> None:
+        async def on_disconnect() -> None:
+            self.connected.clear()
+            if not self._closing:
+                log.warning("NATS connection to %s lost; reconnecting", self.url)
+
+        async def on_reconnect() -> None:
+            self.connected.set()
+            log.info("NATS reconnected to %s", self.url)
+
+        async def on_error(exc: Exception) -> None:
+            if not self._closing:
+                log.debug("NATS error: %s", exc)
+
+        try:
+            self.nc = await nats.connect(
+                self.url,
+                connect_timeout=min(timeout, 5.0),
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.25,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                error_cb=on_error,
+                name=f"vidpipe-{self.pipeline}",
+            )
+        except Exception as exc:
+            raise PublishError(
+                f"cannot connect to NATS at {self.url}: {exc or exc.__class__.__name__}; "
+                "check --nats / nats.url, or omit both to start an embedded server"
+            ) from None
+        self.connected.set()
+        if self.mode == "jetstream":
+            self.js = self.nc.jetstream()
+            await self._ensure_stream()
+        else:
+            self._flusher = asyncio.create_task(self._flush_outbox(), name="nats-outbox")
+
+    async def _ensure_stream(self) -> None:
+        assert self.js is not None
+        name = stream_name(self.config.subject_prefix)
+        subjects = [f"{self.config.subject_prefix}.>"]
+        try:
+            info = await self.js.stream_info(name)
+            if not set(subjects) <= set(info.config.subjects or []):
+                raise PublishError(
+                    f"JetStream stream {name} exists but does not cover {subjects[0]}; "
+                    "add the subject to it or delete it"
+                )
+        except nats.js.errors.NotFoundError:
+            await self.js.add_stream(StreamConfig(name=name, subjects=subjects, duplicate_window=120.0))
+            log.info("created JetStream stream %s for %s", name, subjects[0])
+
+    async def publish(self, frame: Any) -> None:
+        """Publish one frame's message (called in frame order per source)."""
+        assert self.nc is not None
+        message = build_message(self.pipeline, frame, time.time())
+        subject = subject_for(self.config.subject_prefix, self.pipeline, frame.source)
+        payload = encode(message)
+        if self.js is not None:
+            await self._publish_acked(subject, frame.source, frame.index, payload)
+        elif self.nc.is_connected and not self._outbox:
+            try:
+                await self.nc.publish(subject, payload)
+            except Exception as exc:
+                self._error(frame.source, exc)
+                return
+        else:
+            # Keep order: once anything waits in the outbox, new messages queue behind it.
+            if len(self._outbox) >= self.config.outbox_size:
+                _, dropped_source, _ = self._outbox.popleft()
+                self.metrics.publish_errors.labels(self.pipeline, dropped_source, "outbox_full").inc()
+            self._outbox.append((subject, frame.source, payload))
+            return
+        self.metrics.published.labels(self.pipeline, frame.source).inc()
+        latency = max(0.0, message["publish_ts"] - frame.capture_ts)
+        self.metrics.e2e_latency.labels(self.pipeline, frame.source).observe(latency)
+
+    async def _publish_acked(self, subject: str, source: str, index: int, payload: bytes) -> None:
+        assert self.js is not None
+        headers = {"Nats-Msg-Id": f"{self.pipeline}/{source}/{index}"}
+        delay = 0.1
+        while True:
+            try:
+                await self.js.publish(subject, payload, headers=headers, timeout=2.0)
+                return
+            except Exception as exc:
+                if self.nc is None or self.nc.is_closed:
+                    self._error(source, exc)
+                    raise PublishError(
+                        f"NATS connection closed; frame {index} of {source} not sent"
+                    ) from None
+                self.metrics.publish_errors.labels(self.pipeline, source, "retry").inc()
+                log.debug("retrying frame %d of %s: %s", index, source, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _flush_outbox(self) -> None:
+        while True:
+            await self.connected.wait()
+            while self._outbox and self.nc is not None and self.nc.is_connected:
+                subject, source, payload = self._outbox[0]
+                try:
+                    await self.nc.publish(subject, payload)
+                except Exception:
+                    break
+                self._outbox.popleft()
+                self.metrics.published.labels(self.pipeline, source).inc()
+            await asyncio.sleep(0.05)
+
+    def _error(self, source: str, exc: Exception) -> None:
+        self.metrics.publish_errors.labels(self.pipeline, source, type(exc).__name__).inc()
+        log.debug("publish failed for %s: %s", source, exc)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Flush what is pending, then close the connection."""
+        self._closing = True
+        if self.nc is None:
+            return
+        deadline = time.monotonic() + timeout
+        while self._outbox and time.monotonic() < deadline and self.nc.is_connected:
+            await asyncio.sleep(0.05)
+        if self._flusher is not None:
+            self._flusher.cancel()
+        for _, source, _ in self._outbox:
+            self.metrics.publish_errors.labels(self.pipeline, source, "shutdown").inc()
+        self._outbox.clear()
+        try:
+            if self.nc.is_connected:
+                await self.nc.flush(timeout=max(1, int(deadline - time.monotonic())))
+        except Exception as exc:
+            log.warning("NATS flush at shutdown failed: %s", exc)
+        try:
+            await self.nc.close()
+        except Exception:  # closing a broken connection may raise; nothing left to do
+            log.debug("NATS close failed", exc_info=True)
+        self.nc = None

@@ -1,0 +1,107 @@
+"""A once-a-second console summary, computed from the pipeline's own NATS output.
+
+``vidpipe run --summary`` subscribes to ``vidpipe.<pipeline>.>`` like any
+consumer would, so what it prints is what subscribers really receive::
+
+    [  3s] lobby: 24.9 fps  2.0 obj/frame  latency p50 41 ms p99 77 ms | text: "EXIT 12", "GATE B"
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import Counter, defaultdict
+from typing import Any, TextIO
+
+import nats
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    idx = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[idx]
+
+
+class Summary:
+    """Collects messages and prints one line per second."""
+
+    def __init__(self, nats_url: str, subject: str, out: TextIO) -> None:
+        self.nats_url = nats_url
+        self.subject = subject
+        self.out = out
+        self._nc: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._window: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self.totals: Counter[str] = Counter()
+        self.texts: Counter[str] = Counter()
+        self._start = time.monotonic()
+
+    async def start(self) -> None:
+        self._nc = await nats.connect(self.nats_url, name="vidpipe-summary")
+
+        async def on_msg(msg: Any) -> None:
+            try:
+                data = json.loads(msg.data)
+            except ValueError:
+                return
+            data["_received"] = time.time()
+            self._window[data.get("source", "?")].append(data)
+
+        await self._nc.subscribe(self.subject, cb=on_msg)
+        self._task = asyncio.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.print_line()
+
+    def print_line(self) -> None:
+        elapsed = time.monotonic() - self._start
+        window, self._window = self._window, defaultdict(list)
+        parts = []
+        texts: list[str] = []
+        for source in sorted(window):
+            msgs = window[source]
+            self.totals[source] += len(msgs)
+            objects = sum(len(m.get("objects", [])) for m in msgs)
+            lat = [m["_received"] - m["capture_ts"] for m in msgs if "capture_ts" in m]
+            p50, p99 = percentile(lat, 0.5) * 1000, percentile(lat, 0.99) * 1000
+            parts.append(
+                f"{source}: {len(msgs):5.1f} fps {objects / max(1, len(msgs)):4.1f} obj/frame "
+                f"latency p50 {p50:4.0f} ms p99 {p99:4.0f} ms"
+            )
+            for m in msgs:
+                for obj in m.get("objects", []):
+                    text = obj.get("text")
+                    if text:
+                        self.texts[text] += 1
+                        if text not in texts:
+                            texts.append(text)
+        line = f"[{elapsed:4.0f}s] " + ("; ".join(parts) if parts else "waiting for frames")
+        if texts:
+            line += " | text: " + ", ".join(f'"{t}"' for t in texts[:6])
+        print(line, file=self.out, flush=True)
+
+    async def stop(self) -> None:
+        if self._nc is not None:
+            # The server may already be gone at shutdown.
+            with contextlib.suppress(Exception):
+                await self._nc.flush(timeout=2)
+        await asyncio.sleep(0.1)
+        if self._task is not None:
+            self._task.cancel()
+        self.print_line()
+        if self._nc is not None:
+            await self._nc.close()
+        total = sum(self.totals.values())
+        common = ", ".join(f'"{t}" x{n}' for t, n in self.texts.most_common(8))
+        print(
+            f"received {total} messages from {len(self.totals)} source(s)"
+            + (f"; most read text: {common}" if common else ""),
+            file=self.out,
+            flush=True,
+        )
