@@ -49,7 +49,8 @@ class SourceRun:
     intake: asyncio.Task[None] | None = None
     published: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
-    last_message: dict[str, Any] | None = None
+    # The latest published frame (image and objects): what the dashboard's snapshot draws.
+    last_frame: Frame | None = None
     latencies: list[float] = field(default_factory=list)
 
     def describe(self) -> dict[str, Any]:
@@ -153,10 +154,9 @@ class Runtime:
                     f"{self.config.file}: model {name!r} is not in the repository {root} "
                     f"(it has: {', '.join(self.models.names()) or 'no models'})"
                 )
-            await self.models.load(name)
-            state = self.models.status_of(name)
-            if state.state.value != "ready":
-                raise PipelineStartError(f"model {name} is unavailable: {state.reason}")
+            status = await self.models.load(name)
+            if status.state.value != "ready":
+                raise PipelineStartError(f"model {name} is unavailable: {status.reason}")
             log.info("model %s ready", name)
 
     def keep_running(self) -> None:
@@ -352,6 +352,9 @@ class Runtime:
                 log.error("source %s: frame %d not published: %s", frame.source, frame.index, exc)
                 continue
             run.published += 1
+            for obj in frame.objects:
+                obj.crops.clear()  # crops were for the cascade; do not keep them alive
+            run.last_frame = frame
             latency = time.time() - frame.capture_ts
             run.latencies.append(latency)
             if len(run.latencies) > 512:

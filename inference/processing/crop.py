@@ -27,7 +27,7 @@ def crop_upright(
     ``polygon`` is four ``(x, y)`` corners clockwise from top-left (as
     :class:`~inference.results.Detection` carries them). The crop is as wide as
     the longer of the top/bottom edges and as tall as the longer of the
-    left/right edges (at least 1 px each); the border replicates edge pixels.
+    left/right edges (rounded, at least 1 px each); the border replicates edge pixels.
     With ``out_height`` the result is scaled, keeping its aspect ratio, to that
     height in the same warp. Vertical lines (height/width ≥ 1.5) come back
     rotated 90° counter-clockwise. Always returns a new contiguous array.
@@ -36,8 +36,9 @@ def crop_upright(
     if src.shape != (4, 2):
         raise ValueError(f"crop_upright needs four (x, y) corners, got an array of shape {src.shape}")
     tl, tr, br, bl = src
-    width = max(1, int(max(np.linalg.norm(tr - tl), np.linalg.norm(br - bl))))
-    height = max(1, int(max(np.linalg.norm(bl - tl), np.linalg.norm(br - tr))))
+    # Rounded, not truncated, so float noise in the corners cannot lose a pixel.
+    width = max(1, round(float(max(np.linalg.norm(tr - tl), np.linalg.norm(br - bl)))))
+    height = max(1, round(float(max(np.linalg.norm(bl - tl), np.linalg.norm(br - tr)))))
     vertical = height / width >= VERTICAL_RATIO
     if out_height is not None:
         if out_height < 1:

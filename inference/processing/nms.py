@@ -9,20 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["batched_nms", "box_iou", "nms"]
-
-
-def box_iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
-    """IoU of one ``(4,)`` box against ``(K, 4)`` boxes; empty boxes give 0."""
-    ix1 = np.maximum(box[0], boxes[:, 0])
-    iy1 = np.maximum(box[1], boxes[:, 1])
-    ix2 = np.minimum(box[2], boxes[:, 2])
-    iy2 = np.minimum(box[3], boxes[:, 3])
-    inter = np.clip(ix2 - ix1, 0, None) * np.clip(iy2 - iy1, 0, None)
-    area = max(float(box[2] - box[0]), 0.0) * max(float(box[3] - box[1]), 0.0)
-    areas = np.clip(boxes[:, 2] - boxes[:, 0], 0, None) * np.clip(boxes[:, 3] - boxes[:, 1], 0, None)
-    union = area + areas - inter
-    return np.divide(inter, union, out=np.zeros_like(inter, dtype=np.float64), where=union > 0)
+__all__ = ["batched_nms", "nms"]
 
 
 def nms(
@@ -35,15 +22,27 @@ def nms(
         raise ValueError(f"{len(boxes)} boxes but {len(scores)} scores")
     limit = len(boxes) if max_detections is None else max(0, max_detections)
     # Stable sort so equal scores keep input order.
-    order = np.argsort(-scores, kind="stable")
+    idx = np.argsort(-scores, kind="stable")
+    ordered = boxes[idx]
+    x1, y1, x2, y2 = (np.ascontiguousarray(ordered[:, i]) for i in range(4))
+    area = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
     keep: list[int] = []
-    while order.size and len(keep) < limit:
-        best = int(order[0])
-        keep.append(best)
-        rest = order[1:]
-        if not rest.size:
+    # The candidate arrays shrink every round; the head is always the best box left.
+    while idx.size and len(keep) < limit:
+        keep.append(int(idx[0]))
+        if idx.size == 1:
             break
-        order = rest[box_iou(boxes[best], boxes[rest]) <= iou_threshold]
+        inter = np.minimum(x2[0], x2[1:])
+        inter -= np.maximum(x1[0], x1[1:])
+        np.maximum(inter, 0.0, out=inter)
+        h = np.minimum(y2[0], y2[1:])
+        h -= np.maximum(y1[0], y1[1:])
+        np.maximum(h, 0.0, out=h)
+        inter *= h
+        # IoU <= t  <=>  inter <= t * union, which also keeps pairs with an empty union.
+        survive = inter <= iou_threshold * (area[1:] + area[0] - inter)
+        x1, y1, x2, y2 = x1[1:][survive], y1[1:][survive], x2[1:][survive], y2[1:][survive]
+        area, idx = area[1:][survive], idx[1:][survive]
     return np.asarray(keep, dtype=np.intp)
 
 

@@ -58,7 +58,7 @@ class _ImageTask(Task):
         return list(self.preprocessor(images, out))
 
     def _output(self, outputs: Mapping[str, np.ndarray], ndim: int, n: int) -> np.ndarray:
-        """The first output with a batch axis, at least ``n`` items and ``ndim`` dims."""
+        """The first output; it must have ``ndim`` dims and hold at least ``n`` items."""
         if not outputs:
             raise ValueError(f"model {self.config.name!r} returned no outputs")
         arr = np.asarray(next(iter(outputs.values())))
@@ -140,7 +140,9 @@ class ClassifyTask(_ImageTask):
 class TextDetectTask(_ImageTask):
     """DB text detectors (PP-OCR det): rotated text-line quadrilaterals in source pixels.
 
-    ``dilate`` enables the optional 2×2 dilation of the thresholded map.
+    ``dilate`` (on by default, as the runtime that ships the PP-OCR models
+    configures it) grows the thresholded map by a 2×2 dilation, which lets the
+    boxes reach the outer edge of the glyphs.
     """
 
     def __init__(
@@ -150,7 +152,7 @@ class TextDetectTask(_ImageTask):
         metadata: Mapping[str, str],
         labels: Sequence[str],
         *,
-        dilate: bool = False,
+        dilate: bool = True,
     ) -> None:
         super().__init__(config, input_spec, metadata, labels)
         t = config.task
@@ -166,6 +168,13 @@ class TextDetectTask(_ImageTask):
 
     def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
         out = self._output(outputs, 4, len(metas))
+        _, h, w = self.item_shape
+        if out.shape[1] != 1 or out.shape[2:] != (h, w):
+            # The letterbox geometry is in input pixels, so the map must be at input resolution.
+            raise ValueError(
+                f"model {self.config.name!r}: expected a [N, 1, {h}, {w}] probability map, "
+                f"got {list(out.shape)}"
+            )
         results: list[Result] = []
         for i, meta in enumerate(metas):
             dets = []

@@ -65,7 +65,7 @@ class Publisher:
     def mode(self) -> str:
         return self.config.publish
 
-    async def connect(self, timeout: float = 10.0) -> None:
+    async def connect(self, timeout: float = 5.0) -> None:
         async def on_disconnect() -> None:
             self.connected.clear()
             if not self._closing:
@@ -80,19 +80,13 @@ class Publisher:
                 log.debug("NATS error: %s", exc)
 
         try:
-            self.nc = await nats.connect(
-                self.url,
-                connect_timeout=min(timeout, 5.0),
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.25,
-                disconnected_cb=on_disconnect,
-                reconnected_cb=on_reconnect,
-                error_cb=on_error,
-                name=f"vidpipe-{self.pipeline}",
-            )
+            # The client retries a first connection forever when reconnects are unlimited;
+            # a broker that is not there at start is an operator error to report now.
+            self.nc = await asyncio.wait_for(self._open(on_disconnect, on_reconnect, on_error), timeout)
         except Exception as exc:
+            reason = "timed out" if isinstance(exc, TimeoutError) else (str(exc) or exc.__class__.__name__)
             raise PublishError(
-                f"cannot connect to NATS at {self.url}: {exc or exc.__class__.__name__}; "
+                f"cannot connect to NATS at {self.url}: {reason}; "
                 "check --nats / nats.url, or omit both to start an embedded server"
             ) from None
         self.connected.set()
@@ -101,6 +95,18 @@ class Publisher:
             await self._ensure_stream()
         else:
             self._flusher = asyncio.create_task(self._flush_outbox(), name="nats-outbox")
+
+    async def _open(self, on_disconnect: Any, on_reconnect: Any, on_error: Any) -> NatsClient:
+        return await nats.connect(
+            self.url,
+            connect_timeout=2,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+            error_cb=on_error,
+            name=f"vidpipe-{self.pipeline}",
+        )
 
     async def _ensure_stream(self) -> None:
         assert self.js is not None

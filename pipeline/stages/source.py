@@ -159,7 +159,7 @@ class TestPatternSource(Source):
 
     ``test://?width=640&height=360&fps=25&frames=N`` (all optional; no ``frames`` = endless).
     Each frame shows a gradient and a white square whose box is
-    :func:`test_square_box` of the frame index, so tests know the truth.
+    :func:`pattern_square_box` of the frame index, so tests know the truth.
     """
 
     __test__ = False  # not a pytest class
@@ -181,7 +181,7 @@ class TestPatternSource(Source):
             )
 
     def run(self) -> None:
-        base = test_pattern_background(self.width, self.height)
+        base = pattern_background(self.width, self.height)
         start = time.monotonic()
         i = 0
         while not self.stopping and (self.frames is None or i < self.frames):
@@ -190,14 +190,14 @@ class TestPatternSource(Source):
             if delay > 0 and self._stop.wait(delay):
                 break
             image = base.copy()
-            x1, y1, x2, y2 = test_square_box(i, self.width, self.height)
+            x1, y1, x2, y2 = pattern_square_box(i, self.width, self.height)
             image[y1:y2, x1:x2] = 255
             if not self.emit(image, pts=i / self.fps):
                 break
             i += 1
 
 
-def test_pattern_background(width: int, height: int) -> np.ndarray:
+def pattern_background(width: int, height: int) -> np.ndarray:
     """A dim diagonal gradient, so nothing but the square is bright."""
     ys = np.linspace(0, 60, height, dtype=np.float32)[:, None]
     xs = np.linspace(0, 60, width, dtype=np.float32)[None, :]
@@ -205,7 +205,7 @@ def test_pattern_background(width: int, height: int) -> np.ndarray:
     return np.repeat(gray[:, :, None], 3, axis=2)
 
 
-def test_square_box(index: int, width: int, height: int) -> tuple[int, int, int, int]:
+def pattern_square_box(index: int, width: int, height: int) -> tuple[int, int, int, int]:
     """Where the test pattern's square is in frame ``index`` (x1, y1, x2, y2, exclusive ends)."""
     side = max(8, min(width, height) // 6)
     span_x = width - side

@@ -1,0 +1,60 @@
+# The two commands a newcomer needs:
+#   make demo   installs what is needed and runs the demo pipeline end to end
+#   make test   installs what is needed and runs lint, types and the whole test suite
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# System packages: FFmpeg CLI, GStreamer's RTSP server (test camera), Chromium (dashboard test).
+APT_PACKAGES := ffmpeg python3-gi gir1.2-gstreamer-1.0 gir1.2-gst-rtsp-server-1.0 \
+	gstreamer1.0-tools gstreamer1.0-plugins-base gstreamer1.0-plugins-good \
+	gstreamer1.0-plugins-bad gstreamer1.0-plugins-ugly gstreamer1.0-libav \
+	chromium fonts-dejavu-core
+PYTEST_ARGS ?=
+
+.PHONY: demo test install system-deps lint typecheck unit bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+# Installs only what is missing; needs root (or sudo) on Debian/Ubuntu.
+system-deps:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing system packages: $$missing"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+samples/generated/demo.mp4: samples/make_clip.py | install
+	$(BIN)/python samples/make_clip.py $@
+
+demo: install samples/generated/demo.mp4
+	$(BIN)/vidpipe run configs/demo.yaml --summary
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy
+
+unit: install system-deps
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+test: lint typecheck unit
+
+bench: install
+	$(BIN)/python bench/batching.py
+	$(BIN)/python bench/scheduler_overhead.py
+
+clean:
+	rm -rf $(VENV) samples/generated test-artifacts .pytest_cache .mypy_cache .ruff_cache

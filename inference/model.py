@@ -1,0 +1,394 @@
+"""One servable model: its config, files, instances and batcher.
+
+A :class:`Model` is built from one ``models/<name>/config.yaml``::
+
+    name: ppocr_cls
+    backend: onnxruntime
+    model_file: {package: rapidocr_onnxruntime, path: models/ch_ppocr_mobile_v2.0_cls_infer.onnx}
+    # or a file next to config.yaml (or in the version folder): model_file: {path: model.onnx}
+    max_batch_size: 32
+    input: {shape: [3, 48, 192]}
+    task: {kind: classify}
+    labels: ["0", "180"]                # or labels_file: labels.txt (one per line)
+    instance_group: [{count: 2}]
+
+Loading resolves the model file and labels, creates one backend, one task and
+one :class:`~inference.memory.BufferPool` of batch tensors per instance, and
+starts a :class:`~inference.batcher.DynamicBatcher`. Each batch is::
+
+    metas = task.preprocess(images, pooled_tensor)
+    outputs = backend.run({input_name: pooled_tensor[:n]})
+    results = task.postprocess(outputs, metas)
+
+so a model in steady state allocates no batch tensors. For ``max_batch_size: 0``
+(no batch axis) the backend gets ``pooled_tensor[0]`` and the task still sees
+outputs with a leading batch axis of 1.
+
+A load that fails leaves the model ``UNAVAILABLE`` with the reason instead of
+raising; :meth:`Model.infer` then refuses with reason ``unavailable``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import importlib
+import importlib.util
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from inference.backends import create_backend
+from inference.backends.base import Backend, BackendError, TensorSpec
+from inference.batcher import (
+    UNAVAILABLE,
+    BatcherStats,
+    DynamicBatcher,
+    InferenceObserver,
+    InferenceRejected,
+    NullObserver,
+)
+from inference.batching import BatchPolicy
+from inference.config import ModelConfig
+from inference.memory import BufferPool
+from inference.results import Result
+from inference.tasks import Task
+
+log = logging.getLogger(__name__)
+
+TaskFactory = Callable[[ModelConfig, TensorSpec, Mapping[str, str], Sequence[str]], Task]
+BackendFactory = Callable[[ModelConfig, Path, int], Backend]
+
+_TASK_MODULES = ("inference.processing.tasks", "inference.tasks_impl")
+
+
+class ModelState(enum.Enum):
+    """Where a model is in its life."""
+
+    LOADING = "loading"
+    READY = "ready"
+    UNAVAILABLE = "unavailable"
+    UNLOADED = "unloaded"
+
+
+class ModelUnavailable(InferenceRejected):
+    """The model is not ready to serve (reason ``unavailable``)."""
+
+    def __init__(self, model: str, state: ModelState, why: str = "") -> None:
+        self.state = state
+        super().__init__(model, UNAVAILABLE, f"the model is {state.value}" + (f": {why}" if why else ""))
+
+
+class ModelConfigError(BackendError):
+    """A model file or labels file named in config.yaml is missing; ``key`` is the key to fix."""
+
+    def __init__(self, message: str, key: str) -> None:
+        self.key = key
+        super().__init__(message)
+
+
+def default_task_factory(
+    config: ModelConfig, input_spec: TensorSpec, metadata: Mapping[str, str], labels: Sequence[str]
+) -> Task:
+    """Build the task for ``task.kind`` from the processing package (imported on first use)."""
+    for module_name in _TASK_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue
+            raise
+        task: Task = module.create_task(config, input_spec, metadata, labels)
+        return task
+    raise BackendError(
+        f"{config.name}: no pre/post-processing for task kind {config.task.kind!r} is installed "
+        f"(looked for create_task in {', '.join(_TASK_MODULES)})"
+    )
+
+
+def resolve_model_file(config: ModelConfig, model_dir: Path, version_dir: Path | None = None) -> Path:
+    """The model file's absolute path; relative paths are taken from the version folder or model folder."""
+    mf = config.model_file
+    if mf.package:
+        try:
+            spec = importlib.util.find_spec(mf.package)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            raise ModelConfigError(
+                f"{config.name}: model_file.package {mf.package!r} is not installed "
+                f"(install it, or point model_file.path at a local file)",
+                "model_file.package",
+            )
+        if spec.submodule_search_locations:
+            roots = [Path(p) for p in spec.submodule_search_locations]
+        elif spec.origin:
+            roots = [Path(spec.origin).parent]
+        else:
+            roots = []
+        for root in roots:
+            candidate = root / mf.path
+            if candidate.is_file():
+                return candidate
+        where = roots[0] if roots else mf.package
+        raise ModelConfigError(
+            f"{config.name}: package {mf.package!r} has no file {mf.path!r} (looked in {where})",
+            "model_file.path",
+        )
+    path = Path(mf.path)
+    if not path.is_absolute():
+        path = (version_dir or model_dir) / path
+    if not path.is_file():
+        raise ModelConfigError(
+            f"{config.name}: model file not found: {path} (fix model_file.path; relative paths start "
+            f"at {version_dir or model_dir})",
+            "model_file.path",
+        )
+    return path
+
+
+def load_labels(config: ModelConfig, model_dir: Path) -> list[str]:
+    """Class labels from ``labels`` or ``labels_file`` (one per line, relative to the model folder)."""
+    if config.labels and config.labels_file:
+        raise ModelConfigError(f"{config.name}: set labels or labels_file, not both", "labels_file")
+    if not config.labels_file:
+        return list(config.labels)
+    path = Path(config.labels_file)
+    if not path.is_absolute():
+        path = model_dir / path
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ModelConfigError(
+            f"{config.name}: cannot read labels_file {path}: {exc}", "labels_file"
+        ) from exc
+    # Blank lines inside the file keep their class id; trailing ones are just the file's end.
+    while lines and not lines[-1].strip():
+        lines.pop()
+    return [line.strip() for line in lines]
+
+
+def check_image(name: str, image: Any) -> None:
+    """Refuse anything but an H×W×3 uint8 array before it reaches a batch."""
+    if (
+        not isinstance(image, np.ndarray)
+        or image.ndim != 3
+        or image.shape[2] != 3
+        or image.dtype != np.uint8
+        or image.shape[0] == 0
+        or image.shape[1] == 0
+    ):
+        got = f"shape {image.shape} {image.dtype}" if isinstance(image, np.ndarray) else type(image).__name__
+        raise ValueError(f"{name}: expected an H×W×3 uint8 RGB image, got {got}")
+
+
+@dataclass(slots=True)
+class ModelInstance:
+    """One instance: its backend, task and pool of batch tensors."""
+
+    index: int
+    backend: Backend
+    task: Task
+    pool: BufferPool
+    input_name: str
+
+
+def _input_spec(config: ModelConfig, backend: Backend) -> TensorSpec:
+    wanted = config.input.name
+    for spec in backend.inputs:
+        if wanted is None or spec.name == wanted:
+            return spec
+    names = ", ".join(s.name for s in backend.inputs) or "none"
+    raise BackendError(f"{config.name}: the model has no input {wanted!r} (inputs: {names}); fix input.name")
+
+
+class Model:
+    """A model's instances behind one dynamic batcher."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        model_dir: Path,
+        *,
+        version: int | None = None,
+        version_dir: Path | None = None,
+        backend_factory: BackendFactory = create_backend,
+        task_factory: TaskFactory = default_task_factory,
+        observer: InferenceObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        describe_error: Callable[[BaseException], str] | None = None,
+        buffer_timeout: float = 30.0,
+    ) -> None:
+        self.config = config
+        self.name = config.name
+        self.model_dir = Path(model_dir)
+        self.version = version
+        self.version_dir = version_dir
+        self.model_path: Path | None = None
+        self.labels: list[str] = []
+        self.state = ModelState.UNLOADED
+        self.reason = "not loaded"
+        self.error: BaseException | None = None
+        self.instances: list[ModelInstance] = []
+        self.observer: InferenceObserver = observer or NullObserver()
+        self._backend_factory = backend_factory
+        self._task_factory = task_factory
+        self._clock = clock
+        self._describe_error = describe_error or str
+        self._buffer_timeout = buffer_timeout
+        self._batcher: DynamicBatcher | None = None
+        # A replacement built by a reload stays quiet until it is swapped in, so
+        # observers never see the served model flip to loading or unavailable.
+        self.report_states = True
+
+    # -- state -------------------------------------------------------------
+
+    def _set_state(self, state: ModelState, reason: str = "") -> None:
+        self.state = state
+        self.reason = reason
+        if not self.report_states:
+            return
+        try:
+            self.observer.on_state(self.name, state.value, reason)
+        except Exception:
+            log.exception("%s: observer.on_state failed", self.name)
+
+    @property
+    def ready(self) -> bool:
+        return self.state is ModelState.READY
+
+    @property
+    def batcher(self) -> DynamicBatcher:
+        if self._batcher is None:
+            raise ModelUnavailable(self.name, self.state, self.reason)
+        return self._batcher
+
+    @property
+    def stats(self) -> BatcherStats:
+        return self._batcher.stats if self._batcher else BatcherStats()
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return list(self.instances[0].backend.inputs) if self.instances else []
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return list(self.instances[0].backend.outputs) if self.instances else []
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(self.instances[0].backend.metadata) if self.instances else {}
+
+    @property
+    def batch_shape(self) -> tuple[int, int, int, int]:
+        """Shape of each pooled batch tensor: ``(max(1, max_batch_size), C, H, W)``."""
+        c, h, w = self.config.input.shape
+        return (max(1, self.config.max_batch_size), c, h, w)
+
+    def load(self) -> ModelState:
+        """Create the instances and start serving; blocking (a session can take seconds to build).
+
+        Never raises for a bad model: the state becomes ``UNAVAILABLE`` with the reason.
+        """
+        if self.state in (ModelState.READY, ModelState.LOADING):
+            return self.state
+        self._set_state(ModelState.LOADING)
+        config = self.config
+        instances: list[ModelInstance] = []
+        try:
+            self.model_path = resolve_model_file(config, self.model_dir, self.version_dir)
+            self.labels = load_labels(config, self.model_dir)
+            try:
+                policy = BatchPolicy.from_config(config)
+            except ValueError as exc:
+                raise ModelConfigError(str(exc), "dynamic_batching.priority_queue_policy") from None
+            for index in range(config.instance_count):
+                backend = self._backend_factory(config, self.model_path, index)
+                try:
+                    spec = _input_spec(config, backend)
+                    task = self._task_factory(config, spec, backend.metadata, self.labels)
+                    pool = BufferPool(
+                        self.batch_shape, config.input.dtype, count=1, name=f"{self.name}/instance-{index}"
+                    )
+                except BaseException:
+                    backend.close()
+                    raise
+                instances.append(ModelInstance(index, backend, task, pool, spec.name))
+            runners = [partial(self._execute, inst) for inst in instances]
+            batcher = DynamicBatcher(self.name, policy, runners, observer=self.observer, clock=self._clock)
+            batcher.start()
+        except Exception as exc:
+            for inst in instances:
+                inst.backend.close()
+            self.error = exc
+            reason = self._describe_error(exc)
+            log.warning("%s: unavailable: %s", self.name, reason)
+            self._set_state(ModelState.UNAVAILABLE, reason)
+            return self.state
+        self.instances = instances
+        self._batcher = batcher
+        self.error = None
+        self._set_state(ModelState.READY)
+        return self.state
+
+    def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop serving and release the instances.
+
+        With ``drain`` (the default) queued and running requests are still
+        answered; without it, queued ones fail with reason ``shutdown``.
+        """
+        batcher, self._batcher = self._batcher, None
+        if batcher is not None:
+            batcher.stop(drain=drain, timeout=timeout)
+        for inst in self.instances:
+            try:
+                inst.backend.close()
+            except Exception:
+                log.exception("%s: closing instance %d failed", self.name, inst.index)
+        self.instances = []
+        self._set_state(ModelState.UNLOADED, "unloaded")
+
+    # -- inference ---------------------------------------------------------
+
+    async def infer(
+        self, image: np.ndarray, *, priority: int | None = None, timeout_us: int | None = None
+    ) -> Result:
+        """Run one H×W×3 uint8 RGB image through the model (batched with others)."""
+        batcher = self._batcher
+        if batcher is None or self.state is not ModelState.READY:
+            raise ModelUnavailable(self.name, self.state, self.reason)
+        check_image(self.name, image)
+        result: Result = await batcher.infer(image, priority=priority, timeout_us=timeout_us)
+        return result
+
+    def submit(
+        self, image: np.ndarray, *, priority: int | None = None, timeout_us: int | None = None
+    ) -> concurrent.futures.Future[Result]:
+        """Thread-safe, non-async :meth:`infer`; returns a future of the result."""
+        batcher = self._batcher
+        if batcher is None or self.state is not ModelState.READY:
+            raise ModelUnavailable(self.name, self.state, self.reason)
+        check_image(self.name, image)
+        return batcher.submit(image, priority=priority, timeout_us=timeout_us)
+
+    def _execute(self, inst: ModelInstance, images: list[Any]) -> list[Result]:
+        """One batch on one instance (runs on that instance's worker thread)."""
+        n = len(images)
+        with inst.pool.acquire(timeout=self._buffer_timeout) as buf:
+            tensor = buf.array
+            metas = inst.task.preprocess(images, tensor)
+            if self.config.max_batch_size:
+                outputs = inst.backend.run({inst.input_name: tensor[:n]})
+            else:
+                raw = inst.backend.run({inst.input_name: tensor[0]})
+                outputs = {k: v[np.newaxis] for k, v in raw.items()}
+            return inst.task.postprocess(outputs, metas)
+
+    def __repr__(self) -> str:
+        return f"Model({self.name!r}, version={self.version}, state={self.state.value})"

@@ -1,0 +1,400 @@
+"""The model repository: a folder of models, loaded, reloaded and unloaded by name.
+
+Layout (Triton-like)::
+
+    models/
+      yolov8n/
+        config.yaml          # name: yolov8n  (must equal the folder name)
+        model.onnx           # model_file: {path: model.onnx}
+        labels.txt           # labels_file: labels.txt
+      ppocr_det/
+        config.yaml
+        1/model.onnx         # numbered version folders: the highest is served
+        2/model.onnx         # unless config.yaml pins one with  version: 1
+
+Every ``config.yaml`` is validated by :mod:`inference.schema`, so mistakes read
+``models/x/config.yaml:12: input.shape: ... (hint: ...)``. Problems found while
+loading (a missing model file, an input the model does not declare) point at
+the config key to change in the same way. A model that fails to load becomes
+``UNAVAILABLE`` with that reason; the other models are unaffected.
+
+``reload`` builds a new copy next to the one being served, swaps it in only
+once it is ready, and then drains the old copy, so requests already queued on
+the old one still finish. If the new copy fails, the old one keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from inference.backends import create_backend
+from inference.backends.base import TensorSpec
+from inference.batcher import InferenceObserver, NullObserver
+from inference.batching import BatchPolicy
+from inference.config import ModelConfig
+from inference.model import (
+    BackendFactory,
+    Model,
+    ModelState,
+    ModelUnavailable,
+    TaskFactory,
+    default_task_factory,
+    resolve_model_file,
+)
+from inference.schema import ConfigError, build, line_of, load_yaml
+
+CONFIG_FILE = "config.yaml"
+
+log = logging.getLogger(__name__)
+
+
+class ModelNotFoundError(LookupError):
+    """No folder with a config.yaml for that model name."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStatus:
+    """What ``status()`` reports for one model."""
+
+    name: str
+    version: int | None
+    state: ModelState
+    reason: str
+    backend: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    instance_count: int
+    max_batch_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """A parsed config.yaml and the version chosen from its folder."""
+
+    name: str
+    file: Path
+    data: Any
+    config: ModelConfig
+    version: int | None
+    version_dir: Path | None
+
+    @property
+    def model_dir(self) -> Path:
+        return self.file.parent
+
+    def line_of_key(self, key: str) -> int | None:
+        """The line of a dotted config key, or of its nearest parent present in the file."""
+        node = self.data
+        line = line_of(node)
+        for part in key.split("."):
+            here = line_of(node, part) if isinstance(node, dict) else None
+            if here is None:
+                break
+            line = here
+            node = node.get(part)
+        return line
+
+    def describe(self, exc: BaseException) -> str:
+        """Render a load error; errors that name a config key point at its line."""
+        if isinstance(exc, ConfigError):
+            return exc.render()
+        key = getattr(exc, "key", None)
+        if isinstance(key, str):
+            return ConfigError(str(self.file), self.line_of_key(key), key, str(exc)).render()
+        return f"{self.file}: {exc}"
+
+
+def read_source(root: Path, name: str) -> ModelSource:
+    """Parse ``root/name/config.yaml`` and pick the version; errors are :class:`ConfigError`."""
+    folder = Path(root) / name
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"no model {name!r} in {root} (expected {path})")
+    data = load_yaml(path)
+    config = build(data, ModelConfig, str(path))
+    if config.name != name:
+        raise ConfigError(
+            str(path),
+            line_of(data, "name"),
+            "name",
+            f"{config.name!r} does not match the model's folder {name!r}",
+            f"set name: {name} or rename the folder to {config.name}",
+        )
+    try:
+        BatchPolicy.from_config(config)
+    except ValueError as exc:
+        src = ModelSource(name, path, data, config, None, None)
+        raise ConfigError(
+            str(path),
+            src.line_of_key("dynamic_batching.priority_queue_policy"),
+            "dynamic_batching.priority_queue_policy",
+            str(exc),
+        ) from None
+    versions = sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
+    if config.version is not None:
+        if config.version not in versions:
+            raise ConfigError(
+                str(path),
+                line_of(data, "version"),
+                "version",
+                f"version folder {folder / str(config.version)} does not exist",
+                f"versions present: {', '.join(map(str, versions))}" if versions else "remove version:",
+            )
+        version: int | None = config.version
+    else:
+        version = versions[-1] if versions else None
+    version_dir = folder / str(version) if version is not None else None
+    return ModelSource(name, path, data, config, version, version_dir)
+
+
+class ModelRepository:
+    """Loads the models under ``root`` and hands them out by name."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        observer: InferenceObserver | None = None,
+        backend_factory: BackendFactory = create_backend,
+        task_factory: TaskFactory = default_task_factory,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.root = Path(root)
+        self.observer: InferenceObserver = observer or NullObserver()
+        self._backend_factory = backend_factory
+        self._task_factory = task_factory
+        self._clock = clock
+        self._models: dict[str, Model] = {}
+        self._failed: dict[str, tuple[ModelConfig | None, str]] = {}  # config errors: no Model exists
+        self._reload_errors: dict[str, str] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # -- reading -----------------------------------------------------------
+
+    def names(self) -> list[str]:
+        """Model folders that hold a config.yaml, sorted."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if (p / CONFIG_FILE).is_file())
+
+    def config(self, name: str) -> ModelConfig:
+        """The validated config of ``name`` (raises :class:`ConfigError` with FILE:LINE)."""
+        return read_source(self.root, name).config
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        lock = self._locks.get(name)
+        if lock is None:
+            lock = self._locks[name] = asyncio.Lock()
+        return lock
+
+    async def _build(self, name: str, *, quiet: bool = False) -> Model | str:
+        """A loaded (READY or UNAVAILABLE) model, or the config error that prevented one."""
+        try:
+            src = read_source(self.root, name)
+        except ConfigError as exc:
+            return exc.render()
+        model = Model(
+            src.config,
+            src.model_dir,
+            version=src.version,
+            version_dir=src.version_dir,
+            backend_factory=self._backend_factory,
+            task_factory=self._task_factory,
+            observer=self.observer,
+            clock=self._clock,
+            describe_error=src.describe,
+        )
+        model.report_states = not quiet
+        await asyncio.to_thread(model.load)
+        return model
+
+    def _record(self, name: str, built: Model | str) -> None:
+        if isinstance(built, str):
+            self._models.pop(name, None)
+            self._failed[name] = (None, built)
+            self._report(name, ModelState.UNAVAILABLE, built)
+        else:
+            self._models[name] = built
+            self._failed.pop(name, None)
+        self._reload_errors.pop(name, None)
+
+    def _report(self, name: str, state: ModelState, reason: str) -> None:
+        try:
+            self.observer.on_state(name, state.value, reason)
+        except Exception:  # an observer must not break loading
+            log.exception("%s: observer.on_state failed", name)
+
+    async def load(self, name: str) -> ModelStatus:
+        """Load ``name`` unless it is already ready; a failure leaves it UNAVAILABLE (no exception).
+
+        Raises :class:`ModelNotFoundError` only when the repository has no such folder.
+        """
+        async with self._lock(name):
+            current = self._models.get(name)
+            if current is not None and current.ready:
+                return self._status_of(name)
+            if not (self.root / name / CONFIG_FILE).is_file():
+                raise ModelNotFoundError(
+                    f"no model {name!r} in {self.root}; models: {', '.join(self.names())}"
+                )
+            self._record(name, await self._build(name))
+            return self._status_of(name)
+
+    async def load_all(self) -> list[ModelStatus]:
+        """Load every model in the repository, one after another."""
+        return [await self.load(name) for name in self.names()]
+
+    async def unload(self, name: str) -> ModelStatus:
+        """Stop serving ``name``; queued and running requests still finish."""
+        async with self._lock(name):
+            model = self._models.get(name)
+            if model is None and name not in self._failed and name not in self.names():
+                raise ModelNotFoundError(f"no model {name!r} in {self.root}")
+            self._failed.pop(name, None)
+            self._reload_errors.pop(name, None)
+            if model is not None:
+                await asyncio.to_thread(model.stop, drain=True)
+            else:
+                self._report(name, ModelState.UNLOADED, "unloaded")
+            return self._status_of(name)
+
+    async def reload(self, name: str) -> ModelStatus:
+        """Build a fresh copy of ``name`` and swap it in once ready; then drain the old copy.
+
+        If the fresh copy fails while an old one is serving, the old one keeps
+        serving and the status reason says the reload failed.
+        """
+        async with self._lock(name):
+            old = self._models.get(name)
+            serving = old is not None and old.ready
+            built = await self._build(name, quiet=serving)
+            if isinstance(built, Model) and built.ready:
+                # One dict assignment: get() returns either the old or the new model, never neither.
+                self._models[name] = built
+                self._failed.pop(name, None)
+                self._reload_errors.pop(name, None)
+                built.report_states = True
+                if serving:
+                    self._report(name, ModelState.READY, "")
+                if old is not None:
+                    old.report_states = False
+                    await asyncio.to_thread(old.stop, drain=True)
+            elif serving:
+                reason = built if isinstance(built, str) else built.reason
+                self._reload_errors[name] = f"reload failed, still serving the previous load: {reason}"
+            else:
+                if old is not None:
+                    await asyncio.to_thread(old.stop, drain=True)
+                self._record(name, built)
+            return self._status_of(name)
+
+    async def close(self) -> None:
+        """Unload every model (draining their queues)."""
+        for name in list(self._models):
+            await self.unload(name)
+
+    # -- serving -----------------------------------------------------------
+
+    def get(self, name: str) -> Model:
+        """The ready model ``name``; :class:`ModelUnavailable` if it is not ready."""
+        model = self._models.get(name)
+        if model is not None and model.ready:
+            return model
+        if model is not None:
+            raise ModelUnavailable(name, model.state, model.reason)
+        if name in self._failed:
+            raise ModelUnavailable(name, ModelState.UNAVAILABLE, self._failed[name][1])
+        if name in self.names():
+            raise ModelUnavailable(name, ModelState.UNLOADED, "not loaded yet")
+        raise ModelNotFoundError(
+            f"no model {name!r} in {self.root}; models: {', '.join(self.names()) or 'none'}"
+        )
+
+    def status(self) -> list[ModelStatus]:
+        """One entry per model folder (and per loaded model whose folder went away)."""
+        names = sorted(set(self.names()) | set(self._models) | set(self._failed))
+        return [self._status_of(n) for n in names]
+
+    def _status_of(self, name: str) -> ModelStatus:
+        model = self._models.get(name)
+        if model is not None:
+            cfg = model.config
+            reason = self._reload_errors.get(name, model.reason if not model.ready else "")
+            return ModelStatus(
+                name=name,
+                version=model.version,
+                state=model.state,
+                reason=reason,
+                backend=cfg.backend,
+                inputs=tuple(model.inputs),
+                outputs=tuple(model.outputs),
+                instance_count=cfg.instance_count,
+                max_batch_size=cfg.max_batch_size,
+            )
+        if name in self._failed:
+            return ModelStatus(name, None, ModelState.UNAVAILABLE, self._failed[name][1], "", (), (), 0, 0)
+        return ModelStatus(name, None, ModelState.UNLOADED, "not loaded", "", (), (), 0, 0)
+
+
+def _specs(specs: tuple[TensorSpec, ...] | list[TensorSpec]) -> str:
+    def dims(shape: tuple[int | None, ...]) -> str:
+        return ",".join("?" if d is None else str(d) for d in shape)
+
+    return ", ".join(f"{s.name}:{s.dtype}[{dims(s.shape)}]" for s in specs) or "-"
+
+
+def describe_repository(root: Path, *, backend_factory: BackendFactory = create_backend) -> str:
+    """The table ``vidpipe models list REPO`` prints: each model opened once to read its tensors.
+
+    Models whose config or file is broken are listed as ``unavailable`` and
+    their reasons follow the table.
+    """
+    root = Path(root)
+    header = ("NAME", "VERSION", "STATE", "BACKEND", "INPUTS", "OUTPUTS", "BATCH")
+    rows: list[tuple[str, ...]] = []
+    problems: list[str] = []
+    repo = ModelRepository(root)
+    for name in repo.names():
+        try:
+            src = read_source(root, name)
+        except ConfigError as exc:
+            rows.append((name, "-", "unavailable", "-", "-", "-", "-"))
+            problems.append(f"{name}: {exc.render()}")
+            continue
+        cfg = src.config
+        version = str(src.version) if src.version is not None else "-"
+        batch = str(cfg.max_batch_size)
+        if cfg.dynamic_batching.preferred_batch_size:
+            batch += " (preferred " + ",".join(map(str, cfg.dynamic_batching.preferred_batch_size)) + ")"
+        try:
+            path = resolve_model_file(cfg, src.model_dir, src.version_dir)
+            backend = backend_factory(cfg, path, 0)
+        except Exception as exc:
+            rows.append((name, version, "unavailable", cfg.backend, "-", "-", batch))
+            problems.append(f"{name}: {src.describe(exc)}")
+            continue
+        try:
+            rows.append(
+                (name, version, "ready", cfg.backend, _specs(backend.inputs), _specs(backend.outputs), batch)
+            )
+        finally:
+            backend.close()
+    if not rows:
+        return f"no models in {root} (expected {root}/<name>/{CONFIG_FILE})"
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+    if problems:
+        lines.append("")
+        lines.extend(problems)
+    return "\n".join(lines)
