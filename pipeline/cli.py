@@ -76,7 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
     models_sub = models.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
     models_list = models_sub.add_parser("list", help="list models, their inputs/outputs and state")
     models_list.add_argument("repo")
-    models_list.add_argument("--no-load", action="store_true", help="show configs only, load nothing")
     return parser
 
 
@@ -122,7 +121,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     repo = Path(args.repo)
     if not repo.is_dir():
         raise ConfigError(str(repo), None, "", "model repository folder not found", "check the path")
-    print(describe_repository(repo, load=not args.no_load))
+    print(describe_repository(repo))
     return EXIT_OK
 
 

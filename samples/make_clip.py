@@ -26,13 +26,18 @@ PLATE_COLOR = (250, 215, 40)  # yellow: bright to a person, not to the square de
 
 @dataclass(frozen=True)
 class Plate:
-    """A plate that enters at ``start`` and moves ``speed`` px/frame left along row ``y``."""
+    """A plate shown from frame ``start`` (until ``end``, exclusive) on row ``y``.
+
+    It drives in from the right at ``speed`` px/frame, or stands still at ``x`` when given.
+    """
 
     text: str
     start: int
     y: int
     speed: float = 6.0
     scale: float = 1.3
+    x: int | None = None
+    end: int | None = None
 
 
 DEFAULT_PLATES = (
@@ -55,13 +60,20 @@ def plates_at(
     """``(text, (x1, y1, x2, y2))`` of each plate fully inside a frame of ``width``."""
     out = []
     for plate in plates:
-        if index < plate.start:
+        if index < plate.start or (plate.end is not None and index >= plate.end):
             continue
         w, h = plate_size(plate)
-        x = round(width - (index - plate.start) * plate.speed)
+        x = plate.x if plate.x is not None else round(width - (index - plate.start) * plate.speed)
         if x >= 0 and x + w <= width:
             out.append((plate.text, (x, plate.y, x + w, plate.y + h)))
     return out
+
+
+def text_box(plate: Plate, panel: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """Where the ink of ``plate``'s text is, given its panel box."""
+    (tw, th), base = cv2.getTextSize(plate.text, FONT, plate.scale, 3)
+    x1, y1 = panel[0] + 14, panel[1] + 12
+    return (x1, y1, x1 + tw, y1 + th + base)
 
 
 def square_at(index: int, width: int, height: int) -> tuple[int, int, int, int]:

@@ -30,6 +30,22 @@ stages:
 """
 
 
+SQUARES = """\
+pipeline: demo
+models: {models}
+stages:
+  - {{name: objects, type: infer, model: squares}}
+"""
+
+
+@pytest.fixture
+def squares_config(tmp_path: Path, sample_models: Path) -> Path:
+    """A light graph (the squares detector only), so live test sources never fall behind."""
+    path = tmp_path / "squares.yaml"
+    path.write_text(SQUARES.format(models=sample_models))
+    return path
+
+
 def assert_box(actual: list[float], truth: tuple[int, int, int, int], tolerance: float = 2.0) -> None:
     assert all(abs(a - t) <= tolerance for a, t in zip(actual, truth, strict=True)), (actual, truth)
 
@@ -96,11 +112,11 @@ async def test_source_flag_runs_the_graph_on_another_file(
 
 
 async def test_max_frames_stops_each_source_after_n(
-    tmp_path: Path, nats_server: EmbeddedNats, collector: Collector
+    squares_config: Path, tmp_path: Path, nats_server: EmbeddedNats, collector: Collector
 ) -> None:
     await collector.start(nats_server.url)
     code, _, err = await run_async(
-        "run", str(ROOT / "configs" / "demo.yaml"),
+        "run", str(squares_config),
         "--source", "test://?fps=50", "--source", "test://?fps=50&width=320&height=180",
         "--nats", nats_server.url, "--max-frames", "15",
     )  # fmt: skip
@@ -111,10 +127,8 @@ async def test_max_frames_stops_each_source_after_n(
         assert [m["frame"] for m in collector.by_source(source)] == list(range(15))
 
 
-def test_embedded_nats_is_started_printed_and_stopped(tmp_path: Path) -> None:
-    proc = run_cli(
-        "run", str(ROOT / "configs" / "demo.yaml"), "--source", "test://?fps=50&frames=10", "--summary"
-    )
+def test_embedded_nats_is_started_printed_and_stopped(squares_config: Path, tmp_path: Path) -> None:
+    proc = run_cli("run", str(squares_config), "--source", "test://?fps=50&frames=10", "--summary")
     assert proc.returncode == 0, proc.stderr
     match = re.search(r"embedded NATS server at nats://127\.0\.0\.1:(\d+)", proc.stdout)
     assert match, proc.stdout
@@ -128,14 +142,14 @@ def test_embedded_nats_is_started_printed_and_stopped(tmp_path: Path) -> None:
 
 
 async def test_broken_source_is_named_and_the_other_source_goes_on(
-    tmp_path: Path, nats_server: EmbeddedNats, collector: Collector
+    squares_config: Path, tmp_path: Path, nats_server: EmbeddedNats, collector: Collector
 ) -> None:
     garbage = tmp_path / "garbage.mp4"
     garbage.write_bytes(bytes(range(256)) * 64)
     good = write_clip(tmp_path / "good.mp4", frames=20, fps=10)
     await collector.start(nats_server.url)
     code, _, err = await run_async(
-        "run", str(ROOT / "configs" / "demo.yaml"), "--source", str(garbage), "--source", str(good),
+        "run", str(squares_config), "--source", str(garbage), "--source", str(good),
         "--source", str(tmp_path / "missing.mp4"), "--nats", nats_server.url,
     )  # fmt: skip
     assert code == 0, err
@@ -150,9 +164,11 @@ async def test_broken_source_is_named_and_the_other_source_goes_on(
     assert "Traceback" not in err
 
 
-async def test_run_exits_1_when_no_source_produced_anything(tmp_path: Path, nats_server: EmbeddedNats) -> None:
+async def test_run_exits_1_when_no_source_produced_anything(
+    squares_config: Path, tmp_path: Path, nats_server: EmbeddedNats
+) -> None:
     code, _, err = await run_async(
-        "run", str(ROOT / "configs" / "demo.yaml"), "--source", str(tmp_path / "nothing.mp4"),
+        "run", str(squares_config), "--source", str(tmp_path / "nothing.mp4"),
         "--nats", nats_server.url,
     )  # fmt: skip
     assert code == 1
@@ -160,9 +176,9 @@ async def test_run_exits_1_when_no_source_produced_anything(tmp_path: Path, nats
     assert "Traceback" not in err
 
 
-def test_unreachable_nats_is_a_runtime_error_with_a_hint(tmp_path: Path) -> None:
+def test_unreachable_nats_is_a_runtime_error_with_a_hint(squares_config: Path, tmp_path: Path) -> None:
     proc = run_cli(
-        "run", str(ROOT / "configs" / "demo.yaml"), "--source", "test://?frames=5",
+        "run", str(squares_config), "--source", "test://?frames=5",
         "--nats", "nats://127.0.0.1:9",
     )  # fmt: skip
     assert proc.returncode == 1
@@ -170,7 +186,9 @@ def test_unreachable_nats_is_a_runtime_error_with_a_hint(tmp_path: Path) -> None
     assert "Traceback" not in proc.stderr
 
 
-async def test_subscribe_prints_json_lines(tmp_path: Path, nats_server: EmbeddedNats) -> None:
+async def test_subscribe_prints_json_lines(
+    squares_config: Path, tmp_path: Path, nats_server: EmbeddedNats
+) -> None:
     sub = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "pipeline.cli", "subscribe", "--nats", nats_server.url, "vidpipe.demo.>",
         "--count", "5", "--timeout", "60",
@@ -178,7 +196,7 @@ async def test_subscribe_prints_json_lines(tmp_path: Path, nats_server: Embedded
     )  # fmt: skip
     await asyncio.sleep(1.0)  # let the subscriber connect before frames flow
     code, _, err = await run_async(
-        "run", str(ROOT / "configs" / "demo.yaml"), "--source", "test://?fps=50&frames=5",
+        "run", str(squares_config), "--source", "test://?fps=50&frames=5",
         "--nats", nats_server.url,
     )  # fmt: skip
     assert code == 0, err

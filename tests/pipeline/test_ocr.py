@@ -1,0 +1,65 @@
+"""The real PP-OCR cascade end to end: a clip with known text, read back from NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from pipeline.nats_server import EmbeddedNats
+from samples.make_clip import Plate, plates_at, text_box, write_clip
+from tests.conftest import ROOT, Collector, validate_message
+
+# Text that changes over time at known places; single words, because where a
+# recogniser puts a space is the model's call, not the pipeline's.
+PLATES = (
+    Plate("OPEN24", start=0, end=10, x=40, y=40),
+    Plate("EXIT12", start=5, end=20, x=330, y=150),
+    Plate("GATE7", start=10, end=20, x=60, y=260),
+)
+FRAMES = 20
+
+
+def iou(a: list[float] | tuple[int, ...], b: tuple[int, int, int, int]) -> float:
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+async def test_ocr_cascade_reads_known_text_at_known_places(
+    tmp_path: Path, nats_server: EmbeddedNats, collector: Collector
+) -> None:
+    clip = write_clip(tmp_path / "signs.mp4", frames=FRAMES, fps=10, plates=PLATES, square=False)
+    await collector.start(nats_server.url, "vidpipe.ocr.>")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "configs" / "ocr.yaml"),
+        "--source", str(clip), "--nats", nats_server.url,
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(proc.communicate(), 240)
+    assert proc.returncode == 0, err.decode()
+    await collector.wait_for(FRAMES)
+
+    assert [m["frame"] for m in collector.messages] == list(range(FRAMES))
+    for message in collector.messages:
+        validate_message(message)
+        frame = message["frame"]
+        truth = plates_at(frame, 640, PLATES)
+        texts = {obj.get("text") for obj in message["objects"] if obj["label"] == "text"}
+        assert texts == {text for text, _ in truth}, (frame, message["objects"])
+        for text, panel in truth:
+            plate = next(p for p in PLATES if p.text == text)
+            (obj,) = [o for o in message["objects"] if o.get("text") == text]
+            # The detector's box hugs the ink (grown by the DB unclip), inside the plate.
+            assert iou(obj["bbox"], text_box(plate, panel)) > 0.6, (frame, text, obj["bbox"])
+            assert obj["text_score"] > 0.8
+            (attr,) = obj["attributes"]
+            assert attr == {"model": "ppocr_cls", "label": "0", "score": attr["score"]}
+            assert obj["track_id"] >= 1
+    # A plate keeps its track id while it stays.
+    exit_ids = {
+        o["track_id"] for m in collector.messages for o in m["objects"] if o.get("text") == "EXIT12"
+    }
+    assert len(exit_ids) == 1
