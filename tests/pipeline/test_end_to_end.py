@@ -68,7 +68,7 @@ async def test_pattern_and_file_sources_publish_one_ordered_message_per_frame(
     config.write_text(PIPELINE.format(models=sample_models, pattern_frames=40, clip=clip))
     await collector.start(nats_server.url, "vidpipe.e2e.>")
 
-    code, out, err = await run_async("run", str(config), "--nats", nats_server.url)
+    code, _, err = await run_async("run", str(config), "--nats", nats_server.url)
     assert code == 0, err
     await collector.wait_for(70)
     assert "Traceback" not in err
