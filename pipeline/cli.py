@@ -46,12 +46,14 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="vidpipe", description="Streaming video analytics: cameras in, detections out.")
-    parser.add_argument("--log-format", choices=["plain", "json"], default="plain")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    # Logging options go after the command (`vidpipe run --debug ...`), on every command.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-format", choices=["plain", "json"], default="plain")
+    common.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    common.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    run = sub.add_parser("run", help="run a pipeline")
+    run = sub.add_parser("run", help="run a pipeline", parents=[common])
     run.add_argument("config", help="pipeline YAML")
     run.add_argument(
         "--source", action="append", metavar="URL", help="replace the config's sources (repeatable)"
@@ -63,18 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--publish", choices=["core", "jetstream"], help="override nats.publish")
     run.add_argument("--summary", action="store_true", help="print a line per second from the output")
 
-    validate = sub.add_parser("validate", help="check a pipeline YAML and exit")
+    validate = sub.add_parser("validate", help="check a pipeline YAML and exit", parents=[common])
     validate.add_argument("config")
 
-    subscribe = sub.add_parser("subscribe", help="print detections as JSON lines")
+    subscribe = sub.add_parser("subscribe", help="print detections as JSON lines", parents=[common])
     subscribe.add_argument("subject", nargs="?", default="vidpipe.>")
     subscribe.add_argument("--nats", default="nats://127.0.0.1:4222", metavar="URL")
     subscribe.add_argument("--count", type=int, help="exit after N messages")
     subscribe.add_argument("--timeout", type=float, help="exit after S seconds")
 
-    models = sub.add_parser("models", help="model repository tools")
+    models = sub.add_parser("models", help="model repository tools", parents=[common])
     models_sub = models.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
-    models_list = models_sub.add_parser("list", help="list models, their inputs/outputs and state")
+    models_list = models_sub.add_parser(
+        "list", help="list models, their inputs/outputs and state", parents=[common]
+    )
     models_list.add_argument("repo")
     return parser
 

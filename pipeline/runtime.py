@@ -119,6 +119,11 @@ class Runtime:
 
     async def start(self) -> None:
         """Load models, build stages, connect NATS and start every source."""
+        await self.prepare()
+        self.start_sources()
+
+    async def prepare(self) -> None:
+        """Everything but the sources: models, stages, the NATS connection."""
         self.started_at = time.time()
         await self._load_models()
         ctx = StageContext(config=self.config, models=self.models, metrics=self.metrics)
@@ -132,6 +137,8 @@ class Runtime:
         log.info(
             "pipeline %s publishing to %s (%s)", self.config.pipeline, self.nats_url, self.publisher.mode
         )
+
+    def start_sources(self) -> None:
         for src in self.config.sources:
             self.add_source(src)
 
@@ -227,6 +234,7 @@ class Runtime:
 
         queue: FrameQueue[Frame] = FrameQueue(config.queue_size, policy, loop, on_drop)
         source = create_source(config, self._on_source_state)
+        source.on_reconnect = self._on_source_reconnect
         run = SourceRun(config=config, source=source, queue=queue)
         self.sources[sid] = run
         self.metrics.source_up.labels(pipeline, sid).set(0)
@@ -263,6 +271,10 @@ class Runtime:
             log.warning("source %s: %s", source.id, reason)
         else:
             log.info("source %s: %s%s", source.id, state.value, f" ({reason})" if reason else "")
+
+    def _on_source_reconnect(self, source: Source, reason: str) -> None:
+        # From the source's thread, like _on_source_state; the state change already logged why.
+        self.metrics.source_reconnects.labels(self.config.pipeline, source.id, reason).inc()
 
     def _count_drop(self, source: str, reason: str) -> None:
         self.metrics.frames_dropped.labels(self.config.pipeline, source, reason).inc()
