@@ -199,6 +199,8 @@ class DynamicBatcher:
         self.name = name
         self.policy = policy
         self.observer: InferenceObserver = observer or NullObserver()
+        # Skipping the no-op observer keeps it off the per-request path.
+        self._observed = not isinstance(self.observer, NullObserver)
         self._runners = list(runners)
         self._clock = clock
         self._stop_timeout = stop_timeout
@@ -377,7 +379,8 @@ class DynamicBatcher:
             else:
                 reason, detail = SHUTDOWN, "the model is shutting down"
             self._stats.rejected += 1
-        self._observe_request("rejected")
+        if self._observed:
+            self._observe_request("rejected")
         raise InferenceRejected(self.name, reason, detail)
 
     # -- workers -----------------------------------------------------------
@@ -398,32 +401,31 @@ class DynamicBatcher:
         queue = self._queue
         with self._lock:
             while True:
-                now = self._clock()
-                if self._has_timeouts:
-                    expired = queue.expire(now)
-                    if expired:
-                        # Answer them outside the lock, then decide again.
-                        return [], self._timeout_locked(expired)
                 state = self._state
                 if state == _STOPPED:
                     return None, []
-                counts = queue.counts
-                if state == _DRAINING:
-                    if not len(queue):
-                        return None, []
-                    n = min(len(queue), policy.batch_limit)
-                    decision: Send | None = Send(n, split_by_level(counts, n))
-                    wait: float | None = None
-                else:
-                    d = next_batch(policy, counts, queue.oldest_enqueue(), now, True)
-                    decision = d if type(d) is Send else None
-                    wait = None if decision else d.seconds  # type: ignore[union-attr]
-                if decision is not None:
-                    batch = queue.take(decision.per_level)
-                    self._inflight[index] = batch
-                    if len(queue) and self._idle:
-                        self._work_cond.notify()
-                    return batch, []
+                if self._has_timeouts:
+                    expired = queue.expire(self._clock())
+                    if expired:
+                        # Answer them outside the lock, then decide again.
+                        return [], self._timeout_locked(expired)
+                wait: float | None = None
+                if len(queue):
+                    if state == _DRAINING:
+                        n = min(len(queue), policy.batch_limit)
+                        decision: Send | None = Send(n, split_by_level(queue.counts, n))
+                    else:
+                        d = next_batch(policy, queue.counts, queue.oldest_enqueue(), self._clock(), True)
+                        decision = d if type(d) is Send else None
+                        wait = None if decision else d.seconds  # type: ignore[union-attr]
+                    if decision is not None:
+                        batch = queue.take(decision.per_level)
+                        self._inflight[index] = batch
+                        if len(queue) and self._idle:
+                            self._work_cond.notify()
+                        return batch, []
+                elif state == _DRAINING:
+                    return None, []
                 self._idle += 1
                 try:
                     self._work_cond.wait(wait)
@@ -431,53 +433,55 @@ class DynamicBatcher:
                     self._idle -= 1
 
     def _run_batch(self, index: int, runner: Runner, batch: list[_Request]) -> None:
-        live = [r for r in batch if r.claim()]
-        cancelled = len(batch) - len(live)
+        claimed = [r.claim() for r in batch]
+        if all(claimed):
+            live, skipped = batch, []
+        else:
+            live = [r for r, ok in zip(batch, claimed, strict=True) if ok]
+            skipped = [r for r, ok in zip(batch, claimed, strict=True) if not ok]
         clock = self._clock
         start = clock()
+        n = len(live)
         outcomes: list[_Outcome] = []
         failed = False
-        if live:
+        if n:
             items = [r.item for r in live]
             try:
                 results = runner(items)
-                if len(results) != len(items):
-                    raise RuntimeError(f"instance returned {len(results)} results for {len(items)} requests")
+                if len(results) != n:
+                    raise RuntimeError(f"instance returned {len(results)} results for {n} requests")
                 outcomes = [(r, res, None) for r, res in zip(live, results, strict=True)]
             except Exception as exc:
                 failed = True
-                log.warning("%s: batch of %d failed on instance %d: %s", self.name, len(items), index, exc)
+                log.warning("%s: batch of %d failed on instance %d: %s", self.name, n, index, exc)
                 for r in live:
-                    err = InferenceFailed(
-                        self.name, f"batch of {len(items)} failed: {type(exc).__name__}: {exc}"
-                    )
+                    err = InferenceFailed(self.name, f"batch of {n} failed: {type(exc).__name__}: {exc}")
                     err.__cause__ = exc
                     outcomes.append((r, None, err))
-        end = clock()
-        compute = end - start
-        queue_seconds = [start - r.enqueued for r in live]
+        compute = clock() - start
+        enqueued = [r.enqueued for r in live]
         with self._lock:
             if self._inflight[index] is not batch:
                 # stop() gave up on this batch and already answered it.
                 return
             self._inflight[index] = None
             st = self._stats
-            st.cancelled += cancelled
-            if live:
-                n = len(live)
+            if skipped:
+                st.cancelled += len(skipped)
+            if n:
                 st.batches += 1
                 st.batched_requests += n
                 st.batch_sizes[n] = st.batch_sizes.get(n, 0) + 1
                 st.compute_seconds += compute
-                st.queue_seconds += sum(queue_seconds)
+                st.queue_seconds += n * start - sum(enqueued)
                 if failed:
                     st.failed += n
                 else:
                     st.succeeded += n
-            deliver = self._order_locked(outcomes, [r for r in batch if r not in live] if cancelled else [])
+            deliver = self._order_locked(outcomes, skipped) if self._ordered else outcomes
         self._deliver(deliver)
-        if live:
-            self._observe_batch(len(live), queue_seconds, compute)
+        if n and self._observed:
+            self._observe_batch(n, [start - t for t in enqueued], compute)
             status = "failed" if failed else "success"
             for _ in live:
                 self._observe_request(status)
@@ -544,10 +548,7 @@ class DynamicBatcher:
         by_loop: dict[
             asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, BaseException | None]]
         ] = {}
-        statuses: list[str] = []
         for req, result, exc in outcomes:
-            if isinstance(exc, InferenceRejected):
-                statuses.append("timeout" if exc.reason == TIMEOUT else "rejected")
             loop = req.loop
             if loop is None:
                 fut: concurrent.futures.Future[Any] = req.future  # type: ignore[assignment]
@@ -558,15 +559,19 @@ class DynamicBatcher:
                         fut.set_exception(exc)
                 except concurrent.futures.InvalidStateError:
                     pass  # cancelled by its caller meanwhile
+            elif loop in by_loop:
+                by_loop[loop].append((req.future, result, exc))  # type: ignore[arg-type]
             else:
-                by_loop.setdefault(loop, []).append((req.future, result, exc))  # type: ignore[arg-type]
+                by_loop[loop] = [(req.future, result, exc)]  # type: ignore[list-item]
         # One wake-up per event loop per batch, not per request.
         for loop, items in by_loop.items():
             # A closed event loop raises RuntimeError: nobody is waiting there any more.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_settle_async, items)
-        for status in statuses:
-            self._observe_request(status)
+        if self._observed:
+            for _, _, exc in outcomes:
+                if isinstance(exc, InferenceRejected):
+                    self._observe_request("timeout" if exc.reason == TIMEOUT else "rejected")
 
     def _observe_request(self, status: str) -> None:
         try:

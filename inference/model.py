@@ -343,9 +343,11 @@ class Model:
         With ``drain`` (the default) queued and running requests are still
         answered; without it, queued ones fail with reason ``shutdown``.
         """
-        batcher, self._batcher = self._batcher, None
+        batcher = self._batcher
         if batcher is not None:
+            # Kept reachable while draining so late callers get a precise "shutdown" refusal.
             batcher.stop(drain=drain, timeout=timeout)
+        self._batcher = None
         for inst in self.instances:
             try:
                 inst.backend.close()

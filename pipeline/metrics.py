@@ -101,6 +101,19 @@ class Metrics:
             "vidpipe_pool_buffers", "Buffers in a memory pool, by state", ["pool", "state"], registry=r
         )
 
+    def forget_source(self, pipeline: str, source: str) -> None:
+        """Drop a removed source's series, so camera churn does not grow the registry."""
+        per_source = (
+            self.frames, self.frames_dropped, self.source_up, self.source_reconnects,
+            self.e2e_latency, self.queue_depth, self.published, self.publish_errors,
+        )  # fmt: skip
+        for metric in per_source:
+            # prometheus_client has no "remove by partial labels"; its children are keyed by
+            # label-value tuples in label order (pipeline, source, ...).
+            for key in list(metric._metrics):
+                if key[:2] == (pipeline, source):
+                    metric.remove(*key)
+
     # The inference layer reports through this observer interface (it never imports pipeline).
     def on_request(self, model: str, status: str) -> None:
         self.inference_requests.labels(model, status).inc()

@@ -113,6 +113,7 @@ class Runtime:
         self._unordered: list[Stage] = []
         self._ordered: list[Stage] = []
         self.started_at = 0.0
+        self._published = 0  # across every source, also removed ones
         self._persistent = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -257,7 +258,7 @@ class Runtime:
         for stage in self.stages:
             stage.forget_source(source_id)
         self.sources.pop(source_id, None)
-        self.metrics.source_up.labels(self.config.pipeline, source_id).set(0)
+        self.metrics.forget_source(self.config.pipeline, source_id)
         self._idle.set()
         return True
 
@@ -364,6 +365,7 @@ class Runtime:
                 log.error("source %s: frame %d not published: %s", frame.source, frame.index, exc)
                 continue
             run.published += 1
+            self._published += 1
             for obj in frame.objects:
                 obj.crops.clear()  # crops were for the cascade; do not keep them alive
             run.last_frame = frame
@@ -380,7 +382,7 @@ class Runtime:
         return sum(r.source.stats.frames for r in self.sources.values())
 
     def published_total(self) -> int:
-        return sum(r.published for r in self.sources.values())
+        return self._published
 
 
 __all__ = ["PipelineStartError", "Runtime", "SourceError", "SourceRun"]

@@ -4,7 +4,7 @@
     instance_group: [{count: 2, kind: KIND_CPU}]
     backend_options:
       intra_op_threads: 2
-      execution_providers: [auto]       # default: CPU only; auto = TensorRT/CUDA when present
+      execution_providers: [auto]       # default: CPU only; auto = CUDA when present
 
 Backend modules import their runtime lazily, so importing this package is cheap
 and a machine without TensorRT can still serve ONNX Runtime models.

@@ -1,0 +1,544 @@
+"""The dynamic batcher, driven through a real Model with a fake backend and task.
+
+The fakes sit at the backend seam only: the task writes each image's first byte
+(its request id) into the pooled batch tensor, the backend records which ids
+each batch held and echoes them back. Timing rules run on a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from inference.backends.base import Backend, TensorSpec
+from inference.batcher import (
+    BatcherStats,
+    DynamicBatcher,
+    InferenceFailed,
+    InferenceRejected,
+    InferenceTimeout,
+)
+from inference.batching import BatchPolicy
+from inference.config import (
+    DynamicBatching,
+    InputConfig,
+    InstanceGroup,
+    ModelConfig,
+    ModelFile,
+    QueuePolicy,
+    TaskConfig,
+)
+from inference.model import Model, ModelState, ModelUnavailable
+from inference.results import Classification, Result
+from inference.tasks import Task
+
+WAIT = 5.0  # seconds; only ever reached when something is broken
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Recorder:
+    """An InferenceObserver that keeps everything."""
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+        self.batches: list[tuple[int, int]] = []
+        self.states: list[tuple[str, str]] = []
+
+    def on_request(self, model: str, status: str) -> None:
+        self.requests.append(status)
+
+    def on_batch(
+        self, model: str, batch_size: int, queue_seconds: list[float], compute_seconds: float
+    ) -> None:
+        self.batches.append((batch_size, len(queue_seconds)))
+
+    def on_state(self, model: str, state: str, reason: str) -> None:
+        self.states.append((state, reason))
+
+
+class FakeBackend(Backend):
+    """Echoes request ids; a batch holding a ``hold`` id blocks until ``gate`` opens, one
+    holding a ``fail`` id raises."""
+
+    def __init__(
+        self,
+        instance: int,
+        log: list[tuple[int, list[int]]],
+        gate: threading.Event,
+        hold: set[int],
+        fail: set[int],
+        batched: bool,
+    ) -> None:
+        shape: tuple[int | None, ...] = (None, 1, 1, 1) if batched else (1, 1, 1)
+        self.inputs = [TensorSpec("x", shape, "float32")]
+        self.outputs = [TensorSpec("y", shape[:1], "float32")]
+        self.metadata = {"kind": "fake"}
+        self.instance = instance
+        self.log = log
+        self.gate = gate
+        self.hold = hold
+        self.fail = fail
+        self.started: queue.Queue[list[int]] = queue.Queue()
+        self.pointers: set[int] = set()
+        self.ranks: set[int] = set()
+        self.closed = False
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        x = inputs["x"]
+        self.ranks.add(x.ndim)
+        self.pointers.add(x.__array_interface__["data"][0])
+        ids = [int(v) for v in x.reshape(-1)]
+        self.log.append((self.instance, ids))
+        self.started.put(ids)
+        if self.hold.intersection(ids):
+            assert self.gate.wait(WAIT)
+        if self.fail.intersection(ids):
+            raise ValueError("bad input 13")
+        # One value per item; an unbatched model's output has no batch axis either.
+        return {"y": x.reshape(-1).copy() if x.ndim == 4 else x.reshape(()).copy()}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class IdTask(Task):
+    """Writes each image's first byte into the batch tensor; returns it as the class id."""
+
+    def preprocess(self, images: Sequence[np.ndarray], out: np.ndarray) -> list[Any]:
+        for i, img in enumerate(images):
+            out[i, 0, 0, 0] = img[0, 0, 0]
+        return [None] * len(images)
+
+    def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
+        y = outputs["y"]
+        assert y.shape[0] == len(metas)
+        return [Classification(int(v), str(int(v)), 1.0) for v in y]
+
+
+def image(i: int) -> np.ndarray:
+    return np.full((2, 2, 3), i, np.uint8)
+
+
+class Harness:
+    def __init__(
+        self,
+        tmp_path: Path,
+        *,
+        max_batch_size: int = 8,
+        instances: int = 1,
+        clock: Callable[[], float] | None = None,
+        **batching: Any,
+    ) -> None:
+        (tmp_path / "m.onnx").write_bytes(b"")
+        self.config = ModelConfig(
+            name="m",
+            model_file=ModelFile(path="m.onnx"),
+            input=InputConfig(shape=[1, 1, 1], mean=[0.0], std=[1.0]),
+            task=TaskConfig(kind="classify"),
+            max_batch_size=max_batch_size,
+            dynamic_batching=DynamicBatching(**batching),
+            instance_group=[InstanceGroup(count=instances)],
+        )
+        self.log: list[tuple[int, list[int]]] = []
+        self.gate = threading.Event()
+        self.hold: set[int] = set()
+        self.fail: set[int] = {13}
+        self.backends: list[FakeBackend] = []
+        self.observer = Recorder()
+        self.clock = clock or FakeClock()
+
+        def make_backend(config: ModelConfig, path: Path, index: int) -> FakeBackend:
+            b = FakeBackend(index, self.log, self.gate, self.hold, self.fail, max_batch_size > 0)
+            self.backends.append(b)
+            return b
+
+        self.model = Model(
+            self.config,
+            tmp_path,
+            backend_factory=make_backend,
+            task_factory=IdTask,
+            observer=self.observer,
+            clock=self.clock,
+        )
+        assert self.model.load() is ModelState.READY, self.model.reason
+
+    def submit(self, *ids: int, priority: int | None = None, timeout_us: int | None = None) -> list[Any]:
+        return [self.model.submit(image(i), priority=priority, timeout_us=timeout_us) for i in ids]
+
+    def block_on(self, first: int) -> concurrent.futures.Future[Any]:
+        """Occupy the (single) instance with request ``first`` until ``gate`` opens."""
+        self.hold.add(first)
+        (fut,) = self.submit(first)
+        assert self.backends[0].started.get(timeout=WAIT) == [first]
+        return fut
+
+    def advance(self, seconds: float) -> None:
+        assert isinstance(self.clock, FakeClock)
+        self.clock.now += seconds
+        self.model.batcher.wakeup()
+
+    def batches(self) -> list[list[int]]:
+        return [ids for _, ids in self.log]
+
+    def stats(self) -> BatcherStats:
+        return self.model.stats
+
+    def stop(self) -> None:
+        self.gate.set()
+        self.model.stop(drain=False, timeout=WAIT)
+
+
+def ids(futures: list[Any]) -> list[int]:
+    return [f.result(timeout=WAIT).class_id for f in futures]
+
+
+def wait_until(predicate: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def harnesses() -> Any:
+    made: list[Harness] = []
+    yield made
+    for h in made:
+        h.stop()
+
+
+@pytest.fixture
+def make(tmp_path: Path, harnesses: list[Harness]) -> Callable[..., Harness]:
+    def factory(**kw: Any) -> Harness:
+        h = Harness(tmp_path, **kw)
+        harnesses.append(h)
+        return h
+
+    return factory
+
+
+# -- batch formation -----------------------------------------------------------------------
+
+
+def test_preferred_size_goes_at_once_and_the_rest_waits_for_the_delay(make: Callable[..., Harness]) -> None:
+    h = make(max_batch_size=8, preferred_batch_size=[4], max_queue_delay_microseconds=1_000_000)
+    first = h.submit(0, 1, 2, 3)
+    assert ids(first) == [0, 1, 2, 3]
+    rest = h.submit(4, 5)
+    h.advance(0.5)  # half the delay: nothing may leave yet
+    rest += h.submit(6)
+    h.advance(0.5)  # the oldest (4) has now waited the full delay
+    assert ids(rest) == [4, 5, 6]
+    assert h.batches() == [[0, 1, 2, 3], [4, 5, 6]]
+    assert h.stats().batch_sizes == {4: 1, 3: 1}
+
+
+def test_without_preferred_sizes_full_batches_go_at_once(make: Callable[..., Harness]) -> None:
+    h = make(max_batch_size=4, max_queue_delay_microseconds=1_000_000)
+    futs = h.submit(*range(10))
+    assert ids(futs[:8]) == list(range(8))
+    h.advance(1.0)
+    assert ids(futs[8:]) == [8, 9]
+    assert h.batches() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_zero_delay_sends_what_accumulated_while_the_instance_was_busy(make: Callable[..., Harness]) -> None:
+    h = make(max_batch_size=8)
+    first = h.block_on(0)
+    futs = h.submit(*range(1, 11))
+    h.gate.set()
+    assert ids([first, *futs]) == list(range(11))
+    assert h.batches() == [[0], [1, 2, 3, 4, 5, 6, 7, 8], [9, 10]]
+    st = h.stats()
+    assert (st.received, st.succeeded, st.batches, st.batched_requests) == (11, 11, 3, 11)
+    assert h.observer.batches == [(1, 1), (8, 8), (2, 2)]
+    assert h.observer.requests == ["success"] * 11
+
+
+def test_higher_priority_drains_first(make: Callable[..., Harness]) -> None:
+    h = make(max_batch_size=2, priority_levels=2, default_priority_level=2)
+    first = h.block_on(0)
+    low = h.submit(1, 2, 3)
+    high = h.submit(4, 5, priority=1)
+    h.gate.set()
+    assert ids([first, *low, *high]) == [0, 1, 2, 3, 4, 5]
+    assert h.batches() == [[0], [4, 5], [1, 2], [3]]
+
+
+def test_max_batch_size_zero_runs_one_request_without_a_batch_axis(make: Callable[..., Harness]) -> None:
+    h = make(max_batch_size=0)
+    first = h.block_on(0)
+    futs = h.submit(1, 2, 3)
+    h.gate.set()
+    assert ids([first, *futs]) == [0, 1, 2, 3]
+    assert h.batches() == [[0], [1], [2], [3]]
+    assert h.backends[0].ranks == {3}  # (C, H, W): the pooled tensor's first slot
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+
+def test_queue_full_is_rejected_at_once_and_counted(make: Callable[..., Harness]) -> None:
+    h = make(max_batch_size=4, default_queue_policy=QueuePolicy(max_queue_size=2))
+    first = h.block_on(0)
+    queued = h.submit(1, 2)
+    with pytest.raises(InferenceRejected) as err:
+        h.submit(3)
+    assert err.value.reason == "queue_full"
+    assert err.value.model == "m"
+    assert "max_queue_size=2" in str(err.value)
+    h.gate.set()
+    assert ids([first, *queued]) == [0, 1, 2]
+    st = h.stats()
+    assert (st.received, st.rejected, st.succeeded) == (3, 1, 3)
+    assert sorted(h.observer.requests) == ["rejected"] + ["success"] * 3
+
+
+def test_timeout_reject_fails_the_request_while_the_instance_is_busy(make: Callable[..., Harness]) -> None:
+    h = make(max_batch_size=4, default_queue_policy=QueuePolicy(default_timeout_microseconds=1000))
+    first = h.block_on(0)
+    (late,) = h.submit(1)
+    h.advance(0.0009)
+    (fresh,) = h.submit(2)
+    h.advance(0.0002)  # 1 has waited 1.1 ms, 2 only 0.2 ms
+    with pytest.raises(InferenceTimeout) as err:
+        late.result(timeout=WAIT)
+    assert err.value.reason == "timeout"
+    assert not fresh.done()
+    h.gate.set()
+    assert ids([first, fresh]) == [0, 2]
+    assert h.batches() == [[0], [2]]  # the timed-out request never reached the backend
+    st = h.stats()
+    assert (st.timed_out, st.succeeded, st.rejected) == (1, 2, 0)
+    assert sorted(h.observer.requests) == ["success", "success", "timeout"]
+
+
+def test_request_timeout_override(make: Callable[..., Harness]) -> None:
+    h = make(max_batch_size=4, default_queue_policy=QueuePolicy(allow_timeout_override=True))
+    first = h.block_on(0)
+    (short,) = h.submit(1, timeout_us=100)
+    (forever,) = h.submit(2)
+    h.advance(1.0)
+    with pytest.raises(InferenceTimeout):
+        short.result(timeout=WAIT)
+    h.gate.set()
+    assert ids([first, forever]) == [0, 2]
+
+
+def test_timeout_delay_moves_requests_behind_instead_of_rejecting(make: Callable[..., Harness]) -> None:
+    h = make(
+        max_batch_size=1,
+        default_queue_policy=QueuePolicy(default_timeout_microseconds=1000, timeout_action="DELAY"),
+    )
+    first = h.block_on(0)
+    late = h.submit(1, 2)
+    h.advance(0.002)
+    wait_until(lambda: h.stats().delayed == 2)
+    (fresh,) = h.submit(3)
+    h.gate.set()
+    assert ids([first, *late, fresh]) == [0, 1, 2, 3]
+    assert h.batches() == [[0], [3], [1], [2]]
+    st = h.stats()
+    assert (st.timed_out, st.delayed, st.succeeded) == (0, 2, 4)
+
+
+# -- ordering, failures, shutdown ----------------------------------------------------------
+
+
+def test_preserve_ordering_holds_fast_answers_behind_slow_ones(make: Callable[..., Harness]) -> None:
+    h = make(max_batch_size=1, instances=2, preserve_ordering=True)
+    h.hold.add(0)
+    done_order: list[int] = []
+    (slow,) = h.submit(0)
+    wait_until(lambda: any(b.started.qsize() for b in h.backends))
+    (fast,) = h.submit(1)
+    # The other instance ran request 1 and would have answered it already...
+    wait_until(lambda: h.observer.requests == ["success"])
+    assert sorted(len(ids_) for _, ids_ in h.log) == [1, 1]
+    assert {inst for inst, _ in h.log} == {0, 1}
+    # ...but with preserve_ordering the answer waits for request 0.
+    assert not fast.done()
+    for fut, i in ((slow, 0), (fast, 1)):
+        fut.add_done_callback(lambda _f, i=i: done_order.append(i))
+    h.gate.set()
+    assert ids([slow, fast]) == [0, 1]
+    assert done_order == [0, 1]
+
+
+def test_without_preserve_ordering_fast_answers_do_not_wait(make: Callable[..., Harness]) -> None:
+    h = make(max_batch_size=1, instances=2)
+    h.hold.add(0)
+    (slow,) = h.submit(0)
+    wait_until(lambda: any(b.started.qsize() for b in h.backends))
+    (fast,) = h.submit(1)
+    assert fast.result(timeout=WAIT).class_id == 1
+    assert not slow.done()
+    h.gate.set()
+    assert slow.result(timeout=WAIT).class_id == 0
+
+
+def test_an_exception_fails_only_its_batch(make: Callable[..., Harness]) -> None:
+    h = make(max_batch_size=2)
+    first = h.block_on(0)
+    bad = h.submit(1, 13)
+    good = h.submit(2, 3)
+    h.gate.set()
+    assert ids([first, *good]) == [0, 2, 3]
+    for fut in bad:
+        with pytest.raises(InferenceFailed, match="batch of 2 failed: ValueError: bad input 13") as err:
+            fut.result(timeout=WAIT)
+        assert isinstance(err.value.__cause__, ValueError)
+    assert h.batches() == [[0], [1, 13], [2, 3]]
+    st = h.stats()
+    assert (st.failed, st.succeeded) == (2, 3)
+    assert sorted(h.observer.requests) == ["failed"] * 2 + ["success"] * 3
+    # The instance keeps serving after a failed batch.
+    assert ids(h.submit(4)) == [4]
+
+
+def test_stop_fails_queued_requests_at_once_and_lets_the_running_batch_finish(
+    make: Callable[..., Harness],
+) -> None:
+    h = make(max_batch_size=2)
+    running = h.block_on(0)
+    queued = h.submit(1, 2, 3)
+    stopper = threading.Thread(target=h.model.stop, kwargs={"drain": False, "timeout": WAIT})
+    stopper.start()
+    for fut in queued:  # answered while the instance is still blocked
+        err = fut.exception(timeout=WAIT)
+        assert isinstance(err, InferenceRejected)
+        assert err.reason == "shutdown"
+    assert not running.done()
+    h.gate.set()
+    stopper.join(WAIT)
+    assert not stopper.is_alive()
+    assert running.result(timeout=WAIT).class_id == 0
+    assert h.model.state is ModelState.UNLOADED
+    assert h.backends[0].closed
+    with pytest.raises(ModelUnavailable) as err_info:
+        h.submit(9)
+    assert err_info.value.reason == "unavailable"
+
+
+def test_stop_does_not_wait_forever_for_a_hung_instance(make: Callable[..., Harness]) -> None:
+    h = make(max_batch_size=2)
+    running = h.block_on(0)
+    t0 = time.monotonic()
+    h.model.stop(drain=False, timeout=0.05)
+    assert time.monotonic() - t0 < 2.0
+    err = running.exception(timeout=WAIT)
+    assert isinstance(err, InferenceRejected)
+    assert err.reason == "shutdown"
+
+
+def test_drain_runs_queued_requests_without_waiting_for_the_delay(make: Callable[..., Harness]) -> None:
+    h = make(max_batch_size=8, max_queue_delay_microseconds=10_000_000)
+    futs = h.submit(1, 2, 3)  # would wait 10 s on the (frozen) clock
+    h.model.stop(drain=True, timeout=WAIT)
+    assert ids(futs) == [1, 2, 3]
+    assert h.batches() == [[1, 2, 3]]
+
+
+# -- steady state and the asyncio path -----------------------------------------------------
+
+
+async def test_async_callers_get_their_own_results_and_no_batch_tensor_is_allocated(
+    tmp_path: Path,
+) -> None:
+    h = Harness(tmp_path, max_batch_size=8, instances=2, clock=time.monotonic)
+    h.fail.clear()
+    try:
+        for _ in range(20):
+            got = await asyncio.gather(*(h.model.infer(image(i)) for i in range(40)))
+            assert [r.class_id for r in got] == list(range(40))  # type: ignore[union-attr]
+        pools = [inst.pool for inst in h.model.instances]
+        assert [p.allocations for p in pools] == [1, 1]
+        assert [p.in_use for p in pools] == [0, 0]
+        # Every batch ran in the instance's one pooled tensor.
+        for backend, pool in zip(h.backends, pools, strict=True):
+            assert backend.pointers <= {pool._handles[0].array.__array_interface__["data"][0]}
+        assert sum(len(b.pointers) for b in h.backends) >= 1
+        assert h.model.stats.succeeded == 800
+    finally:
+        h.stop()
+
+
+async def test_async_rejection_and_bad_images(make: Callable[..., Harness]) -> None:
+    h = make(max_batch_size=2, default_queue_policy=QueuePolicy(max_queue_size=1))
+    with pytest.raises(ValueError, match=r"expected an H×W×3 uint8 RGB image, got shape \(2, 2\) uint8"):
+        await h.model.infer(np.zeros((2, 2), np.uint8))
+    first = h.block_on(0)
+    task = asyncio.ensure_future(h.model.infer(image(1)))
+    await asyncio.sleep(0)  # let it enqueue
+    with pytest.raises(InferenceRejected, match="queue_full"):
+        await h.model.infer(image(2))
+    h.gate.set()
+    assert (await task).class_id == 1  # type: ignore[union-attr]
+    assert first.result(timeout=WAIT).class_id == 0
+
+
+def test_a_model_whose_backend_fails_to_load_is_unavailable(tmp_path: Path) -> None:
+    (tmp_path / "m.onnx").write_bytes(b"")
+    rec = Recorder()
+    cfg = ModelConfig(
+        name="m",
+        model_file=ModelFile(path="m.onnx"),
+        input=InputConfig(shape=[1, 1, 1], mean=[0.0], std=[1.0]),
+        task=TaskConfig(kind="classify"),
+    )
+
+    def broken(config: ModelConfig, path: Path, index: int) -> Backend:
+        raise RuntimeError("no such device")
+
+    model = Model(cfg, tmp_path, backend_factory=broken, task_factory=IdTask, observer=rec)
+    assert model.load() is ModelState.UNAVAILABLE
+    assert model.reason == "no such device"
+    assert rec.states == [("loading", ""), ("unavailable", "no such device")]
+    with pytest.raises(
+        ModelUnavailable, match=r"m: request rejected \(unavailable\): the model is unavailable"
+    ):
+        model.submit(image(1))
+
+
+def test_batcher_directly_with_plain_runners() -> None:
+    seen: list[list[int]] = []
+
+    def runner(items: list[Any]) -> list[Any]:
+        seen.append(list(items))
+        return [i * 10 for i in items]
+
+    b = DynamicBatcher("plain", BatchPolicy(max_batch_size=4), [runner])
+    with pytest.raises(InferenceRejected, match="unavailable"):
+        b.submit(1)
+    b.start()
+    assert b.submit(7).result(timeout=WAIT) == 70
+    b.stop()
+    with pytest.raises(InferenceRejected, match="shutdown"):
+        b.submit(1)
+    assert seen == [[7]]
+
+
+def test_a_runner_returning_the_wrong_count_fails_the_batch() -> None:
+    b = DynamicBatcher("short", BatchPolicy(max_batch_size=4), [lambda items: []])
+    b.start()
+    try:
+        with pytest.raises(InferenceFailed, match="instance returned 0 results for 1 requests"):
+            b.submit(1).result(timeout=WAIT)
+    finally:
+        b.stop()

@@ -1,0 +1,102 @@
+"""BufferPool: fixed allocations, ref counts, blocking acquire."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from inference.memory import BufferPool, PoolExhausted
+
+
+def test_arrays_are_preallocated_with_shape_and_dtype() -> None:
+    pool = BufferPool((4, 3, 8, 8), "float16", count=2)
+    assert pool.capacity == 2
+    assert pool.allocations == 2
+    assert pool.in_use == 0
+    with pool.acquire() as buf:
+        assert buf.array.shape == (4, 3, 8, 8)
+        assert buf.array.dtype == np.float16
+        assert pool.in_use == 1
+    assert pool.in_use == 0
+
+
+def test_reuse_never_allocates() -> None:
+    pool = BufferPool((2, 2), np.float32, count=2)
+    seen = set()
+    for _ in range(1000):
+        with pool.acquire() as a, pool.acquire() as b:
+            seen.add(id(a.array))
+            seen.add(id(b.array))
+    assert pool.allocations == 2
+    assert len(seen) == 2
+    assert pool.waits == 0
+
+
+def test_retain_keeps_the_array_out_of_the_pool_until_the_last_release() -> None:
+    pool = BufferPool((1,), np.uint8, count=1)
+    buf = pool.acquire()
+    buf.retain()
+    assert buf.refs == 2
+    buf.release()
+    assert pool.in_use == 1
+    with pytest.raises(PoolExhausted, match="all 1 buffers"):
+        pool.acquire(timeout=0.01)
+    buf.release()
+    assert pool.in_use == 0
+    assert buf.refs == 0
+
+
+def test_over_release_and_retain_after_return_are_errors() -> None:
+    pool = BufferPool((1,), np.uint8, count=1)
+    buf = pool.acquire()
+    buf.release()
+    with pytest.raises(RuntimeError, match="released more often than acquired"):
+        buf.release()
+    with pytest.raises(RuntimeError, match="back in the pool"):
+        buf.retain()
+
+
+def test_acquire_blocks_until_a_buffer_comes_back() -> None:
+    pool = BufferPool((1,), np.uint8, count=1)
+    held = pool.acquire()
+    got: list[int] = []
+    waiting = threading.Event()
+
+    def consumer() -> None:
+        waiting.set()
+        with pool.acquire(timeout=5.0) as buf:
+            got.append(buf.index)
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    waiting.wait(5.0)
+    # The consumer cannot finish while the only buffer is held.
+    t.join(0.05)
+    assert t.is_alive()
+    held.release()
+    t.join(5.0)
+    assert got == [0]
+    assert pool.waits == 1
+    assert pool.allocations == 1
+
+
+def test_pluggable_array_module() -> None:
+    class FakeXp:
+        created = 0
+
+        @staticmethod
+        def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+            FakeXp.created += 1
+            return np.zeros(shape, dtype=dtype)
+
+    pool = BufferPool((3,), np.float32, count=3, xp=FakeXp)  # type: ignore[arg-type]
+    assert FakeXp.created == 3
+    assert pool.xp is FakeXp
+
+
+def test_count_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="at least one buffer"):
+        BufferPool((1,), np.uint8, count=0)
