@@ -41,7 +41,7 @@ LOADER_FIELDS = {"base_dir", "file"}  # set by the loader, refused in YAML
 def test_every_config_key_is_documented(doc: str, classes: list[type]) -> None:
     # The reference tables count, not the examples in fenced blocks.
     text = re.sub(r"```.*?```", "", (ROOT / "docs" / doc).read_text(), flags=re.S)
-    documented = {word for code in re.findall(r"`([^`]+)`", text) for word in re.findall(r"[a-z_]+", code)}
+    documented = {word for code in re.findall(r"`([^`]+)`", text) for word in re.findall(r"[a-z_0-9]+", code)}
     missing = [
         f"{cls.__name__}.{f.name}"
         for cls in classes
