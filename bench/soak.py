@@ -42,7 +42,9 @@ stages:
 
 # Growth per minute above which --check fails, after warm-up. RSS allows for
 # allocator noise; the others must not grow at all beyond rounding.
-ALLOWANCE_PER_MIN = {"rss_mb": 4.0, "fds": 1.0, "threads": 1.0, "tasks": 2.0, "queued": 4.0, "pool_in_use": 1.0}
+ALLOWANCE_PER_MIN = {
+    "rss_mb": 4.0, "fds": 1.0, "threads": 1.0, "tasks": 2.0, "queued": 4.0, "pool_in_use": 1.0,
+}  # fmt: skip
 
 
 @dataclass
@@ -144,9 +146,7 @@ async def soak(minutes: float, sources: int, churn_every: float, fps: int) -> di
         await runtime.stop()
     warm = [s for s in samples if s.t >= min(20.0, minutes * 60 / 3)]
     xs = [s.t for s in warm]
-    slopes = {
-        key: slope_per_minute(xs, [float(getattr(s, key)) for s in warm]) for key in ALLOWANCE_PER_MIN
-    }
+    slopes = {key: slope_per_minute(xs, [float(getattr(s, key)) for s in warm]) for key in ALLOWANCE_PER_MIN}
     return {
         "minutes": minutes,
         "sources": sources,

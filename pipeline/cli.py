@@ -47,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="vidpipe", description="Streaming video analytics: cameras in, detections out.")
     # Logging options go after the command (`vidpipe run --debug ...`), on every command.
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--log-format", choices=["plain", "json"], default="plain")
     common.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     common.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -59,7 +59,5 @@ async def test_ocr_cascade_reads_known_text_at_known_places(
             assert attr == {"model": "ppocr_cls", "label": "0", "score": attr["score"]}
             assert obj["track_id"] >= 1
     # A plate keeps its track id while it stays.
-    exit_ids = {
-        o["track_id"] for m in collector.messages for o in m["objects"] if o.get("text") == "EXIT12"
-    }
+    exit_ids = {o["track_id"] for m in collector.messages for o in m["objects"] if o.get("text") == "EXIT12"}
     assert len(exit_ids) == 1
