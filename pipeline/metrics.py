@@ -7,7 +7,15 @@ several pipelines in one process do not collide.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("vidpipe.metrics")
 
 # Video work spans milliseconds to seconds.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -100,6 +108,9 @@ class Metrics:
         self.pool_buffers = Gauge(
             "vidpipe_pool_buffers", "Buffers in a memory pool, by state", ["pool", "state"], registry=r
         )
+        gpu = GpuCollector.create()
+        if gpu is not None:
+            r.register(gpu)
 
     def forget_source(self, pipeline: str, source: str) -> None:
         """Drop a removed source's series, so camera churn does not grow the registry."""
@@ -148,3 +159,53 @@ def exported_metric_names() -> set[str]:
         else:
             names.add(family.name)
     return names
+
+
+class GpuCollector(Collector):
+    """GPU utilisation and memory from NVML (``nvidia-ml-py``), read at scrape time.
+
+    Exported only where NVML and a GPU exist; elsewhere there are no ``vidpipe_gpu_*``
+    series at all rather than zeros that look like an idle GPU.
+    """
+
+    def __init__(self, nvml: Any, count: int) -> None:
+        self.nvml = nvml
+        self.count = count
+
+    @classmethod
+    def create(cls) -> GpuCollector | None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            count = int(pynvml.nvmlDeviceGetCount())
+        except Exception:  # no package, no driver or no device: no GPU metrics
+            return None
+        if count == 0:
+            return None
+        log.info("exporting metrics for %d GPU(s)", count)
+        return cls(pynvml, count)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        util = GaugeMetricFamily(
+            "vidpipe_gpu_utilization_ratio", "GPU busy fraction over the last sample period", labels=["gpu"]
+        )
+        used = GaugeMetricFamily("vidpipe_gpu_memory_used_bytes", "GPU memory in use", labels=["gpu"])
+        total = GaugeMetricFamily("vidpipe_gpu_memory_total_bytes", "GPU memory size", labels=["gpu"])
+        for i in range(self.count):
+            try:
+                handle = self.nvml.nvmlDeviceGetHandleByIndex(i)
+                rates = self.nvml.nvmlDeviceGetUtilizationRates(handle)
+                mem = self.nvml.nvmlDeviceGetMemoryInfo(handle)
+            except Exception as exc:  # a GPU that fell off the bus must not break /metrics
+                log.debug("NVML read of GPU %d failed: %s", i, exc)
+                continue
+            util.add_metric([str(i)], rates.gpu / 100.0)
+            used.add_metric([str(i)], float(mem.used))
+            total.add_metric([str(i)], float(mem.total))
+        yield util
+        yield used
+        yield total
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())
