@@ -56,6 +56,8 @@ class SourceStats:
 
 
 StateListener = Callable[["Source", SourceState, str], None]
+# Called with a short, bounded reason label (e.g. "refused", "stalled") per reconnect attempt.
+ReconnectListener = Callable[["Source", str], None]
 
 
 class SourceError(RuntimeError):
@@ -74,6 +76,7 @@ class Source(ABC):
         self.reason = ""
         self.stats = SourceStats()
         self._on_state = on_state
+        self.on_reconnect: ReconnectListener | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._queue: FrameQueue[Frame] | None = None
@@ -109,6 +112,12 @@ class Source(ABC):
         self.reason = reason
         if self._on_state is not None:
             self._on_state(self, state, reason)
+
+    def count_reconnect(self, reason: str) -> None:
+        """Record a reconnect attempt of a live source; ``reason`` is a metric label, not free text."""
+        self.stats.reconnects += 1
+        if self.on_reconnect is not None:
+            self.on_reconnect(self, reason)
 
     def _main(self) -> None:
         assert self._queue is not None

@@ -1,0 +1,534 @@
+"""The HTTP server: metrics, health, the sources API, WHIP ingest and the dashboard.
+
+::
+
+    http:
+      listen: 127.0.0.1:8080     # host:port; port 0 picks a free one
+      token: null                # bearer token; required when host is not loopback
+
+``vidpipe run CONFIG --http HOST:PORT`` serves it too (the token may come from
+``VIDPIPE_HTTP_TOKEN``). Endpoints (docs/api.md has examples):
+
+=========================================  ===============================================
+``GET /healthz``, ``GET /readyz``          liveness / readiness (never need the token)
+``GET /metrics``                           Prometheus text
+``GET /v1/sources``                        every source, as ``SourceRun.describe()``
+``POST /v1/sources``                       add a source (JSON, same keys as YAML)
+``DELETE /v1/sources/{id}``                stop and remove a source
+``GET /v1/sources/{id}/snapshot.jpg``      latest published frame, annotated
+``GET /v1/stats``                          per-source fps/latency/drops, per-model batching
+``GET /v1/models``                         the model repository's status
+``POST /whip/{id}``                        WHIP: SDP offer in, answer out
+``DELETE /whip/{id}/{session}``            WHIP: end a session
+``GET /``                                  the dashboard
+=========================================  ===============================================
+
+With a token configured, every request but ``/healthz``, ``/readyz`` and the
+dashboard's static files (which hold no data; the page sends the token on every
+API call it makes) needs ``Authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import enum
+import hmac
+import ipaddress
+import json
+import logging
+import math
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from inference.schema import ConfigError, build
+from pipeline.config import HttpConfig, SourceConfig, _resolve_file, _unique_ids
+from pipeline.frames import Frame
+from pipeline.health import readiness_problems
+from pipeline.snapshot import render_snapshot
+from pipeline.stages.source import SourceError
+from pipeline.stages.whip import MAX_SDP_BYTES, WhipError, WhipSource
+
+log = logging.getLogger("vidpipe.api")
+
+MAX_BODY_BYTES = 1024 * 1024
+WEB_DIR = Path(__file__).resolve().parent / "web"
+# Routes anyone may call: probes must work without secrets, and the dashboard's
+# static files hold no data (the page sends the token with every API call).
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+OPEN_PATHS = frozenset({"/"})
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+OPEN_PREFIXES = ("/web/",)
+# Bounds for sources added over the API that the YAML schema leaves open: a
+# client must not be able to hand a thread an overflowing timeout.
+API_LIMITS: dict[str, float] = {
+    "open_timeout": 3600.0,
+    "read_timeout": 3600.0,
+    "stall_timeout": 3600.0,
+    "max_fps": 1000.0,
+    "reconnect.min_delay": 3600.0,
+    "reconnect.max_delay": 3600.0,
+}
+MAX_URL_CHARS = 4096
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+RATE_WINDOW = 5  # seconds of samples behind the fps figure
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ApiConfigError(ValueError):
+    """The HTTP server cannot start as configured; the message says what to change."""
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` for IPv6) into its parts."""
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ApiConfigError(f"http.listen: expected HOST:PORT, got {listen!r}")
+    host = host.strip("[]")
+    if not host:
+        raise ApiConfigError(f"http.listen: {listen!r} has no host; use 127.0.0.1:PORT or 0.0.0.0:PORT")
+    return host, int(port_text)
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address ``host`` resolves to is a loopback address."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ApiConfigError(f"http.listen: cannot resolve host {host!r}: {exc}") from None
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+class ApiServer:
+    """One aiohttp server for a :class:`~pipeline.runtime.Runtime`."""
+
+    def __init__(self, runtime: Any, config: HttpConfig, *, max_body: int = MAX_BODY_BYTES) -> None:
+        self.runtime = runtime
+        self.config = config
+        self.host, self._requested_port = parse_listen(config.listen)
+        if config.token is not None and not config.token.strip():
+            raise ApiConfigError("http.token is empty; set a real token or remove the key")
+        if not is_loopback(self.host) and not config.token:
+            raise ApiConfigError(
+                f"http.listen {config.listen} is reachable from other machines, so the API needs a token: "
+                "set http.token (or VIDPIPE_HTTP_TOKEN with --http), or listen on 127.0.0.1"
+            )
+        self._token = config.token.encode() if config.token else None
+        self.port: int | None = None
+        self._runner: web.AppRunner | None = None
+        self._sampler: asyncio.Task[None] | None = None
+        self._rates: dict[str, collections.deque[tuple[float, int]]] = {}
+        self._snapshots: dict[str, tuple[Frame, bytes]] = {}
+        self.app = web.Application(client_max_size=max_body, middlewares=[self._errors, self._auth])
+        self.app.on_response_prepare.append(self._security_headers)
+        r = self.app.router
+        r.add_get("/healthz", self.healthz)
+        r.add_get("/readyz", self.readyz)
+        r.add_get("/metrics", self.metrics)
+        r.add_get("/v1/sources", self.list_sources)
+        r.add_post("/v1/sources", self.add_source)
+        r.add_delete("/v1/sources/{id}", self.delete_source)
+        r.add_get("/v1/sources/{id}/snapshot.jpg", self.snapshot)
+        r.add_get("/v1/stats", self.stats)
+        r.add_get("/v1/models", self.models)
+        r.add_post("/whip/{name}", self.whip_offer)
+        r.add_delete("/whip/{name}/{session}", self.whip_delete)
+        r.add_get("/", self.dashboard)
+        r.add_static("/web/", WEB_DIR, show_index=False, follow_symlinks=False)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Bind and serve; ``port`` then holds the actual port (useful with port 0)."""
+        infos = socket.getaddrinfo(self.host, self._requested_port, type=socket.SOCK_STREAM)
+        family, _, _, _, address = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+        except OSError as exc:
+            sock.close()
+            raise ApiConfigError(f"http.listen {self.config.listen}: cannot bind: {exc.strerror}") from None
+        self.port = int(sock.getsockname()[1])
+        # No access log: the dashboard polls every second; failures are logged below.
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock).start()
+        self._sampler = asyncio.create_task(self._sample_rates(), name="api-rates")
+        log.info("HTTP API on %s%s", self.url, " (bearer token required)" if self._token else "")
+
+    async def stop(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
+        # Peer connections of stopped WHIP sources close in the background; let them finish.
+        for run in list(self.runtime.sources.values()):
+            if isinstance(run.source, WhipSource) and run.source.stopping:
+                await run.source.closed()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- middleware --------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every error as JSON ``{"error": ...}``, including aiohttp's own (404, 405, 413)."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            headers = {k: v for k, v in exc.headers.items() if k in ("Allow", "WWW-Authenticate")}
+            message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+            return _error(exc.status, message, headers)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            return _error(500, "internal error; see the server log")
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in PROBE_PATHS:
+            return await handler(request)
+        if self._token is None:
+            # Without a token only loopback clients reach the server, but a web page in a
+            # local browser can too, through a domain it rebinds to 127.0.0.1. Such requests
+            # carry that domain in Host; refuse everything but loopback names.
+            if _host_name(request.host) not in LOOPBACK_NAMES:
+                return _error(403, f"Host {request.host!r} is not allowed; use 127.0.0.1 or localhost")
+            return await handler(request)
+        if request.path in OPEN_PATHS or request.path.startswith(OPEN_PREFIXES):
+            return await handler(request)
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        # compare_digest: the time taken does not reveal how much of the token matched.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
+            return _error(
+                401, "missing or wrong bearer token", {"WWW-Authenticate": 'Bearer realm="vidpipe"'}
+            )
+        return await handler(request)
+
+    async def _security_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        response.headers.setdefault("Cache-Control", "no-store")
+        if response.content_type == "text/html":
+            response.headers["Content-Security-Policy"] = (
+                "default-src 'self'; img-src 'self' blob:; frame-ancestors 'none'"
+            )
+
+    # -- health and metrics ------------------------------------------------------------------
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        reasons = readiness_problems(self.runtime)
+        if reasons:
+            return web.json_response({"ready": False, "reasons": reasons}, status=503)
+        return web.json_response({"ready": True, "reasons": []})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        # The classic text format: what Metrics.render() writes and every scraper reads.
+        return web.Response(body=self.runtime.metrics.render(), headers={"Content-Type": PROMETHEUS_TEXT})
+
+    # -- sources -----------------------------------------------------------------------------
+
+    async def list_sources(self, request: web.Request) -> web.Response:
+        return web.json_response([run.describe() for run in self.runtime.sources.values()])
+
+    async def add_source(self, request: web.Request) -> web.Response:
+        # JSON only: a cross-site form or no-cors fetch cannot send this type without a
+        # CORS preflight, which this server never grants.
+        if request.content_type != "application/json":
+            return _error(415, f"Content-Type must be application/json, got {request.content_type!r}")
+        body = await request.read()  # over client_max_size: 413 via the error middleware
+        try:
+            data = json.loads(body, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            return _error(400, f"body: not valid JSON ({exc})")
+        try:
+            config = build(data, SourceConfig, "request", path="sources")
+        except ConfigError as exc:
+            hint = f" (hint: {exc.hint})" if exc.hint else ""
+            return _error(400, f"{exc.path}: {exc.problem}{hint}")
+        problem = _api_limits(config)
+        if problem:
+            return _error(400, problem)
+        config = dataclasses.replace(
+            config, url=_resolve_file(config.url, Path(self.runtime.config.base_dir))
+        )
+        sources = self.runtime.sources
+        if config.id is None:
+            # The same derivation as the YAML loader, unique among the running sources.
+            config = _unique_ids([run.config for run in sources.values()] + [config])[-1]
+        sid = config.source_id
+        if sid in sources:
+            return _error(409, f"sources.id: source {sid!r} already exists; DELETE it first")
+        try:
+            run = self.runtime.add_source(config)
+        except SourceError as exc:
+            return _error(400, f"sources.url: {exc}")
+        except ValueError as exc:
+            return _error(409, f"sources.id: {exc}")
+        log.info("source %s added over the API (%s)", sid, run.source.display_url)
+        return web.json_response(run.describe(), status=201, headers={"Location": f"/v1/sources/{sid}"})
+
+    async def delete_source(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        if not await self.runtime.remove_source(sid):
+            return _error(404, f"no source {sid!r}")
+        self._snapshots.pop(sid, None)
+        self._rates.pop(sid, None)
+        log.info("source %s removed over the API", sid)
+        return web.Response(status=204)
+
+    async def snapshot(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        run = self.runtime.sources.get(sid)
+        if run is None:
+            return _error(404, f"no source {sid!r}")
+        frame = run.last_frame
+        if frame is None:
+            return _error(404, f"source {sid!r} has not published a frame yet")
+        cached = self._snapshots.get(sid)
+        if cached is not None and cached[0] is frame:
+            jpeg = cached[1]
+        else:
+            # JPEG encoding takes milliseconds per frame: keep it off the event loop.
+            jpeg = await asyncio.to_thread(render_snapshot, frame)
+            self._snapshots[sid] = (frame, jpeg)
+        return web.Response(body=jpeg, content_type="image/jpeg", headers={"X-Frame-Index": str(frame.index)})
+
+    # -- stats -------------------------------------------------------------------------------
+
+    async def _sample_rates(self) -> None:
+        while True:
+            now = time.monotonic()
+            for sid, run in list(self.runtime.sources.items()):
+                self._rates.setdefault(sid, collections.deque(maxlen=RATE_WINDOW)).append(
+                    (now, run.published)
+                )
+            for sid in set(self._rates) - set(self.runtime.sources):
+                del self._rates[sid]
+            await asyncio.sleep(1.0)
+
+    def _fps(self, sid: str, published: int) -> float | None:
+        samples = self._rates.get(sid)
+        if not samples:
+            return None
+        t0, p0 = samples[0]
+        elapsed = time.monotonic() - t0
+        if elapsed < 0.5:
+            return None
+        return round((published - p0) / elapsed, 2)
+
+    async def stats(self, request: web.Request) -> web.Response:
+        sources = []
+        for sid, run in self.runtime.sources.items():
+            latencies = np.asarray(run.latencies[-256:], dtype=np.float64)
+            p50, p99 = (
+                (np.percentile(latencies, [50, 99]) * 1000).tolist() if latencies.size else (None, None)
+            )
+            sources.append(
+                {
+                    "id": sid,
+                    "state": run.source.state.value,
+                    "reason": run.source.reason,
+                    "fps": self._fps(sid, run.published),
+                    "latency_ms": {"p50": _round(p50), "p99": _round(p99)},
+                    "published": run.published,
+                    "dropped": sum(run.dropped.values()),
+                    "dropped_by_reason": dict(run.dropped),
+                    "queue_depth": len(run.queue),
+                }
+            )
+        return web.json_response({"time": time.time(), "sources": sources, "models": self._model_stats()})
+
+    def _model_stats(self) -> list[dict[str, Any]]:
+        m = self.runtime.metrics
+        batch = _histograms(m.inference_batch_size)
+        queue = _histograms(m.inference_queue)
+        out = []
+        for model in sorted(set(batch) | set(queue)):
+            b = batch.get(model)
+            q = queue.get(model)
+            out.append(
+                {
+                    "model": model,
+                    "batches": int(b.count) if b else 0,
+                    "mean_batch_size": _round(b.sum / b.count if b and b.count else None),
+                    "queue_ms": {
+                        "p50": _round(q.quantile(0.5) * 1000 if q and q.count else None),
+                        "p99": _round(q.quantile(0.99) * 1000 if q and q.count else None),
+                    },
+                }
+            )
+        return out
+
+    async def models(self, request: web.Request) -> web.Response:
+        repo = self.runtime.models
+        status = getattr(repo, "status", None)
+        if not callable(status):
+            return web.json_response([])
+        return web.json_response([_jsonable(s) for s in status()])
+
+    # -- WHIP --------------------------------------------------------------------------------
+
+    def _whip_source(self, name: str) -> WhipSource | None:
+        for run in self.runtime.sources.values():
+            if isinstance(run.source, WhipSource) and run.source.name == name:
+                return run.source
+        return None
+
+    async def whip_offer(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        source = self._whip_source(name)
+        if source is None:
+            return _error(404, f"no whip:// source named {name!r}")
+        if request.content_type != "application/sdp":
+            return _error(415, f"Content-Type must be application/sdp, got {request.content_type!r}")
+        if request.content_length is not None and request.content_length > MAX_SDP_BYTES:
+            return _error(413, f"SDP offer larger than {MAX_SDP_BYTES} bytes")
+        body = await request.read()
+        if len(body) > MAX_SDP_BYTES:
+            return _error(413, f"SDP offer larger than {MAX_SDP_BYTES} bytes")
+        try:
+            offer = body.decode("utf-8")
+        except UnicodeDecodeError:
+            return _error(400, "bad SDP offer: not UTF-8 text")
+        try:
+            session, answer = await source.accept(offer)
+        except WhipError as exc:
+            return _error(exc.status, exc.message)
+        return web.Response(
+            status=201,
+            text=answer,
+            content_type="application/sdp",
+            headers={"Location": f"/whip/{name}/{session}"},
+        )
+
+    async def whip_delete(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        source = self._whip_source(name)
+        if source is None or not await source.end_session(request.match_info["session"]):
+            return _error(404, f"no active WHIP session {request.match_info['session']!r} for {name!r}")
+        return web.Response(status=200)
+
+    # -- dashboard ---------------------------------------------------------------------------
+
+    async def dashboard(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(WEB_DIR / "index.html", headers={"Content-Type": "text/html"})
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without the port (``[::1]:8080`` -> ``::1``)."""
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _api_limits(config: SourceConfig) -> str | None:
+    if len(config.url) > MAX_URL_CHARS:
+        return f"sources.url: longer than {MAX_URL_CHARS} characters"
+    values = {
+        "open_timeout": config.open_timeout,
+        "read_timeout": config.read_timeout,
+        "stall_timeout": config.stall_timeout,
+        "max_fps": config.max_fps,
+        "reconnect.min_delay": config.reconnect.min_delay,
+        "reconnect.max_delay": config.reconnect.max_delay,
+    }
+    for key, value in values.items():
+        if value is not None and not value <= API_LIMITS[key]:
+            return f"sources.{key}: must be at most {API_LIMITS[key]:g}, got {value:g}"
+    return None
+
+
+def _round(value: float | None, digits: int = 2) -> float | None:
+    return None if value is None or math.isnan(value) else round(value, digits)
+
+
+@dataclasses.dataclass
+class _Histogram:
+    """One labelled child of a Prometheus histogram, read back from the registry."""
+
+    buckets: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # (le, cumulative)
+    count: float = 0.0
+    sum: float = 0.0
+
+    def quantile(self, q: float) -> float:
+        """Like PromQL's histogram_quantile: linear within the bucket holding the rank."""
+        rank = q * self.count
+        lower, below = 0.0, 0.0
+        for le, cumulative in sorted(self.buckets):
+            if cumulative >= rank:
+                if math.isinf(le):
+                    return lower
+                inside = cumulative - below
+                return lower + (le - lower) * ((rank - below) / inside if inside else 0.0)
+            lower, below = le, cumulative
+        return lower
+
+
+def _histograms(metric: Any) -> dict[str, _Histogram]:
+    """Per-``model`` children of a histogram family."""
+    out: dict[str, _Histogram] = {}
+    for family in metric.collect():
+        for sample in family.samples:
+            model = sample.labels.get("model")
+            if model is None:
+                continue
+            h = out.setdefault(model, _Histogram())
+            if sample.name.endswith("_bucket"):
+                h.buckets.append((float(sample.labels["le"]), sample.value))
+            elif sample.name.endswith("_count"):
+                h.count = sample.value
+            elif sample.name.endswith("_sum"):
+                h.sum = sample.value
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    """Dataclasses, enums, tuples and paths as JSON values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    return str(value)
+
+
+__all__ = ["ApiConfigError", "ApiServer", "is_loopback", "parse_listen"]

@@ -1,0 +1,339 @@
+"""WebRTC ingest (WHIP): a browser, OBS or GStreamer pushes video to vidpipe.
+
+::
+
+    http:
+      listen: 127.0.0.1:8080
+    sources:
+      - url: whip://door          # publishers POST their SDP offer to /whip/door
+        stall_timeout: 5          # no frame for this long: the publisher is gone
+        open_timeout: 10          # after the offer, the first frame must come within this
+
+The source waits for a publisher (state ``connecting``, reason ``waiting for a
+publisher``). ``POST /whip/door`` with ``Content-Type: application/sdp`` gets the
+answer (201, ``Location: /whip/door/<session>``); the first frame puts the source
+``up``. ``DELETE`` on the Location ends the session (``connecting``, ``publisher
+left``); a peer whose connection fails or that sends nothing for ``stall_timeout``
+is dropped (``backoff``, ``publisher lost: ...``). Either way the next publisher
+can POST again. One publisher at a time; a second one gets 409.
+
+Threading: aiortc delivers frames on the event loop, while the :class:`Source`
+base class expects a producer thread. This source keeps the thread only for the
+lifecycle (it waits for :meth:`stop`, then the base class leaves END in the
+queue) and calls :meth:`emit` from the loop. That is safe because a live
+source's queue drops the oldest frame instead of blocking, so ``emit`` never
+waits; and it keeps every state change (first frame, publisher left, stall) on
+one thread, so a frame that arrives while a session is being torn down cannot
+flip the state back to ``up``. The costly part, converting YUV to RGB, runs in
+the default executor so the loop stays responsive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from pipeline.config import SourceConfig
+from pipeline.stages.source import Source, SourceState, StateListener
+
+log = logging.getLogger("vidpipe.whip")
+
+WAITING = "waiting for a publisher"
+PUBLISHER_LEFT = "publisher left"
+MAX_SDP_BYTES = 64 * 1024
+DECODABLE_CODECS = frozenset({"VP8", "H264"})  # what aiortc receives and decodes
+
+
+class WhipError(Exception):
+    """A WHIP request that cannot be served; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def whip_name(url: str) -> str:
+    """The ``<id>`` of ``whip://<id>``: the name publishers use in ``/whip/<id>``."""
+    parts = urlsplit(url)
+    return parts.netloc or parts.path.strip("/")
+
+
+@dataclass(eq=False)
+class WhipSession:
+    """One publisher's peer connection."""
+
+    id: str
+    pc: Any  # aiortc.RTCPeerConnection
+    started: float = field(default_factory=time.time)
+    receiver: asyncio.Task[None] | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # The newest received frame not yet converted, with its arrival time.
+    pending: tuple[Any, float] | None = None
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    first_pts: float | None = None
+    skipped: int = 0
+
+
+def _to_rgb(frame: Any) -> np.ndarray:
+    image: np.ndarray = frame.to_ndarray(format="rgb24")
+    return image
+
+
+class WhipSource(Source):
+    """A live source fed by one WebRTC publisher at a time."""
+
+    def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
+        super().__init__(config, on_state)
+        self.name = whip_name(config.url)
+        self.session: WhipSession | None = None
+        self.sessions_started = 0
+        # Frames a publisher sent while the previous one was still being converted.
+        self.frames_skipped = 0
+        self._ended_by: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+        self.set_state(SourceState.CONNECTING, WAITING)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        # Frames arrive on the event loop (see the module docstring); this thread only
+        # lives as long as the source so the base class ends the stream on stop().
+        self._stop.wait()
+
+    def stop(self) -> None:
+        """Stop the source and close the publisher's peer connection, if any."""
+        super().stop()
+        if self.session is None or self._loop is None or self._loop.is_closed():
+            return
+        session = self.session
+        with contextlib.suppress(RuntimeError):  # the loop is already shutting down
+            self._loop.call_soon_threadsafe(self._schedule_end, session)
+
+    def _schedule_end(self, session: WhipSession) -> None:
+        task = asyncio.ensure_future(self._end(session, SourceState.STOPPED, "stopped", "stopped"))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def closed(self) -> None:
+        """Wait until a peer connection being closed by :meth:`stop` is closed."""
+        if self._closing:
+            await asyncio.gather(*list(self._closing), return_exceptions=True)
+
+    # -- WHIP --------------------------------------------------------------------------------
+
+    async def accept(self, offer: str) -> tuple[str, str]:
+        """Answer a publisher's SDP offer; returns ``(session id, answer SDP)``.
+
+        Raises :class:`WhipError` (400 bad offer, 409 busy, 503 stopping).
+        """
+        from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+
+        if self.stopping:
+            raise WhipError(503, f"source {self.id} is stopping")
+        if self.session is not None:
+            # The session id stays out of the message: its Location is the publisher's to end.
+            raise WhipError(
+                409, f"source {self.id} already has a publisher; it must DELETE its session first"
+            )
+        problem = _check_offer(offer)
+        if problem:
+            raise WhipError(400, f"bad SDP offer: {problem}")
+        self._loop = asyncio.get_running_loop()
+        # No ICE servers: the default would be a public STUN server, which a camera
+        # network usually cannot reach, and waiting for it delays every answer.
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        # Claimed before the first await so a concurrent second POST gets 409.
+        session = WhipSession(id=secrets.token_urlsafe(12), pc=pc)
+        self.session = session
+
+        @pc.on("track")
+        def on_track(track: Any) -> None:
+            if self.session is not session:
+                return
+            if track.kind == "video" and session.receiver is None:
+                session.receiver = asyncio.ensure_future(self._receive(session, track))
+                session.tasks += [session.receiver, asyncio.ensure_future(self._convert(session))]
+            else:
+                # aiortc queues received frames without bound until someone reads them:
+                # read and discard audio (and any extra video) so memory stays flat.
+                session.tasks.append(asyncio.ensure_future(_discard_frames(track)))
+
+        @pc.on("connectionstatechange")
+        async def on_connection_state() -> None:
+            if pc.connectionState in ("failed", "closed"):
+                state = pc.connectionState
+                await self._end(
+                    session, SourceState.BACKOFF, f"publisher lost: connection {state}", f"connection_{state}"
+                )
+
+        try:
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=offer, type="offer"))
+            if not any(
+                t.kind == "video" and t.direction in ("recvonly", "sendrecv") for t in pc.getTransceivers()
+            ):
+                raise WhipError(400, "bad SDP offer: it sends no video")
+            await pc.setLocalDescription(await pc.createAnswer())
+            answer = pc.localDescription.sdp
+            if not _video_accepted(answer):
+                raise WhipError(400, "bad SDP offer: no supported video codec (offer VP8 or H.264)")
+        except WhipError:
+            await self._discard(session)
+            raise
+        except Exception as exc:  # aiortc raises ValueError and friends on malformed SDP
+            await self._discard(session)
+            raise WhipError(400, f"bad SDP offer: {exc or type(exc).__name__}") from None
+        if self._ended_by is not None:
+            # A publisher coming back counts as a reconnect, labelled by how the last one ended.
+            self.count_reconnect(self._ended_by)
+        self.sessions_started += 1
+        log.info("source %s: publisher connected (session %s)", self.id, session.id)
+        return session.id, answer
+
+    async def end_session(self, session_id: str) -> bool:
+        """The publisher's DELETE; False if ``session_id`` is not the active session."""
+        session = self.session
+        if session is None or not secrets.compare_digest(session.id, session_id):
+            return False
+        await self._end(session, SourceState.CONNECTING, PUBLISHER_LEFT, "publisher_left")
+        return True
+
+    async def _discard(self, session: WhipSession) -> None:
+        if self.session is session:
+            self.session = None
+        await session.pc.close()
+
+    async def _end(self, session: WhipSession, state: SourceState, reason: str, label: str) -> None:
+        """End ``session`` once; later calls for the same session do nothing.
+
+        ``reason`` is what the API shows; ``label`` is the bounded metric label of the
+        reconnect the next publisher will count.
+        """
+        if self.session is not session:
+            return
+        self.session = None
+        self._ended_by = label
+        if not self.stopping:
+            self.set_state(state, reason)
+            log.debug("source %s: session %s ended: %s", self.id, session.id, reason)
+        if session.skipped:
+            log.info(
+                "source %s: %d frame(s) of session %s skipped while converting",
+                self.id,
+                session.skipped,
+                session.id,
+            )
+        for task in session.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        await session.pc.close()
+
+    async def _receive(self, session: WhipSession, track: Any) -> None:
+        """Take frames off the track as they come; :meth:`_convert` works on the newest."""
+        from aiortc.mediastreams import MediaStreamError
+
+        # The first frame waits for ICE and DTLS as well, so it gets the open timeout.
+        timeout = self.config.open_timeout
+        # Keep pts increasing across publishers (each starts its RTP clock anywhere).
+        self.pts_offset = (self._last_kept_pts + 1e-3) if self._last_kept_pts is not None else 0.0
+        while self.session is session and not self.stopping:
+            try:
+                frame = await asyncio.wait_for(track.recv(), timeout)
+            except TimeoutError:
+                await self._end(
+                    session, SourceState.BACKOFF, f"publisher lost: no frame for {timeout:g}s", "stalled"
+                )
+                return
+            except MediaStreamError:
+                await self._end(session, SourceState.BACKOFF, "publisher lost: track ended", "track_ended")
+                return
+            timeout = self.config.stall_timeout
+            # Live: when conversion falls behind, the newest frame replaces the waiting one,
+            # so latency stays bounded instead of aiortc's queue growing.
+            if session.pending is not None:
+                session.skipped += 1
+                self.frames_skipped += 1
+            session.pending = (frame, time.time())
+            session.wakeup.set()
+
+    async def _convert(self, session: WhipSession) -> None:
+        loop = asyncio.get_running_loop()
+        while self.session is session and not self.stopping:
+            await session.wakeup.wait()
+            session.wakeup.clear()
+            if session.pending is None:
+                continue
+            frame, capture_ts = session.pending
+            session.pending = None
+            image = await loop.run_in_executor(None, _to_rgb, frame)
+            if self.session is not session:
+                return  # ended while converting: the frame belongs to a gone publisher
+            if frame.pts is not None and frame.time_base is not None:
+                pts = float(frame.pts * frame.time_base)
+            else:
+                pts = capture_ts
+            if session.first_pts is None:
+                session.first_pts = pts
+            if not self.emit(image, pts - session.first_pts, capture_ts):
+                return
+
+
+async def _discard_frames(track: Any) -> None:
+    from aiortc.mediastreams import MediaStreamError
+
+    with contextlib.suppress(MediaStreamError):
+        while True:
+            await track.recv()
+
+
+def _check_offer(offer: str) -> str | None:
+    """A short reason the offer is not a usable SDP offer, or None."""
+    if not offer.strip():
+        return "the body is empty"
+    if not offer.lstrip().startswith("v=0"):
+        return "it does not start with 'v=0'"
+    lines = offer.splitlines()
+    if not any(line.startswith("m=video ") for line in lines):
+        return "it has no video media section (m=video)"
+    if not any(line.startswith("a=ice-ufrag:") for line in lines):
+        return "it has no ICE credentials (a=ice-ufrag)"
+    if not any(line.startswith("a=fingerprint:") for line in lines):
+        return "it has no DTLS fingerprint (a=fingerprint)"
+    if not _video_codecs(lines) & DECODABLE_CODECS:
+        return "no supported video codec (offer VP8 or H.264)"
+    return None
+
+
+def _video_codecs(lines: list[str]) -> set[str]:
+    """Upper-case codec names of the offer's video sections (``a=rtpmap:96 VP8/90000``)."""
+    codecs: set[str] = set()
+    in_video = False
+    for line in lines:
+        if line.startswith("m="):
+            in_video = line.startswith("m=video ")
+        elif in_video and line.startswith("a=rtpmap:"):
+            _, _, encoding = line.partition(" ")
+            codecs.add(encoding.split("/")[0].strip().upper())
+    return codecs
+
+
+def _video_accepted(answer: str) -> bool:
+    """Whether the answer accepts a video section (a rejected one has port 0 or no codec)."""
+    for line in answer.splitlines():
+        if line.startswith("m=video "):
+            fields = line.split()
+            if len(fields) >= 4 and fields[1] != "0":
+                return True
+    return False
+
+
+__all__ = ["WhipError", "WhipSession", "WhipSource", "whip_name"]

@@ -1,0 +1,159 @@
+// The vidpipe dashboard: polls /v1/sources and /v1/stats every second and shows each
+// source's state, rate, latency, drops and latest annotated snapshot.
+//
+// With a token, open /?token=...: it is kept in sessionStorage (and removed from the
+// address bar) and sent as "Authorization: Bearer" on every call; snapshots are then
+// fetched with that header and shown through blob: URLs, since <img src> cannot send it.
+"use strict";
+
+const POLL_MS = 1000;
+
+const token = (() => {
+  const params = new URLSearchParams(location.search);
+  const fromUrl = params.get("token");
+  if (fromUrl) {
+    sessionStorage.setItem("vidpipe-token", fromUrl);
+    params.delete("token");
+    const rest = params.toString();
+    history.replaceState(null, "", location.pathname + (rest ? "?" + rest : "") + location.hash);
+  }
+  return sessionStorage.getItem("vidpipe-token");
+})();
+
+const authHeaders = token ? { Authorization: "Bearer " + token } : {};
+const cards = new Map(); // source id -> {root, img, fields, shownPublished, loading, blobUrl}
+
+async function getJson(path) {
+  const resp = await fetch(path, { headers: authHeaders, cache: "no-store" });
+  if (resp.status === 401) {
+    throw new Error(token ? "the token was refused" : "a token is required: open /?token=<token>");
+  }
+  if (!resp.ok) throw new Error(`${path}: HTTP ${resp.status}`);
+  return resp.json();
+}
+
+function el(tag, attrs = {}, text = "") {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text) node.textContent = text;
+  return node;
+}
+
+function fmt(value, digits = 1) {
+  return value === null || value === undefined ? "–" : Number(value).toFixed(digits);
+}
+
+function makeCard(id) {
+  const root = el("article", { class: "card", "data-source-id": id });
+  const title = el("h3");
+  title.append(el("span", { class: "id" }, id), el("span", { class: "state" }));
+  const reason = el("div", { class: "reason" });
+  const dl = el("dl");
+  const fields = { title, reason };
+  for (const [key, label] of [
+    ["fps", "fps"], ["p50", "p50 ms"], ["p99", "p99 ms"],
+    ["published", "published"], ["dropped", "dropped"], ["queue", "queue"],
+  ]) {
+    const wrap = el("div");
+    const dd = el("dd", { "data-field": key }, "–");
+    wrap.append(el("dt", {}, label), dd);
+    dl.append(wrap);
+    fields[key] = dd;
+  }
+  const img = el("img", { alt: `latest frame of ${id}`, id: `snapshot-${id}` });
+  root.append(title, reason, dl, img);
+  return { root, img, fields, shownPublished: 0, loading: false, blobUrl: null };
+}
+
+function refreshSnapshot(id, card) {
+  card.loading = true;
+  const url = `/v1/sources/${encodeURIComponent(id)}/snapshot.jpg?t=${Date.now()}`;
+  const done = () => { card.loading = false; };
+  if (!token) {
+    card.img.onload = done;
+    card.img.onerror = done;
+    card.img.src = url;
+    return;
+  }
+  fetch(url, { headers: authHeaders, cache: "no-store" })
+    .then((resp) => (resp.ok ? resp.blob() : null))
+    .then((blob) => {
+      if (!blob) return done();
+      const previous = card.blobUrl;
+      card.blobUrl = URL.createObjectURL(blob);
+      card.img.onload = () => { if (previous) URL.revokeObjectURL(previous); done(); };
+      card.img.onerror = done;
+      card.img.src = card.blobUrl;
+    })
+    .catch(done);
+}
+
+function render(sources, stats) {
+  const container = document.getElementById("sources");
+  const statsById = new Map(stats.sources.map((s) => [s.id, s]));
+  const seen = new Set();
+  for (const src of sources) {
+    seen.add(src.id);
+    let card = cards.get(src.id);
+    if (!card) {
+      card = makeCard(src.id);
+      cards.set(src.id, card);
+      container.append(card.root);
+    }
+    const st = statsById.get(src.id) || {};
+    const state = card.fields.title.querySelector(".state");
+    state.textContent = src.state;
+    state.className = "state " + src.state;
+    card.fields.reason.textContent = src.reason || "";
+    card.fields.fps.textContent = fmt(st.fps);
+    card.fields.p50.textContent = fmt(st.latency_ms && st.latency_ms.p50);
+    card.fields.p99.textContent = fmt(st.latency_ms && st.latency_ms.p99);
+    card.fields.published.textContent = String(src.published);
+    card.fields.dropped.textContent = String(Object.values(src.dropped).reduce((a, b) => a + b, 0));
+    card.fields.queue.textContent = String(src.queue_depth);
+    // Only ask for a new snapshot when a new frame was published and the last one is in.
+    if (src.published > card.shownPublished && !card.loading) {
+      card.shownPublished = src.published;
+      refreshSnapshot(src.id, card);
+    }
+  }
+  for (const [id, card] of cards) {
+    if (!seen.has(id)) {
+      if (card.blobUrl) URL.revokeObjectURL(card.blobUrl);
+      card.root.remove();
+      cards.delete(id);
+    }
+  }
+  document.getElementById("no-sources").hidden = sources.length > 0;
+
+  const body = document.querySelector("#models tbody");
+  body.replaceChildren(
+    ...stats.models.map((m) => {
+      const row = el("tr");
+      row.append(
+        el("td", {}, m.model), el("td", {}, String(m.batches)), el("td", {}, fmt(m.mean_batch_size, 2)),
+        el("td", {}, fmt(m.queue_ms.p50, 2)), el("td", {}, fmt(m.queue_ms.p99, 2)),
+      );
+      return row;
+    }),
+  );
+  document.getElementById("models").hidden = stats.models.length === 0;
+  document.getElementById("no-models").hidden = stats.models.length > 0;
+}
+
+async function poll() {
+  const status = document.getElementById("status");
+  try {
+    const [sources, stats] = await Promise.all([getJson("/v1/sources"), getJson("/v1/stats")]);
+    render(sources, stats);
+    status.textContent = `updated ${new Date().toLocaleTimeString()}`;
+    status.classList.remove("error");
+  } catch (err) {
+    status.textContent = String(err.message || err);
+    status.classList.add("error");
+  } finally {
+    setTimeout(poll, POLL_MS);
+  }
+}
+
+poll();
