@@ -112,6 +112,19 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
+def check_http_config(config: HttpConfig) -> tuple[str, int]:
+    """Host and port to bind; refuses a non-loopback address without a token."""
+    host, port = parse_listen(config.listen)
+    if config.token is not None and not config.token.strip():
+        raise ApiConfigError("http.token is empty; set a real token or remove the key")
+    if not is_loopback(host) and not config.token:
+        raise ApiConfigError(
+            f"http.listen {config.listen} is reachable from other machines, so the API needs a token: "
+            "set http.token (or VIDPIPE_HTTP_TOKEN), or listen on 127.0.0.1"
+        )
+    return host, port
+
+
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response({"error": message}, status=status, headers=headers)
 
@@ -122,14 +135,7 @@ class ApiServer:
     def __init__(self, runtime: Any, config: HttpConfig, *, max_body: int = MAX_BODY_BYTES) -> None:
         self.runtime = runtime
         self.config = config
-        self.host, self._requested_port = parse_listen(config.listen)
-        if config.token is not None and not config.token.strip():
-            raise ApiConfigError("http.token is empty; set a real token or remove the key")
-        if not is_loopback(self.host) and not config.token:
-            raise ApiConfigError(
-                f"http.listen {config.listen} is reachable from other machines, so the API needs a token: "
-                "set http.token (or VIDPIPE_HTTP_TOKEN with --http), or listen on 127.0.0.1"
-            )
+        self.host, self._requested_port = check_http_config(config)
         self._token = config.token.encode() if config.token else None
         self.port: int | None = None
         self._runner: web.AppRunner | None = None

@@ -165,9 +165,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, sources=args.source)
     if args.publish:
         cfg = dataclasses.replace(cfg, nats=dataclasses.replace(cfg.nats, publish=args.publish))
+    env_token = os.environ.get("VIDPIPE_HTTP_TOKEN")
     if args.http:
-        token = os.environ.get("VIDPIPE_HTTP_TOKEN") or (cfg.http.token if cfg.http else None)
+        token = env_token or (cfg.http.token if cfg.http else None)
         cfg = dataclasses.replace(cfg, http=HttpConfig(listen=args.http, token=token))
+    elif cfg.http is not None and env_token:
+        cfg = dataclasses.replace(cfg, http=dataclasses.replace(cfg.http, token=env_token))
+    if cfg.http is not None:
+        # Refuse an exposed API without a token before anything starts (usage error, exit 2).
+        from pipeline.api import ApiConfigError, check_http_config
+
+        try:
+            check_http_config(cfg.http)
+        except ApiConfigError as exc:
+            raise ConfigError("--http" if args.http else cfg.file, None, "", str(exc)) from None
     if args.max_frames is not None and args.max_frames < 1:
         raise ConfigError("--max-frames", None, "", "must be at least 1")
     if args.duration is not None and args.duration <= 0:

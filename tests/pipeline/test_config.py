@@ -147,3 +147,19 @@ def test_docstring_example_in_config_module_is_valid(tmp_path: Path) -> None:
     example = textwrap.dedent(doc.split("::", 1)[1].split("See docs", 1)[0])
     cfg = load_config(write(tmp_path, example))
     assert cfg.pipeline == "demo" and cfg.stages[0].model == "squares"
+
+
+def test_exposed_http_without_token_is_refused_before_start(tmp_path: Path) -> None:
+    proc = run_cli("run", str(write(tmp_path, GOOD)), "--http", "0.0.0.0:0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("--http: http.listen 0.0.0.0:0 is reachable from other machines")
+    assert "Traceback" not in proc.stderr
+
+
+def test_yaml_1_1_booleans_are_plain_strings(tmp_path: Path) -> None:
+    # `on:` is the cascade key; YAML 1.1 would read it (and yes/no/off) as a boolean.
+    text = GOOD + "  - {name: cls, type: infer, model: c, on: det}\n"
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.stages[1].on == "det"
+    with pytest.raises(ConfigError, match=r"sources\[0\]\.loop: expected true or false, got 'yes'"):
+        load_config(write(tmp_path, GOOD.replace("- url: test://?frames=3", "- {url: a.mp4, loop: yes}")))
