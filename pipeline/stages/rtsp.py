@@ -1,0 +1,329 @@
+"""RTSP cameras: a live source that reconnects on its own and never gives up while running.
+
+::
+
+    sources:
+      - id: gate
+        url: rtsp://user:secret@10.0.0.7:554/stream1   # shown in logs as rtsp://***@10.0.0.7:554/...
+        transport: tcp        # tcp (RTP interleaved in the RTSP connection) | udp
+        open_timeout: 10.0    # seconds to connect, negotiate and find the stream
+        read_timeout: 5.0     # seconds one socket read may wait before the connection counts as dead
+        stall_timeout: 5.0    # seconds without a decoded frame before reconnecting
+        queue_size: 8         # frames waiting for the graph; the oldest is dropped when full
+        reconnect:
+          min_delay: 0.5      # first wait after a failure
+          max_delay: 10.0     # cap of the doubling wait
+          jitter: 0.2         # +-20% so cameras behind one switch do not retry in lockstep
+
+Each connection is read on its own thread while the source thread supervises it:
+when the connection fails, ends, stalls (no frame for ``stall_timeout``, even while
+FFmpeg sits in a blocking read) or does not open in ``open_timeout``, the source
+goes to ``backoff`` with a one-line reason, waits ``min_delay * 2**n`` (capped at
+``max_delay``, +-``jitter``; ``n`` counts failures since the last frame), counts a
+reconnect with a short reason label and connects again. A reader stuck in FFmpeg is
+abandoned, not closed from another thread: it frees its connection when its read
+times out, and can no longer emit. So :meth:`Source.stop` takes effect within a
+tenth of a second whatever FFmpeg is doing.
+
+Frame indices keep counting across reconnects and ``pts`` keeps increasing;
+``capture_ts`` is the wall time a frame came out of the decoder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import random
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from pipeline.config import ReconnectConfig, SourceConfig
+from pipeline.stages.source import AvSource, SourceState, StateListener
+
+log = logging.getLogger("vidpipe.source")
+
+# Reconnect reasons: the ``reason`` label of vidpipe_source_reconnects_total (a closed set).
+RECONNECT_REASONS = (
+    "refused",
+    "unreachable",
+    "timeout",
+    "stalled",
+    "end_of_stream",
+    "not_found",
+    "unauthorized",
+    "error",
+)
+
+# How often the supervisor looks at its reader; also the bound on how late stop() is seen.
+_TICK = 0.05
+# FFmpeg enforces open_timeout itself; the supervisor steps in only if it does not.
+_OPEN_GRACE = 1.0
+# FFmpeg probes the stream this long (microseconds) before the first frame is returned.
+# Its default (5 s cap, ~2 s in practice for H.264 over RTSP) only delays every reconnect:
+# the codec parameters come in the SDP and the first keyframe.
+_ANALYZE_US = 500_000
+
+_USERINFO_RE = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
+
+
+def backoff_delay(failures: int, reconnect: ReconnectConfig, rand: float) -> float:
+    """The wait before the next attempt after ``failures`` failed connections in a row.
+
+    ``min_delay * 2**failures`` capped at ``max_delay``, then scaled by
+    ``1 + jitter * (2 * rand - 1)`` with ``rand`` in [0, 1).
+    """
+    # 2**n overflows a float long before anyone waits that long; the cap applies first.
+    exponent = min(failures, 60)
+    base = min(reconnect.max_delay, reconnect.min_delay * (2.0**exponent))
+    return base * (1.0 + reconnect.jitter * (2.0 * rand - 1.0))
+
+
+def scrub_credentials(text: str, url: str) -> str:
+    """Remove a URL's credentials from text (FFmpeg messages can echo the URL they failed on)."""
+    parts = urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        for whole in (url, unquote(url)):
+            text = text.replace(whole, "<url>")
+    text = _USERINFO_RE.sub(lambda m: f"{m.group('scheme')}***@", text)
+    # A password on its own (e.g. in an auth error); short ones would blank common words.
+    password = parts.password or ""
+    for secret in (password, unquote(password)):
+        if len(secret) >= 4:
+            text = text.replace(secret, "***")
+    return text
+
+
+class _Timeline:
+    """A connection's frame times as strictly increasing seconds from its first frame.
+
+    Frames without a timestamp (the first frame of some streams) and timestamps that go
+    backwards (a camera whose clock was reset) are placed one frame after the previous one.
+    """
+
+    def __init__(self, step: float) -> None:
+        self.step = step
+        self.base: float | None = None
+        self.last: float | None = None
+
+    def next(self, raw: float | None) -> float:
+        expected = 0.0 if self.last is None else self.last + self.step
+        if raw is None:
+            value = expected
+        else:
+            if self.base is None or (self.last is not None and raw - self.base <= self.last):
+                self.base = raw - expected
+            value = raw - self.base
+        self.last = value
+        return value
+
+
+@dataclass
+class _Attempt:
+    """One connection: its reader thread fills this in, the supervisor watches it."""
+
+    number: int
+    started: float
+    opened: float | None = None
+    last_frame: float | None = None
+    frames: int = 0
+    # Set (under the source's lock) when the supervisor has given up on this reader.
+    abandoned: bool = False
+    failure: tuple[str, str] | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class RtspSource(AvSource):
+    """An RTSP/RTSPS camera: reconnects with backoff, detects stalls, never gives up while running."""
+
+    def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
+        super().__init__(config, on_state)
+        self._lock = threading.Lock()
+        self._failures = 0  # failed connections since the last frame: the backoff exponent
+        self._random = random.Random()
+
+    # -- FFmpeg options --------------------------------------------------------------------
+
+    def open_options(self) -> dict[str, str]:
+        cfg = self.config
+        options = {
+            "rtsp_transport": cfg.transport,
+            # Per socket operation, in microseconds (FFmpeg 5+ calls it `timeout`; the old
+            # `stimeout` is gone and an unknown option is silently ignored).
+            "timeout": str(int(cfg.read_timeout * 1_000_000)),
+            # Audio would only cost another RTP session; the graph uses video.
+            "allowed_media_types": "video",
+            "analyzeduration": str(_ANALYZE_US),
+            "flags": "low_delay",
+        }
+        if cfg.transport == "udp":
+            # UDP may reorder: wait at most 0.1 s for a late packet instead of FFmpeg's
+            # default queue, and give keyframes (tens of packets at once) socket room.
+            options["max_delay"] = "100000"
+            options["buffer_size"] = str(1 << 20)
+        return options
+
+    def open_timeout(self) -> tuple[float, float]:
+        # PyAV interrupts a blocking open or read after these many seconds.
+        return (self.config.open_timeout, self.config.read_timeout)
+
+    def open(self) -> Any:
+        """Connect; FFmpeg errors propagate so :meth:`_classify` can name them."""
+        import av
+
+        return av.open(self.url, options=self.open_options(), timeout=self.open_timeout())
+
+    # -- supervision -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        number = 0
+        while not self.stopping:
+            number += 1
+            if number == 1:
+                self.set_state(SourceState.CONNECTING, self.display_url)
+            attempt = _Attempt(number=number, started=time.monotonic())
+            reader = threading.Thread(
+                target=self._read, args=(attempt,), name=f"rtsp-{self.id}-{number}", daemon=True
+            )
+            reader.start()
+            label, message = self._supervise(attempt)
+            if self.stopping:
+                break
+            delay = backoff_delay(self._failures, self.config.reconnect, self._random.random())
+            self._failures += 1
+            # The retry number makes every failure a state change of its own (one log line each).
+            self.set_state(SourceState.BACKOFF, f"{message}; retry {self._failures} in {delay:.2f}s")
+            if self._stop.wait(delay):
+                break
+            self.count_reconnect(label)
+
+    def _supervise(self, attempt: _Attempt) -> tuple[str, str]:
+        """Wait for the reader to fail or end; step in on stall, a hung open, or stop()."""
+        cfg = self.config
+        while not attempt.done.wait(_TICK):
+            now = time.monotonic()
+            if self.stopping:
+                self._abandon(attempt)
+                return ("stopped", "stopped")
+            if attempt.opened is None:
+                if now - attempt.started > cfg.open_timeout + _OPEN_GRACE:
+                    self._abandon(attempt)
+                    return ("timeout", f"no answer from {self.display_url} in {cfg.open_timeout:g}s")
+            elif now - (attempt.last_frame or attempt.opened) > cfg.stall_timeout:
+                self._abandon(attempt)
+                return ("stalled", f"stalled: no frame for {cfg.stall_timeout:g}s from {self.display_url}")
+        return attempt.failure or ("error", f"connection to {self.display_url} ended")
+
+    def _abandon(self, attempt: _Attempt) -> None:
+        # Taking the lock waits out an emit in progress; after it the reader cannot emit.
+        with self._lock:
+            attempt.abandoned = True
+
+    # -- the reader thread -----------------------------------------------------------------
+
+    def _read(self, attempt: _Attempt) -> None:
+        container: Any = None
+        failure: tuple[str, str]
+        try:
+            container = self.open()
+            attempt.opened = time.monotonic()
+            failure = self._decode_live(container, attempt)
+        except Exception as exc:
+            failure = self._classify(exc, attempt)
+            if failure[0] == "error":
+                # No traceback: FFmpeg exceptions carry the URL, credentials included.
+                log.debug(
+                    "source %s: reader failed: %s: %s", self.id, type(exc).__name__, self._reason_text(exc)
+                )
+        finally:
+            if container is not None:
+                with contextlib.suppress(Exception):
+                    container.close()
+        attempt.failure = failure
+        attempt.done.set()
+
+    def _decode_live(self, container: Any, attempt: _Attempt) -> tuple[str, str]:
+        import av
+
+        if not container.streams.video:
+            return ("error", f"{self.display_url} has no video stream")
+        stream = container.streams.video[0]
+        # Frame threads hold frames back (one per thread); slice threads do not.
+        stream.thread_type = "SLICE"
+        time_base = float(stream.time_base) if stream.time_base else 0.0
+        fps = float(stream.average_rate) if stream.average_rate else 25.0
+        timeline = _Timeline(1.0 / fps)
+        for packet in container.demux(stream):
+            if attempt.abandoned or self.stopping:
+                return ("stopped", "stopped")
+            try:
+                frames = packet.decode()
+            except av.FFmpegError as exc:
+                # A damaged packet on a live stream: skip it, the next keyframe repairs
+                # the picture; the stall watchdog catches a stream that never recovers.
+                log.debug("source %s: skipped a packet: %s", self.id, self._reason_text(exc))
+                continue
+            for av_frame in frames:
+                image = av_frame.to_ndarray(format="rgb24")
+                capture_ts = time.time()
+                raw = float(av_frame.pts) * time_base if av_frame.pts is not None and time_base else None
+                pts = timeline.next(raw)
+                with self._lock:
+                    if attempt.abandoned or self.stopping:
+                        return ("stopped", "stopped")
+                    if attempt.frames == 0:
+                        # RTP timestamps start anywhere on each connection; continue the
+                        # source's timeline one frame after the last frame it kept.
+                        last = self._last_kept_pts
+                        self.pts_offset = 0.0 if last is None else last + 1.0 / fps
+                    attempt.frames += 1
+                    attempt.last_frame = time.monotonic()
+                    self._failures = 0
+                    if not self.emit(image, pts=pts, capture_ts=capture_ts):
+                        return ("stopped", "stopped")
+        return ("end_of_stream", f"end of stream from {self.display_url}")
+
+    # -- reasons ---------------------------------------------------------------------------
+
+    def _reason_text(self, exc: BaseException) -> str:
+        text = getattr(exc, "strerror", None) or str(exc) or exc.__class__.__name__
+        return scrub_credentials(str(text).strip().rstrip("."), self.url)
+
+    def _classify(self, exc: BaseException, attempt: _Attempt) -> tuple[str, str]:
+        """(reconnect reason label, one-line message) for a failed open or read."""
+        import av
+
+        url = self.display_url
+        opening = attempt.opened is None
+        since = attempt.started if opening else (attempt.last_frame or attempt.opened or attempt.started)
+        elapsed = time.monotonic() - since
+        cfg = self.config
+        code = getattr(exc, "errno", None)
+        if isinstance(exc, av.error.ConnectionRefusedError):
+            return ("refused", f"cannot connect to {url}: connection refused")
+        if code in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+            return ("unreachable", f"cannot connect to {url}: {self._reason_text(exc).lower()}")
+        if isinstance(exc, av.error.HTTPUnauthorizedError):
+            return ("unauthorized", f"{url} refused the credentials (401); check user and password")
+        if isinstance(exc, av.error.HTTPForbiddenError):
+            return ("unauthorized", f"{url} answered 403 forbidden; check the account's rights")
+        if isinstance(exc, av.error.HTTPNotFoundError):
+            return ("not_found", f"{url} answered 404 not found; check the stream path")
+        # A silent peer shows up as PyAV's interrupt (ExitError), a socket timeout, or, while
+        # FFmpeg waits for an RTSP reply, "invalid data" once the socket read gave up.
+        timeout_limit = min(cfg.open_timeout, cfg.read_timeout) if opening else cfg.read_timeout
+        timed_out = isinstance(exc, (av.error.ExitError, av.error.TimeoutError)) or (
+            isinstance(exc, av.error.InvalidDataError) and elapsed >= 0.9 * timeout_limit
+        )
+        if timed_out and opening:
+            return ("timeout", f"no answer from {url} in {elapsed:.1f}s")
+        if timed_out:
+            return ("timeout", f"read timed out: no data from {url} for {cfg.read_timeout:g}s")
+        if isinstance(exc, av.error.EOFError):
+            return ("end_of_stream", f"end of stream from {url}")
+        verb = "cannot open" if opening else "lost"
+        return ("error", f"{verb} {url}: {self._reason_text(exc)}")

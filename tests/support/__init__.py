@@ -1,0 +1,1 @@
+"""Helpers the tests and benchmarks share (external servers run as child processes)."""
