@@ -322,8 +322,14 @@ class ApiServer:
         if cached is not None and cached[0] is frame:
             jpeg = cached[1]
         else:
-            # JPEG encoding takes milliseconds per frame: keep it off the event loop.
-            jpeg = await asyncio.to_thread(render_snapshot, frame)
+            # JPEG encoding takes milliseconds per frame: keep it off the event loop, and
+            # keep the frame's pooled buffer from being reused while the thread reads it.
+            buffer = frame.buffer.retain() if frame.buffer is not None else None
+            try:
+                jpeg = await asyncio.to_thread(render_snapshot, frame)
+            finally:
+                if buffer is not None:
+                    buffer.release()
             self._snapshots[sid] = (frame, jpeg)
         return web.Response(body=jpeg, content_type="image/jpeg", headers={"X-Frame-Index": str(frame.index)})
 

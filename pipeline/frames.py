@@ -71,7 +71,15 @@ class Frame:
     image: np.ndarray
     objects: list[DetectedObject] = field(default_factory=list)
     stage_times: dict[str, float] = field(default_factory=dict)
+    # The pooled buffer ``image`` lives in; it goes back to the source's pool on release().
+    buffer: Any = field(default=None, repr=False)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1), repr=False)
+
+    def release(self) -> None:
+        """Give the image's buffer back to its pool; the frame must not be used afterwards."""
+        if self.buffer is not None:
+            buffer, self.buffer = self.buffer, None
+            buffer.release()
 
     @property
     def width(self) -> int:

@@ -124,6 +124,9 @@ class Metrics:
             for key in list(metric._metrics):
                 if key[:2] == (pipeline, source):
                     metric.remove(*key)
+        for key in list(self.pool_buffers._metrics):
+            if key[0] == f"frames-{source}":
+                self.pool_buffers.remove(*key)
 
     # The inference layer reports through this observer interface (it never imports pipeline).
     def on_request(self, model: str, status: str) -> None:

@@ -231,11 +231,16 @@ class Runtime:
         pipeline = self.config.pipeline
 
         def on_drop(frame: Frame) -> None:
+            frame.release()
             self._count_drop(frame.source, "queue_full")
 
         queue: FrameQueue[Frame] = FrameQueue(config.queue_size, policy, loop, on_drop)
         source = create_source(config, self._on_source_state)
         source.on_reconnect = self._on_source_reconnect
+        source.on_drop = self._on_source_drop
+        # Every frame of this source is in its queue, in flight, being decoded, or the
+        # latest one kept for the snapshot; more buffers than that would never be used.
+        source.frame_pool_size = config.queue_size + self.config.runtime.max_in_flight + 4
         run = SourceRun(config=config, source=source, queue=queue)
         self.sources[sid] = run
         self.metrics.source_up.labels(pipeline, sid).set(0)
@@ -257,6 +262,8 @@ class Runtime:
         run.source.join(timeout=2.0)
         for stage in self.stages:
             stage.forget_source(source_id)
+        if run.last_frame is not None:
+            run.last_frame.release()
         self.sources.pop(source_id, None)
         self.metrics.forget_source(self.config.pipeline, source_id)
         self._idle.set()
@@ -272,6 +279,10 @@ class Runtime:
             log.warning("source %s: %s", source.id, reason)
         else:
             log.info("source %s: %s%s", source.id, state.value, f" ({reason})" if reason else "")
+
+    def _on_source_drop(self, source: Source, reason: str) -> None:
+        # From the source's thread; prometheus counters are thread-safe.
+        self._count_drop(source.id, reason)
 
     def _on_source_reconnect(self, source: Source, reason: str) -> None:
         # From the source's thread, like _on_source_state; the state change already logged why.
@@ -299,7 +310,12 @@ class Runtime:
                 if isinstance(item, EndOfStream):
                     break
                 self.metrics.queue_depth.labels(pipeline, sid).set(len(run.queue))
+                pool = run.source.frame_pool
+                if pool is not None:
+                    self.metrics.pool_buffers.labels(pool.name, "in_use").set(pool.in_use)
+                    self.metrics.pool_buffers.labels(pool.name, "capacity").set(pool.capacity)
                 if self._stopping.is_set() and run.source.live:
+                    item.release()
                     self._count_drop(sid, "shutdown")
                     continue
                 self.metrics.frames.labels(pipeline, sid).inc()
@@ -309,16 +325,12 @@ class Runtime:
                 if self.max_frames is not None and accepted >= self.max_frames:
                     run.source.stop()
                     run.queue.close()
-                    for _ in run.queue.drain():
-                        pass
+                    for frame in run.queue.drain():
+                        frame.release()
                     break
         finally:
             await in_flight.put(None)
             await publisher
-            dropped_max_fps = run.source.stats.dropped_max_fps
-            if dropped_max_fps:
-                self.metrics.frames_dropped.labels(pipeline, sid, "max_fps").inc(dropped_max_fps)
-                run.dropped["max_fps"] = dropped_max_fps
 
     async def _process(self, frame: Frame) -> Frame | None:
         """Run the unordered stages; None means the frame was dropped (counted)."""
@@ -340,6 +352,7 @@ class Runtime:
                     f"{type(exc).__name__}: {exc}; frame dropped",
                 )
                 log.debug("stage failure", exc_info=True)
+                frame.release()
                 return None
             elapsed = time.perf_counter() - t0
             frame.stage_times[stage.name] = elapsed
@@ -363,11 +376,15 @@ class Runtime:
             except Exception as exc:
                 self._count_drop(frame.source, "publish_failed")
                 log.error("source %s: frame %d not published: %s", frame.source, frame.index, exc)
+                frame.release()
                 continue
             run.published += 1
             self._published += 1
             for obj in frame.objects:
                 obj.crops.clear()  # crops were for the cascade; do not keep them alive
+            # The newest frame stays (the dashboard draws it); the one before goes back to the pool.
+            if run.last_frame is not None:
+                run.last_frame.release()
             run.last_frame = frame
             latency = time.time() - frame.capture_ts
             run.latencies.append(latency)

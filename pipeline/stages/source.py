@@ -30,6 +30,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 
+from inference.memory import BufferHandle, BufferPool, PoolExhausted
 from pipeline.config import SourceConfig, redact_url
 from pipeline.frames import Frame
 from pipeline.queues import FrameQueue
@@ -58,6 +59,8 @@ class SourceStats:
 StateListener = Callable[["Source", SourceState, str], None]
 # Called with a short, bounded reason label (e.g. "refused", "stalled") per reconnect attempt.
 ReconnectListener = Callable[["Source", str], None]
+# Called with a drop reason ("max_fps", "pool_empty") for each frame the source itself drops.
+DropListener = Callable[["Source", str], None]
 
 
 class SourceError(RuntimeError):
@@ -77,6 +80,15 @@ class Source(ABC):
         self.stats = SourceStats()
         self._on_state = on_state
         self.on_reconnect: ReconnectListener | None = None
+        self.on_drop: DropListener | None = None
+        # Decoded frames live in a pool of buffers sized by the runtime (queue + frames in
+        # flight + a few), so steady state allocates no frame memory and a graph that falls
+        # behind holds the decoder back instead of growing memory.
+        self.frame_pool_size = 16
+        self.frame_pool: BufferPool | None = None
+        # Sources that emit from the event loop must never wait for a buffer: they drop.
+        self.emit_blocks = True
+        self._next_due_pts: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._queue: FrameQueue[Frame] | None = None
@@ -124,7 +136,7 @@ class Source(ABC):
         try:
             self.run()
             if self.state not in (SourceState.FAILED,):
-                self.set_state(SourceState.STOPPED, "stopped" if self.stopping else "end of stream")
+                self.set_state(SourceState.STOPPED, "stop requested" if self.stopping else "end of stream")
         except SourceError as exc:
             self.set_state(SourceState.FAILED, str(exc))
         except Exception as exc:  # a decoder bug must not take the process down
@@ -137,24 +149,72 @@ class Source(ABC):
     def run(self) -> None:
         """Produce frames with :meth:`emit` until the stream ends or :meth:`stop` is called."""
 
+    def _drop(self, reason: str) -> None:
+        if self.on_drop is not None:
+            self.on_drop(self, reason)
+
+    def _keep_for_max_fps(self, pts: float) -> bool:
+        """Thin the stream to ``max_fps`` on average (15 fps at max_fps 10 keeps 10, not 7.5)."""
+        if self.config.max_fps is None:
+            return True
+        interval = 1.0 / self.config.max_fps
+        due = self._next_due_pts
+        if due is not None and pts < due - 1e-6:
+            return False
+        # Never let the schedule fall behind the stream, or a gap would be followed by a burst.
+        self._next_due_pts = max((due if due is not None else pts) + interval, pts)
+        return True
+
+    def _acquire_buffer(self, shape: tuple[int, ...]) -> BufferHandle | None:
+        """A pooled frame buffer of ``shape``; None when stopping (or, for loop sources, dry)."""
+        pool = self.frame_pool
+        if pool is None or pool.shape != shape:
+            # First frame, or the stream changed resolution: a new pool; the old one's
+            # buffers go with the frames that still hold them.
+            pool = BufferPool(shape, np.uint8, self.frame_pool_size, name=f"frames-{self.id}")
+            self.frame_pool = pool
+        if not self.emit_blocks:
+            try:
+                return pool.acquire(timeout=0)
+            except PoolExhausted:
+                return None
+        while not self.stopping:
+            try:
+                return pool.acquire(timeout=0.25)
+            except PoolExhausted:
+                continue
+        return None
+
     def emit(self, image: np.ndarray, pts: float, capture_ts: float | None = None) -> bool:
-        """Hand a decoded image to the graph; False when the source should stop."""
+        """Hand a decoded image to the graph, copied into a pooled buffer.
+
+        Returns False when the source should stop.
+        """
         assert self._queue is not None
         pts += self.pts_offset
-        if self.config.max_fps is not None and self._last_kept_pts is not None:
-            if pts - self._last_kept_pts < (1.0 / self.config.max_fps) - 1e-6:
-                self.stats.dropped_max_fps += 1
-                return not self.stopping
+        if not self._keep_for_max_fps(pts):
+            self.stats.dropped_max_fps += 1
+            self._drop("max_fps")
+            return not self.stopping
+        buffer = self._acquire_buffer(image.shape)
+        if buffer is None:
+            if self.stopping:
+                return False
+            self._drop("pool_empty")
+            return True
+        np.copyto(buffer.array, image)
         self._last_kept_pts = pts
         frame = Frame(
             source=self.id,
             index=self._next_index,
             pts=pts,
             capture_ts=capture_ts if capture_ts is not None else time.time(),
-            image=image,
+            image=buffer.array,
+            buffer=buffer,
         )
         self._next_index += 1
         if not self._queue.put(frame, self._stop):
+            frame.release()
             return False
         self.stats.frames += 1
         self.stats.last_frame_ts = time.time()
@@ -191,6 +251,7 @@ class TestPatternSource(Source):
 
     def run(self) -> None:
         base = pattern_background(self.width, self.height)
+        image = np.empty_like(base)  # drawn into, then copied into a pooled buffer by emit
         start = time.monotonic()
         i = 0
         while not self.stopping and (self.frames is None or i < self.frames):
@@ -198,7 +259,7 @@ class TestPatternSource(Source):
             delay = due - time.monotonic()
             if delay > 0 and self._stop.wait(delay):
                 break
-            image = base.copy()
+            np.copyto(image, base)
             x1, y1, x2, y2 = pattern_square_box(i, self.width, self.height)
             image[y1:y2, x1:x2] = 255
             if not self.emit(image, pts=i / self.fps):

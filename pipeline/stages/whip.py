@@ -101,6 +101,8 @@ class WhipSource(Source):
         self._ended_by: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        # emit() runs on the event loop here, which must never wait for a frame buffer.
+        self.emit_blocks = False
         self.set_state(SourceState.CONNECTING, WAITING)
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -211,7 +211,7 @@ async def test_server_outage_reconnects_and_other_sources_keep_flowing(
     for retry, line in enumerate(lines[3:second_up], start=2):
         assert line.startswith(f"source cam: cannot connect to {url}: connection refused; retry {retry} in ")
     assert second_up >= 4
-    assert lines[second_up + 1 :] == ["source cam: stopped (stopped)"]
+    assert lines[second_up + 1 :] == ["source cam: stopped (stop requested)"]
     assert not any(r.getMessage().startswith("source pattern: ") and "backoff" in r.getMessage()
                    for r in caplog.records)  # fmt: skip
 
