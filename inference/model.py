@@ -313,9 +313,16 @@ class Model:
                 try:
                     spec = _input_spec(config, backend)
                     task = self._task_factory(config, spec, backend.metadata, self.labels)
-                    pool = BufferPool(
-                        self.batch_shape, config.input.dtype, count=1, name=f"{self.name}/instance-{index}"
-                    )
+                    pool_name = f"{self.name}/instance-{index}"
+                    if config.backend == "tensorrt":
+                        # Batch tensors stay on the device and are filled by one fused kernel
+                        # on the instance's stream; the engine reads them without a host copy.
+                        from inference.gpu import device_batch_pool, gpu_preprocessor
+
+                        pool = device_batch_pool(config, name=pool_name)
+                        task.preprocessor = gpu_preprocessor(config, stream=getattr(backend, "stream", None))
+                    else:
+                        pool = BufferPool(self.batch_shape, config.input.dtype, count=1, name=pool_name)
                 except BaseException:
                     backend.close()
                     raise

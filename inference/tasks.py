@@ -36,6 +36,8 @@ class Task(ABC):
         self.input_spec = input_spec
         self.metadata = dict(metadata)
         self.labels = list(labels)
+        # Writes images into the batch tensor; a GPU model swaps in the fused-kernel version.
+        self.preprocessor: Any = None
 
     @property
     def item_shape(self) -> tuple[int, int, int]:

@@ -71,6 +71,10 @@ class SourceConfig:
     read_timeout: float = field(default=5.0, metadata=spec(gt=0))
     stall_timeout: float = field(default=5.0, metadata=spec(gt=0))
     reconnect: ReconnectConfig = field(default_factory=ReconnectConfig)
+    decode: Literal["cpu", "cuda", "auto"] = field(
+        default="cpu",
+        metadata=spec(help="cuda decodes on the GPU (NVDEC); auto tries it and falls back to cpu"),
+    )
 
     @property
     def scheme(self) -> str:
@@ -135,6 +139,10 @@ class RuntimeConfig:
         default=4, metadata=spec(ge=1, le=256, help="frames of one source processed at once")
     )
     drain_timeout: float = field(default=10.0, metadata=spec(gt=0))
+    device: Literal["cpu", "gpu", "auto"] = field(
+        default="cpu",
+        metadata=spec(help="gpu needs an NVIDIA GPU with CuPy; auto uses one when present"),
+    )
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,23 @@ class PipelineStartError(RuntimeError):
     """The pipeline cannot start; the message says why and what to do."""
 
 
+def resolve_device(wanted: str) -> str:
+    """``cpu`` or ``gpu`` for ``runtime.device``; asking for a GPU that is not there is an error."""
+    if wanted == "cpu":
+        return "cpu"
+    from inference.device import gpu_available
+
+    ok, reason = gpu_available()
+    if ok:
+        return "gpu"
+    if wanted == "gpu":
+        raise PipelineStartError(
+            f"runtime.device: gpu is not usable here ({reason}); use device: cpu or auto"
+        )
+    log.info("runtime.device auto: using the CPU (%s)", reason)
+    return "cpu"
+
+
 @dataclass
 class SourceRun:
     """A running source and its counters (what ``GET /v1/sources`` shows)."""
@@ -113,6 +130,7 @@ class Runtime:
         self._unordered: list[Stage] = []
         self._ordered: list[Stage] = []
         self.started_at = 0.0
+        self.device = "cpu"
         self._published = 0  # across every source, also removed ones
         self._persistent = False
 
@@ -126,6 +144,7 @@ class Runtime:
     async def prepare(self) -> None:
         """Everything but the sources: models, stages, the NATS connection."""
         self.started_at = time.time()
+        self.device = resolve_device(self.config.runtime.device)
         await self._load_models()
         ctx = StageContext(config=self.config, models=self.models, metrics=self.metrics)
         self.stages = [create_stage(s, ctx) for s in self.config.stages]

@@ -21,8 +21,10 @@ from inference.config import ModelConfig
 
 __all__ = ["Backend", "BackendError", "TensorSpec", "create_backend"]
 
+# Kept here (not imported from the TensorRT module) so the check costs no import.
 _TENSORRT_MISSING = (
-    "TensorRT backend needs an NVIDIA GPU and the `tensorrt` package; use backend: onnxruntime"
+    "TensorRT backend needs an NVIDIA GPU with the `tensorrt` and `cupy` packages "
+    "(pip install 'vidpipe[gpu]'); use backend: onnxruntime on CPU"
 )
 
 
@@ -33,7 +35,7 @@ def create_backend(config: ModelConfig, model_path: Path, instance: int) -> Back
 
         return OnnxRuntimeBackend(config, model_path, instance)
     if config.backend == "tensorrt":
-        if importlib.util.find_spec("tensorrt") is None:
+        if importlib.util.find_spec("tensorrt") is None or importlib.util.find_spec("cupy") is None:
             raise BackendError(f"{config.name}: {_TENSORRT_MISSING}")
         try:
             module = importlib.import_module("inference.backends.tensorrt")

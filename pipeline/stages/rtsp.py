@@ -173,9 +173,12 @@ class RtspSource(AvSource):
 
     def open(self) -> Any:
         """Connect; FFmpeg errors propagate so :meth:`_classify` can name them."""
-        import av
+        from pipeline.stages.hwdecode import open_with_hwaccel
 
-        return av.open(self.url, options=self.open_options(), timeout=self.open_timeout())
+        container, self.decoder = open_with_hwaccel(
+            self.url, self.open_options(), self.open_timeout(), self.config.decode
+        )
+        return container
 
     # -- supervision -----------------------------------------------------------------------
 

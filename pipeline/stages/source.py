@@ -289,7 +289,12 @@ def pattern_square_box(index: int, width: int, height: int) -> tuple[int, int, i
 
 
 class AvSource(Source):
-    """Any stream FFmpeg can demux and decode, through PyAV (files here, cameras in subclasses)."""
+    """Any stream FFmpeg can demux and decode, through PyAV (files here, cameras in subclasses).
+
+    ``decode: cuda`` (or ``auto``) decodes with NVDEC through FFmpeg's CUDA hwaccel.
+    """
+
+    decoder = "software"
 
     def open_options(self) -> dict[str, str]:
         return {}
@@ -300,14 +305,21 @@ class AvSource(Source):
     def open(self) -> Any:
         import av
 
+        from pipeline.stages.hwdecode import open_with_hwaccel
+
         try:
-            return av.open(self.url, options=self.open_options(), timeout=self.open_timeout())
+            container, self.decoder = open_with_hwaccel(
+                self.url, self.open_options(), self.open_timeout(), self.config.decode
+            )
+            return container
         except FileNotFoundError:
             raise SourceError(f"source {self.id}: file not found: {self.display_url}") from None
         except av.FFmpegError as exc:
             raise SourceError(
                 f"source {self.id}: cannot open {self.display_url}: {_ffmpeg_reason(exc)}"
             ) from None
+        except RuntimeError as exc:  # decode: cuda asked for, not possible here
+            raise SourceError(f"source {self.id}: {exc}") from None
 
     def decode(self, container: Any, realtime: bool) -> int:
         """Decode every video frame of ``container``; returns the number decoded."""

@@ -468,7 +468,8 @@ def test_tensorrt_backend_without_tensorrt(tmp_path: Path) -> None:
         pytest.skip("tensorrt is installed here")
     with pytest.raises(
         BackendError,
-        match=r"TensorRT backend needs an NVIDIA GPU and the `tensorrt` package; use backend: onnxruntime",
+        match=r"TensorRT backend needs an NVIDIA GPU with the `tensorrt` and `cupy` packages "
+        r"\(pip install 'vidpipe\[gpu\]'\); use backend: onnxruntime on CPU",
     ):
         create_backend(config(backend="tensorrt"), tmp_path / "model.plan", 0)
 

@@ -131,3 +131,28 @@ def test_an_unknown_model_lists_what_the_repository_has(tmp_path: Path, sample_m
     assert proc.returncode == 1
     assert "model 'yolo9000' is not in the repository" in proc.stderr
     assert "ppocr_cls, ppocr_det, ppocr_rec, squares" in proc.stderr
+
+
+def test_gpu_device_or_decoder_on_a_machine_without_one_is_named(
+    tmp_path: Path, config: Path, nats_server: EmbeddedNats
+) -> None:
+    from inference.device import gpu_available
+
+    ok, reason = gpu_available()
+    if ok:
+        pytest.skip("this machine has a GPU")
+    gpu_cfg = tmp_path / "gpu.yaml"
+    gpu_cfg.write_text(config.read_text() + "runtime: {device: gpu}\n")
+    proc = run_cli("run", str(gpu_cfg), "--source", "test://?frames=3", "--nats", nats_server.url)
+    assert proc.returncode == 1
+    assert f"runtime.device: gpu is not usable here ({reason}); use device: cpu or auto" in proc.stderr
+
+    clip = write_clip(tmp_path / "nv.mp4", frames=5, fps=5)
+    nv_cfg = tmp_path / "nv.yaml"
+    nv_cfg.write_text(config.read_text() + f"sources:\n  - {{url: {clip}, decode: cuda}}\n  - {{url: {clip}, id: soft, decode: auto}}\n")
+    proc = run_cli("run", str(nv_cfg), "--nats", nats_server.url)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = error_lines(proc.stderr, "source nv:")
+    assert "decode: cuda is not possible" in line
+    # decode: auto falls back to software and publishes every frame.
+    assert "done: 5 frame(s) published from 2 source(s); failed: nv" in proc.stderr
