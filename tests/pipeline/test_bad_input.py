@@ -149,7 +149,10 @@ def test_gpu_device_or_decoder_on_a_machine_without_one_is_named(
 
     clip = write_clip(tmp_path / "nv.mp4", frames=5, fps=5)
     nv_cfg = tmp_path / "nv.yaml"
-    nv_cfg.write_text(config.read_text() + f"sources:\n  - {{url: {clip}, decode: cuda}}\n  - {{url: {clip}, id: soft, decode: auto}}\n")
+    nv_cfg.write_text(
+        config.read_text()
+        + f"sources:\n  - {{url: {clip}, decode: cuda}}\n  - {{url: {clip}, id: soft, decode: auto}}\n"
+    )
     proc = run_cli("run", str(nv_cfg), "--nats", nats_server.url)
     assert proc.returncode == 0, proc.stderr
     (line,) = error_lines(proc.stderr, "source nv:")
