@@ -479,12 +479,13 @@ class DynamicBatcher:
                 else:
                     st.succeeded += n
             deliver = self._order_locked(outcomes, skipped) if self._ordered else outcomes
-        self._deliver(deliver)
+        # Metrics first: a caller that sees its answer also sees it counted.
         if n and self._observed:
             self._observe_batch(n, [start - t for t in enqueued], compute)
             status = "failed" if failed else "success"
             for _ in live:
                 self._observe_request(status)
+        self._deliver(deliver)
 
     def _reaper(self) -> None:
         """Fail or move timed-out requests even while every instance is busy."""
@@ -545,6 +546,10 @@ class DynamicBatcher:
     def _deliver(self, outcomes: list[_Outcome]) -> None:
         if not outcomes:
             return
+        if self._observed:
+            for _, _, exc in outcomes:
+                if isinstance(exc, InferenceRejected):
+                    self._observe_request("timeout" if exc.reason == TIMEOUT else "rejected")
         by_loop: dict[
             asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, BaseException | None]]
         ] = {}
@@ -568,10 +573,6 @@ class DynamicBatcher:
             # A closed event loop raises RuntimeError: nobody is waiting there any more.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_settle_async, items)
-        if self._observed:
-            for _, _, exc in outcomes:
-                if isinstance(exc, InferenceRejected):
-                    self._observe_request("timeout" if exc.reason == TIMEOUT else "rejected")
 
     def _observe_request(self, status: str) -> None:
         try:

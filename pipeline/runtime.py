@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,7 +112,6 @@ class Runtime:
         nats_url: str,
         max_frames: int | None = None,
         metrics: Metrics | None = None,
-        on_message: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.config = config
         self.nats_url = nats_url
@@ -125,7 +123,6 @@ class Runtime:
         self.sources: dict[str, SourceRun] = {}
         self._stopping = asyncio.Event()
         self._idle = asyncio.Event()
-        self._on_message = on_message
         self._stage_error_log = _RateLimitedLog()
         self._unordered: list[Stage] = []
         self._ordered: list[Stage] = []
@@ -318,15 +315,20 @@ class Runtime:
     async def _intake(self, run: SourceRun) -> None:
         sid = run.source.id
         pipeline = self.config.pipeline
-        in_flight: asyncio.Queue[asyncio.Task[Frame | None] | None] = asyncio.Queue(
-            maxsize=self.config.runtime.max_in_flight
-        )
-        publisher = asyncio.create_task(self._publish_in_order(run, in_flight), name=f"publish-{sid}")
+        # A slot is taken before a frame leaves the source's queue and given back once the
+        # frame is published or dropped: exactly max_in_flight frames are in the graph at
+        # most, and a live source's waiting frames stay in its drop-oldest queue, so the
+        # graph always takes the freshest one.
+        slots = asyncio.Semaphore(self.config.runtime.max_in_flight)
+        in_flight: asyncio.Queue[asyncio.Task[Frame | None] | None] = asyncio.Queue()
+        publisher = asyncio.create_task(self._publish_in_order(run, in_flight, slots), name=f"publish-{sid}")
         accepted = 0
         try:
             while True:
+                await slots.acquire()
                 item = await run.queue.get()
                 if isinstance(item, EndOfStream):
+                    slots.release()
                     break
                 self.metrics.queue_depth.labels(pipeline, sid).set(len(run.queue))
                 pool = run.source.frame_pool
@@ -335,12 +337,16 @@ class Runtime:
                     self.metrics.pool_buffers.labels(pool.name, "capacity").set(pool.capacity)
                 if self._stopping.is_set() and run.source.live:
                     item.release()
+                    slots.release()
                     self._count_drop(sid, "shutdown")
                     continue
+                if not run.source.live:
+                    # A file's frame was decoded ahead and waited for the graph by design
+                    # (lossless); its latency starts when the graph takes it.
+                    item.capture_ts = time.time()
                 self.metrics.frames.labels(pipeline, sid).inc()
                 accepted += 1
-                task = asyncio.create_task(self._process(item))
-                await in_flight.put(task)
+                in_flight.put_nowait(asyncio.create_task(self._process(item)))
                 if self.max_frames is not None and accepted >= self.max_frames:
                     run.source.stop()
                     run.queue.close()
@@ -348,7 +354,7 @@ class Runtime:
                         frame.release()
                     break
         finally:
-            await in_flight.put(None)
+            in_flight.put_nowait(None)
             await publisher
 
     async def _process(self, frame: Frame) -> Frame | None:
@@ -379,38 +385,45 @@ class Runtime:
         return frame
 
     async def _publish_in_order(
-        self, run: SourceRun, in_flight: asyncio.Queue[asyncio.Task[Frame | None] | None]
+        self,
+        run: SourceRun,
+        in_flight: asyncio.Queue[asyncio.Task[Frame | None] | None],
+        slots: asyncio.Semaphore,
     ) -> None:
         while True:
             task = await in_flight.get()
             if task is None:
                 return
-            frame = await task
-            if frame is None:
-                continue
-            if self._ordered and await self._run_stages(frame, self._ordered) is None:
-                continue
             try:
-                await self.publisher.publish(frame)
-            except Exception as exc:
-                self._count_drop(frame.source, "publish_failed")
-                log.error("source %s: frame %d not published: %s", frame.source, frame.index, exc)
-                frame.release()
-                continue
-            run.published += 1
-            self._published += 1
-            for obj in frame.objects:
-                obj.crops.clear()  # crops were for the cascade; do not keep them alive
-            # The newest frame stays (the dashboard draws it); the one before goes back to the pool.
-            if run.last_frame is not None:
-                run.last_frame.release()
-            run.last_frame = frame
-            latency = time.time() - frame.capture_ts
-            run.latencies.append(latency)
-            if len(run.latencies) > 512:
-                del run.latencies[:256]
-            if self._on_message is not None:
-                self._on_message({"source": frame.source, "frame": frame})
+                await self._finish(run, await task)
+            finally:
+                slots.release()
+
+    async def _finish(self, run: SourceRun, frame: Frame | None) -> None:
+        """Ordered stages and publish for one frame (None: dropped by a stage, already counted)."""
+        if frame is None:
+            return
+        if self._ordered and await self._run_stages(frame, self._ordered) is None:
+            return
+        try:
+            await self.publisher.publish(frame)
+        except Exception as exc:
+            self._count_drop(frame.source, "publish_failed")
+            log.error("source %s: frame %d not published: %s", frame.source, frame.index, exc)
+            frame.release()
+            return
+        run.published += 1
+        self._published += 1
+        for obj in frame.objects:
+            obj.crops.clear()  # crops were for the cascade; do not keep them alive
+        # The newest frame stays (the dashboard draws it); the one before goes back to the pool.
+        if run.last_frame is not None:
+            run.last_frame.release()
+        run.last_frame = frame
+        latency = time.time() - frame.capture_ts
+        run.latencies.append(latency)
+        if len(run.latencies) > 512:
+            del run.latencies[:256]
 
     # -- reporting -------------------------------------------------------------------------
 

@@ -179,3 +179,42 @@ async def test_a_stage_that_raises_drops_that_frame_only(
     assert errors == [
         "stage flaky failed on frame 3 of test: ValueError: cannot handle frame 3; frame dropped"
     ]
+
+
+class ConcurrencyProbe(Stage):
+    """Records how many frames are inside the graph at once (a seam, not a model)."""
+
+    def __init__(self, context: Any) -> None:
+        from pipeline.config import StageConfig
+
+        super().__init__(StageConfig(name="probe", type="track"), context)
+        self.now = 0
+        self.peak = 0
+
+    async def process(self, frame: Frame) -> None:
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        await asyncio.sleep(0.02)
+        self.now -= 1
+
+
+async def test_max_in_flight_bounds_frames_in_the_graph_exactly(
+    tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats, collector: Collector
+) -> None:
+    clip = write_clip(tmp_path / "c.mp4", frames=30, fps=30, width=160, height=120)
+    text = (
+        SQUARES.format(models=sample_models, sources=f"  - {{url: {clip}}}") + "runtime: {max_in_flight: 3}\n"
+    )
+    path = tmp_path / "inflight.yaml"
+    path.write_text(text)
+    await collector.start(nats_server.url)
+    runtime = Runtime(load_config(path), nats_url=nats_server.url)
+    await runtime.prepare()
+    probe = ConcurrencyProbe(runtime.stages[0].context)
+    runtime._unordered.append(probe)
+    runtime.start_sources()
+    await runtime.wait(30)
+    await runtime.stop()
+    await collector.wait_for(30)
+    assert [m["frame"] for m in collector.messages] == list(range(30))
+    assert probe.peak == 3
