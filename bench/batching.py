@@ -86,6 +86,7 @@ from inference.processing.db import DBParams, db_boxes  # noqa: E402
 from inference.processing.resize import ImagePreprocessor, ResizeMeta, letterbox_geometry  # noqa: E402
 from inference.repository import ModelRepository, read_source  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
+from pipeline.frames import Frame  # noqa: E402
 from pipeline.nats_server import EmbeddedNats  # noqa: E402
 from pipeline.runtime import Runtime  # noqa: E402
 from samples.make_clip import Plate, plates_at, text_box, write_clip  # noqa: E402
@@ -379,14 +380,13 @@ def det_runtime(
     samples: list[tuple[float, float]] = []
     stage_s: list[tuple[float, float]] = []
 
-    def on_message(msg: dict[str, Any]) -> None:
-        frame = msg["frame"]
+    def on_published(frame: Frame) -> None:
         now = time.time()
         samples.append((now, now - frame.capture_ts))
         stage_s.append((now, frame.stage_times.get("text", math.nan)))
 
     async def main() -> Window:
-        runtime = Runtime(cfg, nats_url=setup.nats_url, on_message=on_message)
+        runtime = Runtime(cfg, nats_url=setup.nats_url, on_published=on_published)
         await runtime.start()
         try:
             model: Model = runtime.models.get("ppocr_det")

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,7 @@ class Runtime:
         nats_url: str,
         max_frames: int | None = None,
         metrics: Metrics | None = None,
+        on_published: Callable[[Frame], None] | None = None,
     ) -> None:
         self.config = config
         self.nats_url = nats_url
@@ -127,6 +129,8 @@ class Runtime:
         self._unordered: list[Stage] = []
         self._ordered: list[Stage] = []
         self.started_at = 0.0
+        # Called on the event loop after each frame is published (embedding, benchmarks).
+        self._on_published = on_published
         self.device = "cpu"
         self._published = 0  # across every source, also removed ones
         self._persistent = False
@@ -424,6 +428,8 @@ class Runtime:
         run.latencies.append(latency)
         if len(run.latencies) > 512:
             del run.latencies[:256]
+        if self._on_published is not None:
+            self._on_published(frame)
 
     # -- reporting -------------------------------------------------------------------------
 
