@@ -154,6 +154,7 @@ class ApiServer:
         r.add_get("/v1/sources/{id}/snapshot.jpg", self.snapshot)
         r.add_get("/v1/stats", self.stats)
         r.add_get("/v1/models", self.models)
+        r.add_post("/v1/models/{name}/reload", self.reload_model)
         r.add_post("/whip/{name}", self.whip_offer)
         r.add_delete("/whip/{name}/{session}", self.whip_delete)
         r.add_get("/", self.dashboard)
@@ -405,6 +406,24 @@ class ApiServer:
         if not callable(status):
             return web.json_response([])
         return web.json_response([_jsonable(s) for s in status()])
+
+    async def reload_model(self, request: web.Request) -> web.Response:
+        """Re-read a model's config.yaml and files and swap the new copy in once it is ready.
+
+        Requests already queued on the old copy finish; if the new copy fails, the old
+        one keeps serving and the answer (422) says why.
+        """
+        name = request.match_info["name"]
+        repo = self.runtime.models
+        if repo is None or name not in repo.names():
+            return _error(404, f"no model {name!r} in the repository")
+        status = await repo.reload(name)
+        body = _jsonable(status)
+        if status.state.value != "ready" or status.reason:
+            body["error"] = status.reason or f"model {name} is {status.state.value}"
+            return web.json_response(body, status=422)
+        log.info("model %s reloaded", name)
+        return web.json_response(body)
 
     # -- WHIP --------------------------------------------------------------------------------
 

@@ -1,0 +1,64 @@
+"""Hot reload: a model's config changes while cameras keep running; a bad change is refused."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from pipeline.nats_server import EmbeddedNats
+from tests.conftest import Collector
+from tests.pipeline.stack import Stack, until
+
+PIPELINE = """\
+pipeline: hot
+models: {models}
+http: {{listen: "127.0.0.1:0"}}
+sources:
+  - {{id: cam, url: "test://?fps=20&width=320&height=240"}}
+stages:
+  - {{name: objects, type: infer, model: squares}}
+"""
+
+
+async def test_reload_swaps_a_model_without_stopping_the_stream(
+    tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats, collector: Collector
+) -> None:
+    repo = tmp_path / "models"
+    shutil.copytree(sample_models / "squares", repo / "squares")
+    config = repo / "squares" / "config.yaml"
+    await collector.start(nats_server.url)
+    stack = await Stack.start(tmp_path, PIPELINE.format(models=repo), nats_server.url)
+    try:
+        await until(lambda: len(collector.messages) >= 5, what="first messages")
+        assert all(len(m["objects"]) == 1 for m in collector.messages)
+
+        # The square scores exactly 1.0 and a score must beat the threshold: nothing passes now.
+        config.write_text(config.read_text().replace("confidence: 0.5", "confidence: 1.0"))
+        status, body = await stack.json("POST", "/v1/models/squares/reload")
+        assert status == 200, body
+        assert (body["name"], body["state"], body["reason"]) == ("squares", "ready", "")
+        seen = len(collector.messages)
+        await until(lambda: len(collector.messages) >= seen + 10, what="messages after the reload")
+        assert collector.messages[-1]["objects"] == []
+
+        # A broken config is refused with its FILE:LINE reason; the loaded copy keeps serving.
+        config.write_text(config.read_text().replace("max_batch_size: 8", "max_batch_size: lots"))
+        status, body = await stack.json("POST", "/v1/models/squares/reload")
+        assert status == 422
+        assert body["state"] == "ready"
+        assert body["error"].startswith("reload failed, still serving the previous load: ")
+        assert (
+            f"{config}:" in body["error"]
+            and "max_batch_size: expected an integer, got 'lots'" in body["error"]
+        )
+        seen = len(collector.messages)
+        await until(lambda: len(collector.messages) >= seen + 5, what="messages after the refused reload")
+
+        frames = [m["frame"] for m in collector.messages]
+        assert frames == sorted(frames) and len(set(frames)) == len(frames)
+        assert stack.runtime.metrics.frames_dropped.labels("hot", "cam", "stage_error")._value.get() == 0
+
+        status, body = await stack.json("POST", "/v1/models/nope/reload")
+        assert (status, body) == (404, {"error": "no model 'nope' in the repository"})
+    finally:
+        await stack.close()
