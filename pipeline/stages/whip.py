@@ -264,6 +264,8 @@ class WhipSource(Source):
             if session.pending is not None:
                 session.skipped += 1
                 self.frames_skipped += 1
+                # The same overflow a camera's queue counts, one step earlier.
+                self._drop("queue_full")
             session.pending = (frame, time.time())
             session.wakeup.set()
 
