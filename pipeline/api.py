@@ -212,8 +212,10 @@ class ApiServer:
             return _error(exc.status, message, headers)
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("%s %s failed", request.method, request.path)
+        except Exception as exc:
+            # The plain log format shows no tracebacks (only --debug does), so say what it was.
+            log.error("%s %s failed: %s: %s", request.method, request.path, type(exc).__name__, exc)
+            log.debug("%s %s failed", request.method, request.path, exc_info=True)
             return _error(500, "internal error; see the server log")
 
     @web.middleware

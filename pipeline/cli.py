@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from inference.schema import ConfigError
-from pipeline.config import HttpConfig, PipelineConfig, load_config
+from pipeline.config import HttpConfig, PipelineConfig, load_config, redact_url
 
 log = logging.getLogger("vidpipe")
 
@@ -135,7 +135,7 @@ async def cmd_subscribe(args: argparse.Namespace) -> int:
     try:
         nc = await nats.connect(args.nats, connect_timeout=5, max_reconnect_attempts=3)
     except Exception as exc:
-        print(f"vidpipe: cannot connect to NATS at {args.nats}: {exc}", file=sys.stderr)
+        print(f"vidpipe: cannot connect to NATS at {redact_url(args.nats)}: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
     done = asyncio.Event()
     received = 0

@@ -177,19 +177,21 @@ class PipelineConfig:
         return next(s for s in self.stages if s.name == name)
 
 
+_USERINFO_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(.*)@", re.DOTALL)
+
+
 def redact_url(url: str) -> str:
-    """Hide credentials in a URL (``rtsp://user:pass@host`` → ``rtsp://***@host``)."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return parts._replace(netloc=f"***@{host}").geturl()
+    """Hide credentials in a URL (``rtsp://user:pass@host`` → ``rtsp://***@host``).
+
+    Everything between the scheme and the *last* ``@`` goes, so a password with an
+    unescaped ``/``, ``?``, ``#`` or ``@`` (which URL parsers misread) is hidden too.
+    """
+    return _USERINFO_RE.sub(r"\1***@", url, count=1)
 
 
 def derive_source_id(url: str) -> str:
     """A readable id from a URL: the file stem, the RTSP path, or the WHIP id."""
+    url = redact_url(url)  # a password must never become part of an id (a metric label)
     parts = urlsplit(url)
     if parts.scheme == "whip":
         raw = parts.netloc or parts.path.strip("/")

@@ -56,6 +56,8 @@ class EmbeddedNats:
             store_dir = self._tmp.name
         self.store_dir = store_dir
         self.proc: subprocess.Popen[bytes] | None = None
+        # The server's log goes to a file: a pipe nobody reads would fill up and stall it.
+        self._log: tempfile._TemporaryFileWrapper[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -64,12 +66,13 @@ class EmbeddedNats:
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
         binary = find_nats_server()
         cmd = [binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.store_dir]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if self._log is None:
+            self._log = tempfile.NamedTemporaryFile(prefix="vidpipe-nats-", suffix=".log")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._log)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                err = (self.proc.stderr.read() if self.proc.stderr else b"").decode(errors="replace")
-                raise NatsServerError(f"nats-server exited at start: {err.strip()[-300:]}")
+                raise NatsServerError(f"nats-server exited at start: {self.log_tail()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
                     return self
@@ -89,12 +92,21 @@ class EmbeddedNats:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc is not None and self.proc.stderr is not None:
-            self.proc.stderr.close()
         self.proc = None
+
+    def log_tail(self, limit: int = 300) -> str:
+        """The end of the server's own log (for error messages)."""
+        if self._log is None:
+            return ""
+        self._log.flush()
+        with open(self._log.name, "rb") as f:
+            return f.read().decode(errors="replace").strip()[-limit:]
 
     def cleanup(self) -> None:
         self.stop()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -16,9 +16,9 @@ bounded: the FrameQueue by ``queue_size``, frames in flight by ``max_in_flight``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,10 +64,14 @@ class SourceRun:
     source: Source
     queue: FrameQueue[Frame]
     intake: asyncio.Task[None] | None = None
+    publisher: asyncio.Task[None] | None = None
     published: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     # The latest published frame (image and objects): what the dashboard's snapshot draws.
     last_frame: Frame | None = None
+    # Tells this run of the source apart from earlier ones with the same id (frame
+    # numbers start at 0 again); part of the JetStream de-duplication id.
+    stream_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     latencies: list[float] = field(default_factory=list)
 
     def describe(self) -> dict[str, Any]:
@@ -122,6 +126,7 @@ class Runtime:
         self.models: Any = None
         self.stages: list[Stage] = []
         self.publisher = Publisher(config.nats, nats_url, config.pipeline, self.metrics)
+        self.publisher.on_sent = self._on_sent
         self.sources: dict[str, SourceRun] = {}
         self._stopping = asyncio.Event()
         self._idle = asyncio.Event()
@@ -156,7 +161,10 @@ class Runtime:
             await stage.start()
         await self.publisher.connect()
         log.info(
-            "pipeline %s publishing to %s (%s)", self.config.pipeline, self.nats_url, self.publisher.mode
+            "pipeline %s publishing to %s (%s)",
+            self.config.pipeline,
+            self.publisher.display_url,
+            self.publisher.mode,
         )
 
     def start_sources(self) -> None:
@@ -242,10 +250,11 @@ class Runtime:
     def add_source(self, config: SourceConfig) -> SourceRun:
         """Start a source; raises ValueError if its id is taken."""
         sid = config.source_id
-        if sid in self.sources and self.sources[sid].intake is not None:
-            existing = self.sources[sid]
+        existing = self.sources.get(sid)
+        if existing is not None:
             if existing.intake is not None and not existing.intake.done():
                 raise ValueError(f"source {sid!r} already exists")
+            self._forget(existing)  # an ended run with the same id makes room
         loop = asyncio.get_running_loop()
         policy: OverflowPolicy = "drop_oldest" if config.live else "block"
         pipeline = self.config.pipeline
@@ -277,17 +286,42 @@ class Runtime:
         run.source.stop()
         run.queue.close()
         if run.intake is not None:
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await asyncio.wait_for(asyncio.shield(run.intake), self.config.runtime.drain_timeout)
+            except TimeoutError:
+                # Frames in flight did not finish in time (e.g. JetStream retrying while the
+                # broker is down): give up on them rather than leave a half-removed source.
+                log.warning(
+                    "source %s: frames in flight did not finish within %.0fs; dropped",
+                    source_id,
+                    self.config.runtime.drain_timeout,
+                )
+                for task in (run.publisher, run.intake):
+                    if task is not None:
+                        task.cancel()
+                await asyncio.gather(
+                    *(t for t in (run.publisher, run.intake) if t is not None), return_exceptions=True
+                )
+            except asyncio.CancelledError:
+                pass
         run.source.join(timeout=2.0)
+        for frame in run.queue.drain():
+            frame.release()
+        self._forget(run)
+        return True
+
+    def _forget(self, run: SourceRun) -> None:
+        """Drop everything kept for a source that has ended or been removed."""
+        sid = run.source.id
         for stage in self.stages:
-            stage.forget_source(source_id)
+            stage.forget_source(sid)
         if run.last_frame is not None:
             run.last_frame.release()
-        self.sources.pop(source_id, None)
-        self.metrics.forget_source(self.config.pipeline, source_id)
+            run.last_frame = None
+        if self.sources.get(sid) is run:
+            del self.sources[sid]
+        self.metrics.forget_source(self.config.pipeline, sid)
         self._idle.set()
-        return True
 
     def _on_source_state(self, source: Source, state: SourceState, reason: str) -> None:
         # Called from the source's thread; logging and prometheus are thread-safe.
@@ -299,6 +333,13 @@ class Runtime:
             log.warning("source %s: %s", source.id, reason)
         else:
             log.info("source %s: %s%s", source.id, state.value, f" ({reason})" if reason else "")
+
+    def _on_sent(self, source: str) -> None:
+        # A message really left (core: sent or flushed from the outbox; JetStream: acked).
+        self._published += 1
+        run = self.sources.get(source)
+        if run is not None:
+            run.published += 1
 
     def _on_source_drop(self, source: Source, reason: str) -> None:
         # From the source's thread; prometheus counters are thread-safe.
@@ -325,7 +366,9 @@ class Runtime:
         # graph always takes the freshest one.
         slots = asyncio.Semaphore(self.config.runtime.max_in_flight)
         in_flight: asyncio.Queue[asyncio.Task[Frame | None] | None] = asyncio.Queue()
-        publisher = asyncio.create_task(self._publish_in_order(run, in_flight, slots), name=f"publish-{sid}")
+        publisher = run.publisher = asyncio.create_task(
+            self._publish_in_order(run, in_flight, slots), name=f"publish-{sid}"
+        )
         accepted = 0
         try:
             while True:
@@ -400,6 +443,13 @@ class Runtime:
                 return
             try:
                 await self._finish(run, await task)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # Never let one frame end this source's publisher: its slots would never
+                # come back and intake would wait forever.
+                self._count_drop(run.source.id, "publish_failed")
+                log.error("source %s: a frame failed after processing: %r", run.source.id, exc)
             finally:
                 slots.release()
 
@@ -410,14 +460,12 @@ class Runtime:
         if self._ordered and await self._run_stages(frame, self._ordered) is None:
             return
         try:
-            await self.publisher.publish(frame)
+            await self.publisher.publish(frame, run.stream_id)
         except Exception as exc:
             self._count_drop(frame.source, "publish_failed")
             log.error("source %s: frame %d not published: %s", frame.source, frame.index, exc)
             frame.release()
             return
-        run.published += 1
-        self._published += 1
         for obj in frame.objects:
             obj.crops.clear()  # crops were for the cascade; do not keep them alive
         # The newest frame stays (the dashboard draws it); the one before goes back to the pool.
@@ -429,7 +477,10 @@ class Runtime:
         if len(run.latencies) > 512:
             del run.latencies[:256]
         if self._on_published is not None:
-            self._on_published(frame)
+            try:
+                self._on_published(frame)
+            except Exception as exc:  # an embedder's hook must not stall this source
+                log.error("on_published hook failed on frame %d of %s: %r", frame.index, frame.source, exc)
 
     # -- reporting -------------------------------------------------------------------------
 

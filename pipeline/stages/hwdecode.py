@@ -92,11 +92,14 @@ def open_with_hwaccel(
     except (FileNotFoundError, ConnectionError, TimeoutError):
         raise  # the URL itself is the problem; a software open would fail the same way
     except Exception as exc:
-        # FFmpeg creates the CUDA device when the decoder opens, so a machine
-        # without a usable GPU fails here (e.g. "Operation not permitted").
-        if decode == "cuda":
-            raise RuntimeError(f"decode: cuda is not possible: {_reason(exc)}") from exc
+        # FFmpeg creates the CUDA device when the decoder opens, so a machine without a
+        # usable GPU fails here (e.g. "Operation not permitted") -- but so does a bad URL,
+        # a wrong password or a damaged file. A software open tells the two apart: if it
+        # fails too, its error (about the stream) is the one to report.
         container = av.open(url, options=options, timeout=timeout)
+        if decode == "cuda":
+            container.close()
+            raise RuntimeError(f"decode: cuda is not possible: {_reason(exc)}") from exc
         # The software open worked, so the hwaccel was at fault: stop trying it.
         _hw_broken = _reason(exc)
         log.info("hardware decoding failed to start (%s); decoding in software", _hw_broken)

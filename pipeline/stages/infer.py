@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from inference.batcher import SHUTDOWN, InferenceRejected
 from inference.results import Classification, Detection, Recognition
 from pipeline.frames import Attribute, DetectedObject, Frame
 from pipeline.stages.base import Stage
@@ -43,11 +44,23 @@ log = logging.getLogger("vidpipe.infer")
 class InferStage(Stage):
     """Runs ``model`` through its batcher on frames or on an earlier stage's objects."""
 
+    async def _infer(self, image: np.ndarray, kwargs: dict[str, Any]) -> Any:
+        """One request through the model's batcher.
+
+        The model is looked up per request, and a request that reached a copy being
+        drained by a hot reload (rejected with ``shutdown``) goes once to the new copy.
+        """
+        try:
+            return await self.context.models.get(self.config.model).infer(image, **kwargs)
+        except InferenceRejected as exc:
+            if exc.reason != SHUTDOWN:
+                raise
+            return await self.context.models.get(self.config.model).infer(image, **kwargs)
+
     async def process(self, frame: Frame) -> None:
-        model = self.context.models.get(self.config.model)
         kwargs = self._request_options()
         if self.config.on is None:
-            result = await model.infer(frame.image, **kwargs)
+            result = await self._infer(frame.image, kwargs)
             self._attach_detections(frame, result, offset=(0.0, 0.0))
             return
         parents = self._select_parents(frame)
@@ -55,7 +68,7 @@ class InferStage(Stage):
             return
         crops = [self._crop(frame, obj) for obj in parents]
         results = await asyncio.gather(
-            *(model.infer(crop, **kwargs) for crop, _ in crops), return_exceptions=True
+            *(self._infer(crop, kwargs) for crop, _ in crops), return_exceptions=True
         )
         for obj, (_, offset), result in zip(parents, crops, results, strict=True):
             if isinstance(result, BaseException):
@@ -142,11 +155,14 @@ class InferStage(Stage):
                 "not detections; use it with 'on:' to run it on objects"
             )
         dx, dy = offset
+        # On whole frames `classes`/`confidence` filter what the detector found; in a
+        # cascade they choose the parents to crop (see _select_parents), not the children.
+        whole_frame = self.config.on is None
         for det in result:
             assert isinstance(det, Detection)
-            if self.config.classes and det.label not in self.config.classes:
+            if whole_frame and self.config.classes and det.label not in self.config.classes:
                 continue
-            if self.config.confidence is not None and det.score < self.config.confidence:
+            if whole_frame and self.config.confidence is not None and det.score < self.config.confidence:
                 continue
             x1, y1, x2, y2 = det.box
             polygon = [(x + dx, y + dy) for x, y in det.polygon] if det.polygon else None

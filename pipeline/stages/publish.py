@@ -24,6 +24,7 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -31,7 +32,8 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
-from pipeline.config import NatsConfig
+from pipeline.config import NatsConfig, redact_url
+from pipeline.frames import Frame
 from pipeline.messages import build_message, encode, subject_for
 from pipeline.metrics import Metrics
 
@@ -60,6 +62,9 @@ class Publisher:
         self._flusher: asyncio.Task[None] | None = None
         self._closing = False
         self.connected = asyncio.Event()
+        # Told of every message that really left (sent, flushed from the outbox, or acked).
+        self.on_sent: Callable[[str], None] | None = None
+        self.display_url = redact_url(url)
 
     @property
     def mode(self) -> str:
@@ -69,11 +74,11 @@ class Publisher:
         async def on_disconnect() -> None:
             self.connected.clear()
             if not self._closing:
-                log.warning("NATS connection to %s lost; reconnecting", self.url)
+                log.warning("NATS connection to %s lost; reconnecting", self.display_url)
 
         async def on_reconnect() -> None:
             self.connected.set()
-            log.info("NATS reconnected to %s", self.url)
+            log.info("NATS reconnected to %s", self.display_url)
 
         async def on_error(exc: Exception) -> None:
             if not self._closing:
@@ -86,7 +91,7 @@ class Publisher:
         except Exception as exc:
             reason = "timed out" if isinstance(exc, TimeoutError) else (str(exc) or exc.__class__.__name__)
             raise PublishError(
-                f"cannot connect to NATS at {self.url}: {reason}; "
+                f"cannot connect to NATS at {self.display_url}: {reason}; "
                 "check --nats / nats.url, or omit both to start an embedded server"
             ) from None
         self.connected.set()
@@ -123,14 +128,20 @@ class Publisher:
             await self.js.add_stream(StreamConfig(name=name, subjects=subjects, duplicate_window=120.0))
             log.info("created JetStream stream %s for %s", name, subjects[0])
 
-    async def publish(self, frame: Any) -> None:
-        """Publish one frame's message (called in frame order per source)."""
+    async def publish(self, frame: Frame, stream_id: str = "") -> None:
+        """Publish one frame's message (called in frame order per source).
+
+        ``stream_id`` tells apart runs of the same source (a restart, a source removed
+        and added again) whose frame numbers start again at 0, so JetStream's
+        de-duplication never mistakes a new frame for a retry of an old one.
+        """
         assert self.nc is not None
         message = build_message(self.pipeline, frame, time.time())
         subject = subject_for(self.config.subject_prefix, self.pipeline, frame.source)
         payload = encode(message)
         if self.js is not None:
-            await self._publish_acked(subject, frame.source, frame.index, payload)
+            msg_id = f"{self.pipeline}/{frame.source}/{stream_id}/{frame.index}"
+            await self._publish_acked(subject, frame.source, frame.index, payload, msg_id)
         elif self.nc.is_connected and not self._outbox:
             try:
                 await self.nc.publish(subject, payload)
@@ -144,13 +155,15 @@ class Publisher:
                 self.metrics.publish_errors.labels(self.pipeline, dropped_source, "outbox_full").inc()
             self._outbox.append((subject, frame.source, payload))
             return
-        self.metrics.published.labels(self.pipeline, frame.source).inc()
+        self._sent(frame.source)
         latency = max(0.0, message["publish_ts"] - frame.capture_ts)
         self.metrics.e2e_latency.labels(self.pipeline, frame.source).observe(latency)
 
-    async def _publish_acked(self, subject: str, source: str, index: int, payload: bytes) -> None:
+    async def _publish_acked(
+        self, subject: str, source: str, index: int, payload: bytes, msg_id: str
+    ) -> None:
         assert self.js is not None
-        headers = {"Nats-Msg-Id": f"{self.pipeline}/{source}/{index}"}
+        headers = {"Nats-Msg-Id": msg_id}
         delay = 0.1
         while True:
             try:
@@ -177,8 +190,13 @@ class Publisher:
                 except Exception:
                     break
                 self._outbox.popleft()
-                self.metrics.published.labels(self.pipeline, source).inc()
+                self._sent(source)
             await asyncio.sleep(0.05)
+
+    def _sent(self, source: str) -> None:
+        self.metrics.published.labels(self.pipeline, source).inc()
+        if self.on_sent is not None:
+            self.on_sent(source)
 
     def _error(self, source: str, exc: Exception) -> None:
         self.metrics.publish_errors.labels(self.pipeline, source, type(exc).__name__).inc()

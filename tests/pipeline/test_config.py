@@ -163,3 +163,20 @@ def test_yaml_1_1_booleans_are_plain_strings(tmp_path: Path) -> None:
     assert cfg.stages[1].on == "det"
     with pytest.raises(ConfigError, match=r"sources\[0\]\.loop: expected true or false, got 'yes'"):
         load_config(write(tmp_path, GOOD.replace("- url: test://?frames=3", "- {url: a.mp4, loop: yes}")))
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("rtsp://admin:pa#ss@10.0.0.7/stream1", "rtsp://***@10.0.0.7/stream1"),
+        ("rtsp://admin:ab/cd@10.0.0.7:554/s", "rtsp://***@10.0.0.7:554/s"),
+        ("rtsp://u:p@ss@[fe80::1]:554/x", "rtsp://***@[fe80::1]:554/x"),
+        ("nats://user:pw@broker:4222", "nats://***@broker:4222"),
+    ],
+)
+def test_passwords_with_url_delimiters_are_redacted_too(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+    # Nor does any part of them end up in a source id (a metric label).
+    from pipeline.config import derive_source_id
+
+    assert not any(secret in derive_source_id(url) for secret in ("pa", "ab", "cd", "ss", "pw", "user"))
