@@ -57,6 +57,7 @@ from inference.batcher import (
 from inference.batching import BatchPolicy
 from inference.config import ModelConfig
 from inference.memory import BufferPool
+from inference.processing.resize import check_image as check_rgb_image
 from inference.results import Result
 from inference.tasks import Task
 
@@ -175,17 +176,11 @@ def load_labels(config: ModelConfig, model_dir: Path) -> list[str]:
 
 
 def check_image(name: str, image: Any) -> None:
-    """Refuse anything but an H×W×3 uint8 array before it reaches a batch."""
-    if (
-        not isinstance(image, np.ndarray)
-        or image.ndim != 3
-        or image.shape[2] != 3
-        or image.dtype != np.uint8
-        or image.shape[0] == 0
-        or image.shape[1] == 0
-    ):
-        got = f"shape {image.shape} {image.dtype}" if isinstance(image, np.ndarray) else type(image).__name__
-        raise ValueError(f"{name}: expected an H×W×3 uint8 RGB image, got {got}")
+    """Refuse anything but an H×W×3 uint8 array before it reaches a batch (at the caller, not in it)."""
+    try:
+        check_rgb_image(image)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 @dataclass(slots=True)

@@ -481,7 +481,9 @@ async def test_async_callers_get_their_own_results_and_no_batch_tensor_is_alloca
 
 async def test_async_rejection_and_bad_images(make: Callable[..., Harness]) -> None:
     h = make(max_batch_size=2, default_queue_policy=QueuePolicy(max_queue_size=1))
-    with pytest.raises(ValueError, match=r"expected an H×W×3 uint8 RGB image, got shape \(2, 2\) uint8"):
+    with pytest.raises(
+        ValueError, match=r"image 0: expected a non-empty H×W×3 uint8 RGB array, got \(2, 2\) uint8"
+    ):
         await h.model.infer(np.zeros((2, 2), np.uint8))
     first = h.block_on(0)
     task = asyncio.ensure_future(h.model.infer(image(1)))
