@@ -27,6 +27,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from pipeline.stages.source import ffmpeg_reason
+
 log = logging.getLogger("vidpipe.source")
 
 __all__ = ["DecodeMode", "PinnedUploader", "hwaccel_support", "open_with_hwaccel"]
@@ -99,19 +101,14 @@ def open_with_hwaccel(
         container = av.open(url, options=options, timeout=timeout)
         if decode == "cuda":
             container.close()
-            raise RuntimeError(f"decode: cuda is not possible: {_reason(exc)}") from exc
+            raise RuntimeError(f"decode: cuda is not possible: {ffmpeg_reason(exc, url)}") from exc
         # The software open worked, so the hwaccel was at fault: stop trying it.
-        _hw_broken = _reason(exc)
+        _hw_broken = ffmpeg_reason(exc, url)
         log.info("hardware decoding failed to start (%s); decoding in software", _hw_broken)
         return container, "software"
 
 
 _hw_broken: str | None = None
-
-
-def _reason(exc: BaseException) -> str:
-    text = getattr(exc, "strerror", None) or str(exc) or exc.__class__.__name__
-    return str(text).strip().rstrip(".")
 
 
 class PinnedUploader:

@@ -35,15 +35,13 @@ import contextlib
 import errno
 import logging
 import random
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from pipeline.config import ReconnectConfig, SourceConfig
-from pipeline.stages.source import AvSource, SourceState, StateListener
+from pipeline.stages.source import AvSource, SourceState, StateListener, ffmpeg_reason
 
 log = logging.getLogger("vidpipe.source")
 
@@ -68,8 +66,6 @@ _OPEN_GRACE = 1.0
 # the codec parameters come in the SDP and the first keyframe.
 _ANALYZE_US = 500_000
 
-_USERINFO_RE = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
-
 
 def backoff_delay(failures: int, reconnect: ReconnectConfig, rand: float) -> float:
     """The wait before the next attempt after ``failures`` failed connections in a row.
@@ -81,21 +77,6 @@ def backoff_delay(failures: int, reconnect: ReconnectConfig, rand: float) -> flo
     exponent = min(failures, 60)
     base = min(reconnect.max_delay, reconnect.min_delay * (2.0**exponent))
     return base * (1.0 + reconnect.jitter * (2.0 * rand - 1.0))
-
-
-def scrub_credentials(text: str, url: str) -> str:
-    """Remove a URL's credentials from text (FFmpeg messages can echo the URL they failed on)."""
-    parts = urlsplit(url)
-    if parts.username is not None or parts.password is not None:
-        for whole in (url, unquote(url)):
-            text = text.replace(whole, "<url>")
-    text = _USERINFO_RE.sub(lambda m: f"{m.group('scheme')}***@", text)
-    # A password on its own (e.g. in an auth error); short ones would blank common words.
-    password = parts.password or ""
-    for secret in (password, unquote(password)):
-        if len(secret) >= 4:
-            text = text.replace(secret, "***")
-    return text
 
 
 class _Timeline:
@@ -293,8 +274,7 @@ class RtspSource(AvSource):
     # -- reasons ---------------------------------------------------------------------------
 
     def _reason_text(self, exc: BaseException) -> str:
-        text = getattr(exc, "strerror", None) or str(exc) or exc.__class__.__name__
-        return scrub_credentials(str(text).strip().rstrip("."), self.url)
+        return ffmpeg_reason(exc, self.url)
 
     def _classify(self, exc: BaseException, attempt: _Attempt) -> tuple[str, str]:
         """(reconnect reason label, one-line message) for a failed open or read."""

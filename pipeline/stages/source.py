@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import numpy as np
 
@@ -316,7 +317,7 @@ class AvSource(Source):
             raise SourceError(f"source {self.id}: file not found: {self.display_url}") from None
         except av.FFmpegError as exc:
             raise SourceError(
-                f"source {self.id}: cannot open {self.display_url}: {_ffmpeg_reason(exc)}"
+                f"source {self.id}: cannot open {self.display_url}: {ffmpeg_reason(exc, self.url)}"
             ) from None
         except RuntimeError as exc:  # decode: cuda asked for, not possible here
             raise SourceError(f"source {self.id}: {exc}") from None
@@ -357,7 +358,7 @@ class AvSource(Source):
         except av.FFmpegError as exc:
             if decoded == 0:
                 raise SourceError(
-                    f"source {self.id}: cannot decode {self.display_url}: {_ffmpeg_reason(exc)}"
+                    f"source {self.id}: cannot decode {self.display_url}: {ffmpeg_reason(exc, self.url)}"
                 ) from None
             # A damaged tail: keep what was decoded and say so.
             log.warning(
@@ -365,7 +366,7 @@ class AvSource(Source):
                 self.id,
                 self.display_url,
                 decoded,
-                _ffmpeg_reason(exc),
+                ffmpeg_reason(exc, self.url),
             )
         if decoded == 0 and not self.stopping:
             raise SourceError(f"source {self.id}: {self.display_url} has no decodable video frames")
@@ -397,9 +398,28 @@ class FileSource(AvSource):
             self.pts_offset = (self._last_kept_pts or 0.0) + 1e-3
 
 
-def _ffmpeg_reason(exc: Exception) -> str:
-    text = getattr(exc, "strerror", None) or str(exc)
-    return str(text).strip().rstrip(".")
+_USERINFO_RE = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
+
+
+def scrub_credentials(text: str, url: str) -> str:
+    """Remove a URL's credentials from text (FFmpeg messages can echo the URL they failed on)."""
+    parts = urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        for whole in (url, unquote(url)):
+            text = text.replace(whole, "<url>")
+    text = _USERINFO_RE.sub(lambda m: f"{m.group('scheme')}***@", text)
+    # A password on its own (e.g. in an auth error); short ones would blank common words.
+    password = parts.password or ""
+    for secret in (password, unquote(password)):
+        if len(secret) >= 4:
+            text = text.replace(secret, "***")
+    return text
+
+
+def ffmpeg_reason(exc: BaseException, url: str = "") -> str:
+    """An FFmpeg error as one short phrase, with ``url``'s credentials scrubbed from it."""
+    text = getattr(exc, "strerror", None) or str(exc) or exc.__class__.__name__
+    return scrub_credentials(str(text).strip().rstrip("."), url)
 
 
 def create_source(config: SourceConfig, on_state: StateListener | None = None) -> Source:

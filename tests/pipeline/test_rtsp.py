@@ -24,8 +24,8 @@ from pipeline.frames import Frame
 from pipeline.nats_server import EmbeddedNats
 from pipeline.queues import EndOfStream, FrameQueue
 from pipeline.runtime import Runtime
-from pipeline.stages.rtsp import RtspSource, backoff_delay, scrub_credentials
-from pipeline.stages.source import SourceState
+from pipeline.stages.rtsp import RtspSource, backoff_delay
+from pipeline.stages.source import SourceState, scrub_credentials
 from tests.conftest import Collector
 from tests.support.rtsp_server import RtspTestServer, free_port, gstreamer_available
 
