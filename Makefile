@@ -5,14 +5,16 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# System packages: FFmpeg CLI, GStreamer's RTSP server (test camera), Chromium (dashboard test).
-APT_PACKAGES := ffmpeg python3-gi gir1.2-gstreamer-1.0 gir1.2-gst-rtsp-server-1.0 \
+# System libraries OpenCV (the opencv-python wheel) loads at import.
+RUNTIME_APT := libgl1 libglib2.0-0
+# System packages the tests add: FFmpeg CLI, GStreamer's RTSP server (test camera), Chromium (dashboard test).
+APT_PACKAGES := $(RUNTIME_APT) ffmpeg python3-gi gir1.2-gstreamer-1.0 gir1.2-gst-rtsp-server-1.0 \
 	gstreamer1.0-tools gstreamer1.0-plugins-base gstreamer1.0-plugins-good \
 	gstreamer1.0-plugins-bad gstreamer1.0-plugins-ugly gstreamer1.0-libav \
 	chromium fonts-dejavu-core
 PYTEST_ARGS ?=
 
-.PHONY: demo test install system-deps lint typecheck unit bench clean
+.PHONY: demo test install runtime-deps system-deps apt-install lint typecheck unit bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +26,15 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
-# Installs only what is missing; needs root (or sudo) on Debian/Ubuntu.
+# Install only what is missing; need root (or sudo) on Debian/Ubuntu.
+runtime-deps:
+	@$(MAKE) --no-print-directory apt-install PACKAGES="$(RUNTIME_APT)"
+
 system-deps:
-	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	@$(MAKE) --no-print-directory apt-install PACKAGES="$(APT_PACKAGES)"
+
+apt-install:
+	@missing=$$(for p in $(PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		echo "installing system packages: $$missing"; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -37,7 +45,7 @@ system-deps:
 samples/generated/demo.mp4: samples/make_clip.py | install
 	$(BIN)/python samples/make_clip.py $@
 
-demo: install samples/generated/demo.mp4
+demo: runtime-deps install samples/generated/demo.mp4
 	$(BIN)/vidpipe run configs/demo.yaml --summary
 
 lint: install
