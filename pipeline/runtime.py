@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inference.repository import ModelRepository
 from pipeline.config import PipelineConfig, SourceConfig
 from pipeline.frames import Frame
 from pipeline.metrics import Metrics
@@ -123,7 +124,7 @@ class Runtime:
         self.nats_url = nats_url
         self.max_frames = max_frames
         self.metrics = metrics or Metrics()
-        self.models: Any = None
+        self.models: ModelRepository | None = None
         self.stages: list[Stage] = []
         self.publisher = Publisher(config.nats, nats_url, config.pipeline, self.metrics)
         self.publisher.on_sent = self._on_sent
@@ -175,8 +176,6 @@ class Runtime:
         names = sorted({s.model for s in self.config.stages if s.model})
         if not names:
             return
-        from inference.repository import ModelRepository
-
         root = self.config.models_path()
         assert root is not None  # checked by load_config
         if not root.is_dir():

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from pipeline.config import PipelineConfig, StageConfig
 from pipeline.frames import Frame
 
 if TYPE_CHECKING:
+    from inference.repository import ModelRepository
     from pipeline.metrics import Metrics
 
 
@@ -18,7 +19,7 @@ class StageContext:
     """What a stage may use: the pipeline config, the model repository and the metrics."""
 
     config: PipelineConfig
-    models: Any  # inference.repository.ModelRepository (kept loose: it is optional)
+    models: ModelRepository | None  # None when the pipeline has no infer stage
     metrics: Metrics
 
 

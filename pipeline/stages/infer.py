@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from inference.batcher import SHUTDOWN, InferenceRejected
+from inference.model import Model
 from inference.results import Classification, Detection, Recognition
 from pipeline.frames import Attribute, DetectedObject, Frame
 from pipeline.stages.base import Stage
@@ -51,11 +52,17 @@ class InferStage(Stage):
         drained by a hot reload (rejected with ``shutdown``) goes once to the new copy.
         """
         try:
-            return await self.context.models.get(self.config.model).infer(image, **kwargs)
+            return await self._model().infer(image, **kwargs)
         except InferenceRejected as exc:
             if exc.reason != SHUTDOWN:
                 raise
-            return await self.context.models.get(self.config.model).infer(image, **kwargs)
+            return await self._model().infer(image, **kwargs)
+
+    def _model(self) -> Model:
+        repo, name = self.context.models, self.config.model
+        # load_config requires `model` on infer stages; the runtime loads the repository.
+        assert repo is not None and name is not None
+        return repo.get(name)
 
     async def process(self, frame: Frame) -> None:
         kwargs = self._request_options()
