@@ -19,10 +19,15 @@ import asyncio
 import collections
 import os
 import platform
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import cpu_name
 from inference.batcher import DynamicBatcher
 from inference.batching import BatchPolicy
 
@@ -86,17 +91,6 @@ async def handoff_floor(requests: int) -> float:
         cond.notify()
     t.join()
     return elapsed / requests * 1e6
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:
