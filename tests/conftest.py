@@ -39,6 +39,22 @@ def sample_models() -> Path:
     return ROOT / "samples" / "models"
 
 
+# A light graph (the squares detector only): live test sources never fall behind it.
+SQUARES = """\
+pipeline: demo
+models: {models}
+stages:
+  - {{name: objects, type: infer, model: squares}}
+"""
+
+
+@pytest.fixture
+def squares_config(tmp_path: Path, sample_models: Path) -> Path:
+    path = tmp_path / "squares.yaml"
+    path.write_text(SQUARES.format(models=sample_models))
+    return path
+
+
 @pytest.fixture(scope="session")
 def demo_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from samples.make_clip import write_clip

@@ -12,21 +12,7 @@ import pytest
 
 from pipeline.nats_server import EmbeddedNats
 from samples.make_clip import write_clip
-from tests.conftest import run_cli
-
-PIPELINE = """\
-pipeline: bad
-models: {models}
-stages:
-  - {{name: objects, type: infer, model: squares}}
-"""
-
-
-@pytest.fixture
-def config(tmp_path: Path, sample_models: Path) -> Path:
-    path = tmp_path / "bad.yaml"
-    path.write_text(PIPELINE.format(models=sample_models))
-    return path
+from tests.conftest import SQUARES, run_cli
 
 
 def error_lines(stderr: str, needle: str) -> list[str]:
@@ -34,7 +20,7 @@ def error_lines(stderr: str, needle: str) -> list[str]:
 
 
 def test_truncated_file_publishes_what_decodes_and_says_so(
-    tmp_path: Path, config: Path, nats_server: EmbeddedNats
+    tmp_path: Path, squares_config: Path, nats_server: EmbeddedNats
 ) -> None:
     clip = write_clip(tmp_path / "cut.mp4", frames=60, fps=15, codec="mpeg4")
     data = clip.read_bytes()
@@ -42,7 +28,7 @@ def test_truncated_file_publishes_what_decodes_and_says_so(
     clip.write_bytes(data[: len(data) // 2])
     good = write_clip(tmp_path / "ok.mp4", frames=10, fps=10)
     proc = run_cli(
-        "run", str(config), "--source", str(clip), "--source", str(good), "--nats", nats_server.url
+        "run", str(squares_config), "--source", str(clip), "--source", str(good), "--nats", nats_server.url
     )
     assert proc.returncode == 0, proc.stderr
     (line,) = error_lines(proc.stderr, "source cut:")
@@ -52,7 +38,7 @@ def test_truncated_file_publishes_what_decodes_and_says_so(
 
 
 def test_damaged_tail_of_a_stream_keeps_the_frames_before_it(
-    tmp_path: Path, config: Path, nats_server: EmbeddedNats
+    tmp_path: Path, squares_config: Path, nats_server: EmbeddedNats
 ) -> None:
     # A raw H.264 elementary stream has no index: the decodable head still plays.
     raw = tmp_path / "cam.h264"
@@ -69,14 +55,16 @@ def test_damaged_tail_of_a_stream_keeps_the_frames_before_it(
             out.mux(packet)
     data = raw.read_bytes()
     raw.write_bytes(data[: len(data) // 2] + bytes(range(256)) * 8)
-    proc = run_cli("run", str(config), "--source", str(raw), "--nats", nats_server.url)
+    proc = run_cli("run", str(squares_config), "--source", str(raw), "--nats", nats_server.url)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     published = int(proc.stderr.split("done: ")[1].split(" frame")[0])
     assert 5 <= published < 40
 
 
-def test_a_file_without_video_is_named(tmp_path: Path, config: Path, nats_server: EmbeddedNats) -> None:
+def test_a_file_without_video_is_named(
+    tmp_path: Path, squares_config: Path, nats_server: EmbeddedNats
+) -> None:
     audio = tmp_path / "voice.wav"
     with av.open(str(audio), mode="w") as out:
         stream = out.add_stream("pcm_s16le", rate=8000)
@@ -86,7 +74,7 @@ def test_a_file_without_video_is_named(tmp_path: Path, config: Path, nats_server
             out.mux(packet)
         for packet in stream.encode():
             out.mux(packet)
-    proc = run_cli("run", str(config), "--source", str(audio), "--nats", nats_server.url)
+    proc = run_cli("run", str(squares_config), "--source", str(audio), "--nats", nats_server.url)
     assert proc.returncode == 1
     (line,) = error_lines(proc.stderr, "source voice:")
     assert line.endswith(f"source voice: {audio} has no video stream")
@@ -115,7 +103,7 @@ def test_a_broken_model_stops_the_run_with_the_model_named(
         text = (model_dir / "config.yaml").read_text().replace("shape: [3, 320, 320]", "shape: [3, 256, 256]")
         (model_dir / "config.yaml").write_text(text)
     cfg = tmp_path / "p.yaml"
-    cfg.write_text(PIPELINE.format(models=repo))
+    cfg.write_text(SQUARES.format(models=repo))
     proc = run_cli("run", str(cfg), "--source", "test://?frames=3", "--nats", nats_server.url)
     assert proc.returncode == 1, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "squares" in line]
@@ -126,7 +114,7 @@ def test_a_broken_model_stops_the_run_with_the_model_named(
 
 def test_an_unknown_model_lists_what_the_repository_has(tmp_path: Path, sample_models: Path) -> None:
     cfg = tmp_path / "p.yaml"
-    cfg.write_text(PIPELINE.format(models=sample_models).replace("model: squares", "model: yolo9000"))
+    cfg.write_text(SQUARES.format(models=sample_models).replace("model: squares", "model: yolo9000"))
     proc = run_cli("run", str(cfg), "--source", "test://?frames=3")
     assert proc.returncode == 1
     assert "model 'yolo9000' is not in the repository" in proc.stderr
@@ -134,7 +122,7 @@ def test_an_unknown_model_lists_what_the_repository_has(tmp_path: Path, sample_m
 
 
 def test_gpu_device_or_decoder_on_a_machine_without_one_is_named(
-    tmp_path: Path, config: Path, nats_server: EmbeddedNats
+    tmp_path: Path, squares_config: Path, nats_server: EmbeddedNats
 ) -> None:
     from inference.device import gpu_available
 
@@ -142,7 +130,7 @@ def test_gpu_device_or_decoder_on_a_machine_without_one_is_named(
     if ok:
         pytest.skip("this machine has a GPU")
     gpu_cfg = tmp_path / "gpu.yaml"
-    gpu_cfg.write_text(config.read_text() + "runtime: {device: gpu}\n")
+    gpu_cfg.write_text(squares_config.read_text() + "runtime: {device: gpu}\n")
     proc = run_cli("run", str(gpu_cfg), "--source", "test://?frames=3", "--nats", nats_server.url)
     assert proc.returncode == 1
     assert f"runtime.device: gpu is not usable here ({reason}); use device: cpu or auto" in proc.stderr
@@ -150,7 +138,7 @@ def test_gpu_device_or_decoder_on_a_machine_without_one_is_named(
     clip = write_clip(tmp_path / "nv.mp4", frames=5, fps=5)
     nv_cfg = tmp_path / "nv.yaml"
     nv_cfg.write_text(
-        config.read_text()
+        squares_config.read_text()
         + f"sources:\n  - {{url: {clip}, decode: cuda}}\n  - {{url: {clip}, id: soft, decode: auto}}\n"
     )
     proc = run_cli("run", str(nv_cfg), "--nats", nats_server.url)

@@ -30,22 +30,6 @@ stages:
 """
 
 
-SQUARES = """\
-pipeline: demo
-models: {models}
-stages:
-  - {{name: objects, type: infer, model: squares}}
-"""
-
-
-@pytest.fixture
-def squares_config(tmp_path: Path, sample_models: Path) -> Path:
-    """A light graph (the squares detector only), so live test sources never fall behind."""
-    path = tmp_path / "squares.yaml"
-    path.write_text(SQUARES.format(models=sample_models))
-    return path
-
-
 def assert_box(actual: list[float], truth: tuple[int, int, int, int], tolerance: float = 2.0) -> None:
     assert all(abs(a - t) <= tolerance for a, t in zip(actual, truth, strict=True)), (actual, truth)
 
