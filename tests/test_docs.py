@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,15 @@ def test_readme_names_the_two_commands_and_ci_runs_the_test_one() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "make demo" in readme and "make test" in readme
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_pipeline_example_is_valid(tmp_path: Path) -> None:
+    from pipeline.config import load_config
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if b.startswith("pipeline:")]
+    assert blocks
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"example{i}.yaml"
+        path.write_text(block)
+        assert load_config(path).stages
