@@ -251,6 +251,25 @@ class GpuPreprocessor:
         self.done = record_event(stream)
 
 
+def _check_crop_slots(out: Any, k: int) -> None:
+    """``out`` must be ``(K, H, W, 3)`` uint8 with room for ``k`` crops."""
+    if out.ndim != 4 or out.shape[3] != 3 or np.dtype(out.dtype) != np.dtype(np.uint8):
+        raise ValueError(f"out must be (K, H, W, 3) uint8, got {out.shape} {out.dtype}")
+    if k > out.shape[0]:
+        raise ValueError(f"{k} crops do not fit {out.shape[0]} slots")
+
+
+def _frame_views(frames: Sequence[Any], stream: Any) -> list[tuple[int, int, int, int]]:
+    """Device views of ``frames``; frames still being uploaded are waited for on ``stream``."""
+    views = []
+    for i, frame in enumerate(frames):
+        wait = getattr(frame, "wait", None)
+        if callable(wait):
+            wait(stream)  # an event wait on the stream, not a host sync
+        views.append(device_image(frame, i))
+    return views
+
+
 def warp_crops(
     frames: Sequence[Any],
     hinv: np.ndarray,
@@ -276,19 +295,11 @@ def warp_crops(
     cp = require_cupy()
     stream = stream if stream is not None else current_stream()
     k = len(frame_index)
-    if out.ndim != 4 or out.shape[3] != 3 or np.dtype(out.dtype) != np.dtype(np.uint8):
-        raise ValueError(f"out must be (K, H, W, 3) uint8, got {out.shape} {out.dtype}")
-    if k > out.shape[0]:
-        raise ValueError(f"{k} crops do not fit {out.shape[0]} slots")
+    _check_crop_slots(out, k)
     for w, h in sizes:
         if not (1 <= w <= out.shape[2] and 1 <= h <= out.shape[1]):
             raise ValueError(f"crop size {(w, h)} does not fit slots of {out.shape[2]}×{out.shape[1]}")
-    views = []
-    for i, frame in enumerate(frames):
-        wait = getattr(frame, "wait", None)
-        if callable(wait):
-            wait(stream)
-        views.append(device_image(frame, i))
+    views = _frame_views(frames, stream)
     sources = [(views[fi][0], views[fi][1], views[fi][2], views[fi][3]) for fi in frame_index]
     table = kernels.pack_warp_items(sources, sizes)
     with stream:
@@ -315,17 +326,9 @@ def roi_resize(
     cp = require_cupy()
     stream = stream if stream is not None else current_stream()
     k = len(frame_index)
-    if out.ndim != 4 or out.shape[3] != 3 or np.dtype(out.dtype) != np.dtype(np.uint8):
-        raise ValueError(f"out must be (K, H, W, 3) uint8, got {out.shape} {out.dtype}")
-    if k > out.shape[0]:
-        raise ValueError(f"{k} crops do not fit {out.shape[0]} slots")
+    _check_crop_slots(out, k)
     out_h, out_w = int(out.shape[1]), int(out.shape[2])
-    views = []
-    for i, frame in enumerate(frames):
-        wait = getattr(frame, "wait", None)
-        if callable(wait):
-            wait(stream)
-        views.append(device_image(frame, i))
+    views = _frame_views(frames, stream)
     sources, rois, metas = [], [], []
     for box, fi in zip(boxes, frame_index, strict=True):
         ptr, pitch, w, h = views[fi]
