@@ -104,10 +104,76 @@ _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _con
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
 
 
+# Bounds on what a config file may make the loader build. Real pipeline and model
+# configs are a few hundred nodes, a few levels deep and a few KiB; the bounds stop a
+# file (or an API body) whose aliases expand to millions of nodes ("billion laughs")
+# before it is expanded, and stop nesting deep enough to exhaust the parser's stack.
+MAX_CONFIG_BYTES = 1024 * 1024
+MAX_CONFIG_NODES = 100_000
+MAX_CONFIG_DEPTH = 32
+
+
+def _check_expansion(root: yaml.Node, file: str) -> None:
+    """Refuse a document that would expand past :data:`MAX_CONFIG_NODES` or :data:`MAX_CONFIG_DEPTH`.
+
+    Aliases are shared nodes in the composed graph, so sizes are counted once per
+    node (memoised): the check costs the file's size, not its expansion's.
+    """
+    sizes: dict[int, int] = {}
+    depths: dict[int, int] = {}
+    active: set[int] = set()
+
+    def fail(node: yaml.Node, problem: str, hint: str) -> ConfigError:
+        return ConfigError(file, node.start_mark.line + 1, "", problem, hint)
+
+    def visit(node: yaml.Node, level: int) -> None:
+        key = id(node)
+        if key in sizes:
+            return
+        if level > MAX_CONFIG_DEPTH:
+            raise fail(node, f"nested deeper than {MAX_CONFIG_DEPTH} levels", "flatten the structure")
+        if key in active:
+            raise fail(node, "an alias refers to a node that contains it", "remove the recursive alias")
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        active.add(key)
+        for child in children:
+            visit(child, level + 1)
+        active.discard(key)
+        sizes[key] = 1 + sum(sizes[id(c)] for c in children)
+        depths[key] = 1 + max((depths[id(c)] for c in children), default=0)
+        if sizes[key] > MAX_CONFIG_NODES:
+            raise fail(
+                node,
+                f"expands to more than {MAX_CONFIG_NODES:,} values (through aliases)",
+                "a config needs far fewer; remove the repeated aliases",
+            )
+        if level + depths[key] - 1 > MAX_CONFIG_DEPTH:
+            raise fail(node, f"nested deeper than {MAX_CONFIG_DEPTH} levels", "flatten the structure")
+
+    visit(root, 1)
+
+
 def load_yaml_text(text: str, file: str) -> Any:
-    """Parse YAML text safely; syntax errors become :class:`ConfigError`."""
+    """Parse YAML text safely; syntax errors and oversized documents become :class:`ConfigError`."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            file, None, "", f"larger than {MAX_CONFIG_BYTES // 1024} KiB", "is this the right file?"
+        )
+    loader = _LineLoader(text)
     try:
-        return yaml.load(text, Loader=_LineLoader)  # noqa: S506 - _LineLoader is a SafeLoader
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node, file)
+        return loader.construct_document(node)
+    except RecursionError:
+        raise ConfigError(
+            file, None, "", f"nested deeper than {MAX_CONFIG_DEPTH} levels", "flatten the structure"
+        ) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         # An unclosed bracket or quote is reported at the end of the file; the line
@@ -121,12 +187,18 @@ def load_yaml_text(text: str, file: str) -> Any:
         raise ConfigError(file, line, "", problem, "check indentation, colons and quotes") from None
     except yaml.YAMLError as exc:
         raise ConfigError(file, None, "", f"invalid YAML: {exc}") from None
+    finally:
+        loader.dispose()
 
 
 def load_yaml(path: str | Path) -> Any:
     """Read and parse a YAML file; a missing or unreadable file is a :class:`ConfigError`."""
     p = Path(path)
     try:
+        if p.is_file() and p.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                str(p), None, "", f"larger than {MAX_CONFIG_BYTES // 1024} KiB", "is this the right file?"
+            )
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(str(p), None, "", "file not found", "check the path") from None

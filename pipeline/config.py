@@ -23,12 +23,12 @@ from urllib.parse import parse_qsl, urlsplit
 
 from inference.schema import ConfigError, build, line_of, load_yaml, spec
 
-_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _NAME_HELP = "use 1-64 letters, digits, '_' or '-' (it becomes part of a NATS subject)"
 
 
 def _check_id(value: str) -> str | None:
-    return None if _ID_RE.match(value) else f"{value!r} is not a valid name"
+    return None if _ID_RE.fullmatch(value) else f"{value!r} is not a valid name"
 
 
 SOURCE_SCHEMES = ("file", "test", "rtsp", "rtsps", "whip")
