@@ -1,0 +1,145 @@
+"""The module map stays a map: no import cycles, and ``inference`` never imports ``pipeline``.
+
+Imports are read with ``ast`` from the source files, so the test sees what a
+reader sees: module-level imports and the lazy ones inside functions alike.
+Imports under ``if TYPE_CHECKING:`` are for the type checker only and do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+PACKAGES = ("pipeline", "inference")
+
+
+def module_files() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = module_files()
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _all_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+
+
+def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The project modules an import statement loads (a submodule loads its packages too)."""
+    names: list[str] = []
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module.split(".")
+            if MODULES[module].name != "__init__.py":
+                package = package[:-1]
+            package = package[: len(package) - (node.level - 1)]
+            base = ".".join([*package, base] if base else package)
+        names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+    out: set[str] = set()
+    for name in names:
+        # The module the name is (or, for "from pkg.mod import func", the one it lives in).
+        # Parent packages load first but are not dependencies of their own submodules'
+        # importers, so only the deepest module counts.
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            candidate = ".".join(parts[:i])
+            if candidate in MODULES:
+                out.add(candidate)
+                break
+    out.discard(module)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module's project imports: module level and inside functions, not TYPE_CHECKING ones."""
+    graph: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        checking_only = {
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and _is_type_checking(block.test)
+            for stmt in block.body
+            for n in ast.walk(stmt)
+        }
+        nodes = [n for n in _all_imports(tree) if id(n) not in checking_only]
+        graph[module] = set().union(*(_targets(module, n) for n in nodes))
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_the_checker_finds_a_cycle() -> None:
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+GRAPH = import_graph()
+
+
+def test_no_import_cycles_among_modules() -> None:
+    # A lazy import inside a function is still a dependency: a cycle through one is a
+    # cycle in the design, even if it does not fail at import time.
+    cycles = find_cycles(GRAPH)
+    assert cycles == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("inference")))
+def test_inference_never_imports_pipeline(module: str) -> None:
+    assert not any(t.startswith("pipeline") for t in GRAPH[module])
