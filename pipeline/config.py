@@ -303,7 +303,7 @@ def _build_stages(raw: Any, file: str) -> list[StageOptions]:
             if key not in takes and key in known:
                 raise ConfigError(
                     file, line_of(item, key) or line, f"{path}.{key}",
-                    f"does not apply to a {kind} stage", f"a {kind} stage takes: {', '.join(takes)}",
+                    f"does not apply to a stage of type {kind}", f"type {kind} takes: {', '.join(takes)}",
                 )  # fmt: skip
         out.append(build(item, cls.options_type, file, path=path))
     return out

@@ -175,8 +175,11 @@ class InferStage(Stage):
                 continue
             if opts.confidence is not None and obj.score < opts.confidence:
                 continue
+            # The size that is left once the box is clipped to the frame, as the crop will be.
             x1, y1, x2, y2 = obj.bbox
-            if min(x2 - x1, y2 - y1) < opts.min_size:
+            w = min(x2, frame.width) - max(x1, 0)
+            h = min(y2, frame.height) - max(y1, 0)
+            if min(w, h) < opts.min_size:
                 too_small += 1
                 continue
             chosen.append(obj)
