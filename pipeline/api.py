@@ -12,7 +12,7 @@
 =========================================  ===============================================
 ``GET /healthz``, ``GET /readyz``          liveness / readiness (never need the token)
 ``GET /metrics``                           Prometheus text
-``GET /v1/sources``                        every source, as ``SourceRun.describe()``
+``GET /v1/sources``                        every source (``pipeline.stats.SourceReport``)
 ``POST /v1/sources``                       add a source (JSON, same keys as YAML)
 ``DELETE /v1/sources/{id}``                stop and remove a source
 ``GET /v1/sources/{id}/snapshot.jpg``      latest published frame, annotated
@@ -39,7 +39,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import math
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -49,13 +48,17 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+from inference.errors import VidpipeError
+from inference.model import ModelState
 from inference.schema import ConfigError, build
 from pipeline.config import HttpConfig, SourceConfig, _resolve_file, _unique_ids
 from pipeline.frames import Frame
 from pipeline.health import readiness_problems
+from pipeline.runtime import Runtime
 from pipeline.snapshot import render_snapshot
 from pipeline.stages.source import SourceError
 from pipeline.stages.whip import MAX_SDP_BYTES, WhipError, WhipSource
+from pipeline.stats import ModelReport, SourceReport
 
 log = logging.getLogger("vidpipe.api")
 
@@ -84,8 +87,12 @@ RATE_WINDOW = 5  # seconds of samples behind the fps figure
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class ApiConfigError(ValueError):
-    """The HTTP server cannot start as configured; the message says what to change."""
+class ApiConfigError(VidpipeError):
+    """The HTTP server cannot start as configured; ``key`` is the setting to change."""
+
+    def __init__(self, message: str, key: str = "http.listen") -> None:
+        self.key = key
+        super().__init__(message)
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -116,7 +123,7 @@ def check_http_config(config: HttpConfig) -> tuple[str, int]:
     """Host and port to bind; refuses a non-loopback address without a token."""
     host, port = parse_listen(config.listen)
     if config.token is not None and not config.token.strip():
-        raise ApiConfigError("http.token is empty; set a real token or remove the key")
+        raise ApiConfigError("http.token is empty; set a real token or remove the key", key="http.token")
     if not is_loopback(host) and not config.token:
         raise ApiConfigError(
             f"http.listen {config.listen} is reachable from other machines, so the API needs a token: "
@@ -132,7 +139,7 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 class ApiServer:
     """One aiohttp server for a :class:`~pipeline.runtime.Runtime`."""
 
-    def __init__(self, runtime: Any, config: HttpConfig, *, max_body: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, runtime: Runtime, config: HttpConfig, *, max_body: int = MAX_BODY_BYTES) -> None:
         self.runtime = runtime
         self.config = config
         self.host, self._requested_port = check_http_config(config)
@@ -253,7 +260,7 @@ class ApiServer:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        reasons = readiness_problems(self.runtime)
+        reasons = readiness_problems(self.runtime.report())
         if reasons:
             return web.json_response({"ready": False, "reasons": reasons}, status=503)
         return web.json_response({"ready": True, "reasons": []})
@@ -265,7 +272,7 @@ class ApiServer:
     # -- sources -----------------------------------------------------------------------------
 
     async def list_sources(self, request: web.Request) -> web.Response:
-        return web.json_response([run.describe() for run in self.runtime.sources.values()])
+        return web.json_response([_source_json(s) for s in self.runtime.report().sources])
 
     async def add_source(self, request: web.Request) -> web.Response:
         # JSON only: a cross-site form or no-cors fetch cannot send this type without a
@@ -302,7 +309,9 @@ class ApiServer:
         except ValueError as exc:
             return _error(409, f"sources.id: {exc}")
         log.info("source %s added over the API (%s)", sid, run.source.display_url)
-        return web.json_response(run.describe(), status=201, headers={"Location": f"/v1/sources/{sid}"})
+        return web.json_response(
+            _source_json(run.report()), status=201, headers={"Location": f"/v1/sources/{sid}"}
+        )
 
     async def delete_source(self, request: web.Request) -> web.Response:
         sid = request.match_info["id"]
@@ -360,54 +369,29 @@ class ApiServer:
         return round((published - p0) / elapsed, 2)
 
     async def stats(self, request: web.Request) -> web.Response:
-        sources = []
-        for sid, run in self.runtime.sources.items():
-            latencies = np.asarray(run.latencies[-256:], dtype=np.float64)
-            p50, p99 = (
-                (np.percentile(latencies, [50, 99]) * 1000).tolist() if latencies.size else (None, None)
-            )
-            sources.append(
-                {
-                    "id": sid,
-                    "state": run.source.state.value,
-                    "reason": run.source.reason,
-                    "fps": self._fps(sid, run.published),
-                    "latency_ms": {"p50": _round(p50), "p99": _round(p99)},
-                    "published": run.published,
-                    "dropped": sum(run.dropped.values()),
-                    "dropped_by_reason": dict(run.dropped),
-                    "queue_depth": len(run.queue),
-                }
-            )
-        return web.json_response({"time": time.time(), "sources": sources, "models": self._model_stats()})
-
-    def _model_stats(self) -> list[dict[str, Any]]:
-        m = self.runtime.metrics
-        batch = _histograms(m.inference_batch_size)
-        queue = _histograms(m.inference_queue)
-        out = []
-        for model in sorted(set(batch) | set(queue)):
-            b = batch.get(model)
-            q = queue.get(model)
-            out.append(
-                {
-                    "model": model,
-                    "batches": int(b.count) if b else 0,
-                    "mean_batch_size": _round(b.sum / b.count if b and b.count else None),
-                    "queue_ms": {
-                        "p50": _round(q.quantile(0.5) * 1000 if q and q.count else None),
-                        "p99": _round(q.quantile(0.99) * 1000 if q and q.count else None),
-                    },
-                }
-            )
-        return out
+        report = self.runtime.report()
+        sources = [
+            {
+                "id": src.id,
+                "state": src.state.value,
+                "reason": src.reason,
+                "fps": self._fps(src.id, src.published),
+                "latency_ms": {"p50": src.latency_ms.p50, "p99": src.latency_ms.p99},
+                "published": src.published,
+                "dropped": sum(src.dropped.values()),
+                "dropped_by_reason": dict(src.dropped),
+                "queue_depth": src.queue_depth,
+            }
+            for src in report.sources
+        ]
+        models = [_model_json(m) for m in report.models if m.batches]
+        return web.json_response({"time": report.time, "sources": sources, "models": models})
 
     async def models(self, request: web.Request) -> web.Response:
         repo = self.runtime.models
-        status = getattr(repo, "status", None)
-        if not callable(status):
+        if repo is None:
             return web.json_response([])
-        return web.json_response([_jsonable(s) for s in status()])
+        return web.json_response([_jsonable(s) for s in repo.status()])
 
     async def reload_model(self, request: web.Request) -> web.Response:
         """Re-read a model's config.yaml and files and swap the new copy in once it is ready.
@@ -421,7 +405,7 @@ class ApiServer:
             return _error(404, f"no model {name!r} in the repository")
         status = await repo.reload(name)
         body = _jsonable(status)
-        if status.state.value != "ready" or status.reason:
+        if status.state is not ModelState.READY or status.reason:
             body["error"] = status.reason or f"model {name} is {status.state.value}"
             return web.json_response(body, status=422)
         log.info("model %s reloaded", name)
@@ -503,48 +487,30 @@ def _api_limits(config: SourceConfig) -> str | None:
     return None
 
 
-def _round(value: float | None, digits: int = 2) -> float | None:
-    return None if value is None or math.isnan(value) else round(value, digits)
+def _source_json(src: SourceReport) -> dict[str, Any]:
+    return {
+        "id": src.id,
+        "url": src.url,
+        "state": src.state.value,
+        "reason": src.reason,
+        "live": src.live,
+        "frames": src.frames,
+        "published": src.published,
+        "dropped": dict(src.dropped),
+        "reconnects": src.reconnects,
+        "queue_depth": src.queue_depth,
+    }
 
 
-@dataclasses.dataclass
-class _Histogram:
-    """One labelled child of a Prometheus histogram, read back from the registry."""
-
-    buckets: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # (le, cumulative)
-    count: float = 0.0
-    sum: float = 0.0
-
-    def quantile(self, q: float) -> float:
-        """Like PromQL's histogram_quantile: linear within the bucket holding the rank."""
-        rank = q * self.count
-        lower, below = 0.0, 0.0
-        for le, cumulative in sorted(self.buckets):
-            if cumulative >= rank:
-                if math.isinf(le):
-                    return lower
-                inside = cumulative - below
-                return lower + (le - lower) * ((rank - below) / inside if inside else 0.0)
-            lower, below = le, cumulative
-        return lower
-
-
-def _histograms(metric: Any) -> dict[str, _Histogram]:
-    """Per-``model`` children of a histogram family."""
-    out: dict[str, _Histogram] = {}
-    for family in metric.collect():
-        for sample in family.samples:
-            model = sample.labels.get("model")
-            if model is None:
-                continue
-            h = out.setdefault(model, _Histogram())
-            if sample.name.endswith("_bucket"):
-                h.buckets.append((float(sample.labels["le"]), sample.value))
-            elif sample.name.endswith("_count"):
-                h.count = sample.value
-            elif sample.name.endswith("_sum"):
-                h.sum = sample.value
-    return out
+def _model_json(model: ModelReport) -> dict[str, Any]:
+    return {
+        "model": model.name,
+        "batches": model.batches,
+        "requests": model.requests,
+        "mean_batch_size": model.mean_batch_size,
+        "batch_sizes": {str(size): n for size, n in sorted(model.batch_sizes.items())},
+        "queue_ms": {"p50": model.queue_ms.p50, "p99": model.queue_ms.p99},
+    }
 
 
 def _jsonable(value: Any) -> Any:

@@ -15,13 +15,17 @@ See docs/config.md for every key.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlsplit
 
-from inference.schema import ConfigError, build, line_of, load_yaml, spec
+from inference.schema import ConfigError, LineDict, build, line_of, load_yaml, spec
+from pipeline.stages.base import StageOptions
+from pipeline.stages.registry import stage_kinds
 
 _ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _NAME_HELP = "use 1-64 letters, digits, '_' or '-' (it becomes part of a NATS subject)"
@@ -93,35 +97,6 @@ class SourceConfig:
 
 
 @dataclass(frozen=True)
-class StageConfig:
-    """One node of the graph.
-
-    ``infer`` runs a model on whole frames, or with ``on:`` on crops of an earlier
-    stage's objects; ``track`` gives objects stable ids across frames.
-    """
-
-    name: str = field(metadata=spec(check=_check_id, help=_NAME_HELP))
-    type: Literal["infer", "track"] = field(metadata=spec(help="infer or track"))
-    model: str | None = None
-    on: str | None = field(default=None, metadata=spec(help="an earlier stage whose objects to crop"))
-    classes: list[str] = field(default_factory=list, metadata=spec(help="labels to keep / to crop"))
-    confidence: float | None = field(default=None, metadata=spec(ge=0, le=1))
-    min_size: int = field(default=0, metadata=spec(ge=0, help="skip objects smaller than this (px)"))
-    max_objects: int = field(default=32, metadata=spec(ge=1, le=1024))
-    crop: Literal["box", "polygon"] = field(
-        default="polygon", metadata=spec(help="polygon warps rotated text lines upright")
-    )
-    upright_by: str | None = field(
-        default=None, metadata=spec(help="a stage whose label ('0'/'180') says how to rotate the crop")
-    )
-    priority: int | None = field(default=None, metadata=spec(ge=1))
-    timeout_ms: float | None = field(default=None, metadata=spec(gt=0))
-    # track
-    iou: float = field(default=0.3, metadata=spec(ge=0, le=1))
-    max_age: int = field(default=15, metadata=spec(ge=1))
-
-
-@dataclass(frozen=True)
 class NatsConfig:
     """Where detections go. No ``url`` starts an embedded nats-server on loopback."""
 
@@ -159,7 +134,8 @@ class PipelineConfig:
 
     pipeline: str = field(metadata=spec(check=_check_id, help=_NAME_HELP))
     sources: list[SourceConfig] = field(default_factory=list)
-    stages: list[StageConfig] = field(default_factory=list)
+    # Each entry is its kind's options (InferOptions, TrackOptions, ...; see pipeline.stages.registry).
+    stages: list[StageOptions] = field(default_factory=list)
     models: str | None = field(default=None, metadata=spec(help="model repository folder"))
     nats: NatsConfig = field(default_factory=NatsConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -167,14 +143,24 @@ class PipelineConfig:
     # Where the file lives; relative paths in it resolve against this.
     base_dir: str = field(default=".", metadata=spec(help="set by the loader"))
     file: str = field(default="<config>", metadata=spec(help="set by the loader"))
+    # The line of every key in the file (``stages[1].model`` -> 14), for errors found later.
+    lines: dict[str, int] = field(default_factory=dict, metadata=spec(help="set by the loader"))
 
     def models_path(self) -> Path | None:
         if self.models is None:
             return None
         return (Path(self.base_dir) / self.models).resolve()
 
-    def stage(self, name: str) -> StageConfig:
+    def stage(self, name: str) -> StageOptions:
         return next(s for s in self.stages if s.name == name)
+
+    def line(self, key: str) -> int | None:
+        """The line of ``key`` (``models``, ``stages[1].model``) in the file, when known."""
+        return self.lines.get(key)
+
+    def models_used(self) -> list[str]:
+        """Every model a stage runs, sorted."""
+        return sorted({m for s in self.stages for m in s.models()})
 
 
 _USERINFO_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(.*)@", re.DOTALL)
@@ -253,7 +239,8 @@ def _check_graph(cfg: PipelineConfig, raw: Any, file: str) -> None:
         ids[sid] = i
 
     raw_stages = raw.get("stages") if isinstance(raw, dict) else None
-    seen: dict[str, StageConfig] = {}
+    kinds = stage_kinds()
+    seen: dict[str, StageOptions] = {}
     for i, stage in enumerate(cfg.stages):
         item = raw_stages[i] if raw_stages is not None else None
         path = f"stages[{i}]"
@@ -263,14 +250,9 @@ def _check_graph(cfg: PipelineConfig, raw: Any, file: str) -> None:
 
         if stage.name in seen:
             raise err(*at("name"), f"duplicate stage name {stage.name!r}", "stage names must be unique")
-        if stage.type == "infer" and not stage.model:
-            raise err(*at("type"), "an infer stage needs 'model'", "name a model from the repository")
-        if stage.type != "infer" and stage.model:
-            raise err(*at("model"), f"a {stage.type} stage takes no model")
-        for ref_key in ("on", "upright_by"):
-            ref = getattr(stage, ref_key)
-            if ref is None:
-                continue
+        for key, problem in stage.problems():
+            raise err(*at(key), problem)
+        for ref_key, ref in stage.references().items():
             if ref not in seen:
                 later = any(s.name == ref for s in cfg.stages)
                 hint = (
@@ -279,13 +261,72 @@ def _check_graph(cfg: PipelineConfig, raw: Any, file: str) -> None:
                     else "name an earlier stage: " + (", ".join(seen) or "(none)")
                 )
                 raise err(*at(ref_key), f"unknown stage {ref!r}", hint)
-            if seen[ref].type != "infer":
-                raise err(*at(ref_key), f"stage {ref!r} is a {seen[ref].type} stage, not infer")
-        if stage.upright_by is not None and stage.on is None:
-            raise err(*at("upright_by"), "upright_by only applies to a stage with 'on'")
+            if not kinds[seen[ref].type].finds_objects:
+                raise err(*at(ref_key), f"stage {ref!r} is a {seen[ref].type} stage and finds no objects")
         seen[stage.name] = stage
-    if cfg.stages and cfg.models is None and any(s.type == "infer" for s in cfg.stages):
+    if cfg.models is None and cfg.models_used():
         raise err("models", line_of(raw), "infer stages need a model repository", "add models: <folder>")
+
+
+def _build_stages(raw: Any, file: str) -> list[StageOptions]:
+    """Each ``stages[]`` entry validated against the options of its ``type``."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ConfigError(file, line_of(raw), "stages", f"expected a list, got {type(raw).__name__}")
+    kinds = stage_kinds()
+    # Keys some kind takes: on another kind they are misplaced, not misspelled.
+    known = {f.name: k for k, cls in kinds.items() for f in dataclasses.fields(cls.options_type)}
+    out = []
+    for i, item in enumerate(raw):
+        path = f"stages[{i}]"
+        line = line_of(raw, i)
+        if not isinstance(item, dict):
+            raise ConfigError(file, line, path, "expected a mapping", "e.g. {name: detect, type: infer}")
+        kind = item.get("type")
+        if kind is None:
+            raise ConfigError(file, line, path, "missing required key 'type'", " or ".join(kinds))
+        cls = kinds.get(kind) if isinstance(kind, str) else None
+        if cls is None:
+            close = difflib.get_close_matches(str(kind), list(kinds), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else ""
+            choices = ", ".join(repr(k) for k in kinds)
+            raise ConfigError(
+                file,
+                line_of(item, "type") or line,
+                f"{path}.type",
+                f"expected one of {choices}, got {kind!r}",
+                hint,
+            )
+        takes = [f.name for f in dataclasses.fields(cls.options_type)]
+        for key in item:
+            if key not in takes and key in known:
+                raise ConfigError(
+                    file, line_of(item, key) or line, f"{path}.{key}",
+                    f"does not apply to a stage of type {kind}", f"type {kind} takes: {', '.join(takes)}",
+                )  # fmt: skip
+        out.append(build(item, cls.options_type, file, path=path))
+    return out
+
+
+def _key_lines(node: Any, path: str = "") -> dict[str, int]:
+    """``path -> line`` for every key and list item of parsed YAML."""
+    out: dict[str, int] = {}
+    if isinstance(node, dict):
+        for key, value in node.items():
+            child = f"{path}.{key}" if path else str(key)
+            line = line_of(node, key)
+            if line:
+                out[child] = line
+            out.update(_key_lines(value, child))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            child = f"{path}[{i}]"
+            line = line_of(node, i)
+            if line:
+                out[child] = line
+            out.update(_key_lines(value, child))
+    return out
 
 
 def load_config(
@@ -301,10 +342,16 @@ def load_config(
     raw = load_yaml(p)
     file = str(path)
     if isinstance(raw, dict):
-        for key in ("base_dir", "file"):
+        for key in ("base_dir", "file", "lines"):
             if key in raw:
                 raise ConfigError(file, line_of(raw, key), key, "unknown key", "this is set by vidpipe")
-    cfg = build(raw, PipelineConfig, file)
+    # Stages are validated per kind (each kind declares its own keys), the rest as one dataclass.
+    top = raw
+    if isinstance(raw, dict) and "stages" in raw:
+        top = LineDict((k, v) for k, v in raw.items() if k != "stages")
+        top.line, top.key_lines = getattr(raw, "line", 1), getattr(raw, "key_lines", {})
+    cfg = build(top, PipelineConfig, file)
+    cfg = replace(cfg, stages=_build_stages(raw.get("stages"), file), lines=_key_lines(raw))
     if sources is not None:
         for u in sources:
             problem = _check_url(u)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.crops import Crop
 
 
 @dataclass(slots=True)
@@ -34,7 +37,7 @@ class DetectedObject:
     text_score: float | None = None
     attributes: list[Attribute] = field(default_factory=list)
     # Crops cut for cascade stages, keyed by (kind, rotation), reused across stages.
-    crops: dict[tuple[str, int], np.ndarray] = field(default_factory=dict, repr=False)
+    crops: dict[tuple[str, int], Crop] = field(default_factory=dict, repr=False)
 
     def to_message(self) -> dict[str, Any]:
         out: dict[str, Any] = {

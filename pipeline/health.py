@@ -7,36 +7,31 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from inference.model import ModelState
 from pipeline.stages.source import SourceState
+from pipeline.stats import PipelineReport
 
 
-def readiness_problems(runtime: Any) -> list[str]:
-    """Why ``runtime`` is not ready, one short reason each; empty when ready."""
+def readiness_problems(report: PipelineReport) -> list[str]:
+    """Why the pipeline in ``report`` is not ready, one short reason each; empty when ready."""
     reasons: list[str] = []
-    needed = {s.model for s in runtime.config.stages if s.model}
-    models = runtime.models
-    if needed and models is None:
+    needed = set(report.models_needed)
+    if needed and not report.models_loaded:
         reasons.append("models are not loaded yet")
-    elif needed and callable(getattr(models, "status", None)):
+    elif needed:
         seen = set()
-        for status in models.status():
-            if status.name not in needed:
-                continue
-            seen.add(status.name)
-            state = str(getattr(status.state, "value", status.state)).lower()
-            if state != "ready":
-                detail = f": {status.reason}" if getattr(status, "reason", "") else ""
-                reasons.append(f"model {status.name} is {state}{detail}")
+        for model in report.models:
+            seen.add(model.name)
+            if model.state is not ModelState.READY:
+                detail = f": {model.reason}" if model.reason else ""
+                reasons.append(f"model {model.name} is {model.state.value}{detail}")
         reasons.extend(f"model {name} is not loaded" for name in sorted(needed - seen))
-    if not runtime.publisher.connected.is_set():
+    if not report.nats_connected:
         reasons.append("NATS is not connected")
-    runs = list(runtime.sources.values())
-    if not runs:
+    if not report.sources:
         reasons.append("no sources")
-    elif not any(run.source.state == SourceState.UP for run in runs):
-        states = ", ".join(f"{run.source.id} {run.source.state.value}" for run in runs)
+    elif not any(src.state is SourceState.UP for src in report.sources):
+        states = ", ".join(f"{src.id} {src.state.value}" for src in report.sources)
         reasons.append(f"no source is up ({states})")
     return reasons
 

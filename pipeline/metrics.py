@@ -22,6 +22,11 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.
                    1.0, 2.0, 5.0, 10.0)  # fmt: skip
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 
+# The `reason` label values, each a fixed set (docs/operations.md says what each means).
+DROP_REASONS = ("queue_full", "max_fps", "pool_empty", "stage_error", "publish_failed", "shutdown")
+PUBLISH_ERROR_REASONS = ("outbox_full", "retry", "shutdown", "failed")
+OBJECT_SKIP_REASONS = ("max_objects", "min_size", "rejected", "failed")
+
 
 class Metrics:
     """The metric families vidpipe exports (see docs/operations.md)."""
@@ -35,7 +40,7 @@ class Metrics:
         )  # fmt: skip
         self.frames_dropped = Counter(
             "vidpipe_frames_dropped_total",
-            "Frames dropped, by reason (queue_full, max_fps, stage_error, shutdown)",
+            "Frames dropped, by reason (" + ", ".join(DROP_REASONS) + ")",
             ["pipeline", "source", "reason"],
             registry=r,
         )
@@ -101,8 +106,14 @@ class Metrics:
         )  # fmt: skip
         self.publish_errors = Counter(
             "vidpipe_publish_errors_total",
-            "Messages that could not be published, by reason",
+            "Messages that could not be published, by reason (" + ", ".join(PUBLISH_ERROR_REASONS) + ")",
             ["pipeline", "source", "reason"],
+            registry=r,
+        )
+        self.objects_skipped = Counter(
+            "vidpipe_objects_skipped_total",
+            "Objects a cascade stage got no result for, by reason (" + ", ".join(OBJECT_SKIP_REASONS) + ")",
+            ["pipeline", "source", "stage", "reason"],
             registry=r,
         )
         self.pool_buffers = Gauge(
@@ -114,19 +125,26 @@ class Metrics:
 
     def forget_source(self, pipeline: str, source: str) -> None:
         """Drop a removed source's series, so camera churn does not grow the registry."""
-        per_source = (
-            self.frames, self.frames_dropped, self.source_up, self.source_reconnects,
-            self.e2e_latency, self.queue_depth, self.published, self.publish_errors,
-        )  # fmt: skip
-        for metric in per_source:
-            # prometheus_client has no "remove by partial labels"; its children are keyed by
-            # label-value tuples in label order (pipeline, source, ...).
-            for key in list(metric._metrics):
-                if key[:2] == (pipeline, source):
-                    metric.remove(*key)
-        for key in list(self.pool_buffers._metrics):
-            if key[0] == f"frames-{source}":
-                self.pool_buffers.remove(*key)
+        per_source: tuple[tuple[Any, tuple[str, ...]], ...] = (
+            (self.frames, ("pipeline", "source")),
+            (self.frames_dropped, ("pipeline", "source", "reason")),
+            (self.source_up, ("pipeline", "source")),
+            (self.source_reconnects, ("pipeline", "source", "reason")),
+            (self.e2e_latency, ("pipeline", "source")),
+            (self.queue_depth, ("pipeline", "source")),
+            (self.published, ("pipeline", "source")),
+            (self.publish_errors, ("pipeline", "source", "reason")),
+            (self.objects_skipped, ("pipeline", "source", "stage", "reason")),
+        )
+        for metric, names in per_source:
+            # prometheus_client has no "remove by partial labels": find the children in
+            # what the metric collects (public API) and remove each one.
+            for values in _children(metric, names):
+                if values[:2] == (pipeline, source):
+                    metric.remove(*values)
+        for values in _children(self.pool_buffers, ("pool", "state")):
+            if values[0] == f"frames-{source}":
+                self.pool_buffers.remove(*values)
 
     # The inference layer reports through this observer interface (it never imports pipeline).
     def on_request(self, model: str, status: str) -> None:
@@ -146,6 +164,16 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _children(metric: Any, names: tuple[str, ...]) -> set[tuple[str, ...]]:
+    """The label values of every child of ``metric`` (labels in ``names`` order)."""
+    out = set()
+    for family in metric.collect():
+        for sample in family.samples:
+            if all(n in sample.labels for n in names):
+                out.add(tuple(sample.labels[n] for n in names))
+    return out
 
 
 def exported_metric_names() -> set[str]:

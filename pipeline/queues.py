@@ -50,8 +50,8 @@ class FrameQueue(Generic[T]):
         self._cond = threading.Condition()
         self._ready = asyncio.Event()
         self._closed = False
+        # Told of each frame dropped to make room: it releases and counts the frame.
         self._on_drop = on_drop
-        self.dropped = 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -71,7 +71,6 @@ class FrameQueue(Generic[T]):
                 oldest = self._items.popleft()
                 assert not isinstance(oldest, EndOfStream)
                 dropped = oldest
-                self.dropped += 1
             self._items.append(item)
         if dropped is not None and self._on_drop is not None:
             self._on_drop(dropped)

@@ -24,37 +24,86 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inference.batcher import InferenceObserver
+from inference.errors import VidpipeError
+from inference.model import ModelState
 from inference.repository import ModelRepository
 from pipeline.config import PipelineConfig, SourceConfig
 from pipeline.frames import Frame
 from pipeline.metrics import Metrics
 from pipeline.queues import EndOfStream, FrameQueue, OverflowPolicy
-from pipeline.stages.base import Stage, StageContext, create_stage
+from pipeline.ratelimit import RateLimitedLog
+from pipeline.stages.base import Stage, StageContext
 from pipeline.stages.publish import Publisher
+from pipeline.stages.registry import create_stage
 from pipeline.stages.source import Source, SourceError, SourceState, create_source
+from pipeline.stats import (
+    LatencyWindow,
+    ModelRecorder,
+    ModelReport,
+    Percentiles,
+    PipelineReport,
+    SourceReport,
+)
 
 log = logging.getLogger("vidpipe.runtime")
 
 
-class PipelineStartError(RuntimeError):
-    """The pipeline cannot start; the message says why and what to do."""
+class PipelineStartError(VidpipeError):
+    """The pipeline cannot start; the message says why and what to do.
+
+    When a config key is to blame, ``key`` names it and ``file``/``line`` say where
+    it is, and the message starts with ``FILE:LINE: key:``.
+    """
+
+    def __init__(self, problem: str, *, file: str = "", key: str = "", line: int | None = None) -> None:
+        self.problem = problem
+        self.file = file
+        self.key = key
+        self.line = line
+        where = f"{file}:{line}: " if file and line else f"{file}: " if file else ""
+        super().__init__(f"{where}{key + ': ' if key else ''}{problem}")
 
 
-def resolve_device(wanted: str) -> str:
-    """``cpu`` or ``gpu`` for ``runtime.device``; asking for a GPU that is not there is an error."""
+def check_device(config: PipelineConfig) -> None:
+    """``runtime.device: gpu`` needs a usable GPU; ``auto`` says which it takes."""
+    wanted = config.runtime.device
     if wanted == "cpu":
-        return "cpu"
+        return
     from inference.device import gpu_available
 
     ok, reason = gpu_available()
     if ok:
-        return "gpu"
+        return
     if wanted == "gpu":
         raise PipelineStartError(
-            f"runtime.device: gpu is not usable here ({reason}); use device: cpu or auto"
+            f"gpu is not usable here ({reason}); use device: cpu or auto",
+            key="runtime.device",
+            file=config.file,
+            line=config.line("runtime.device"),
         )
     log.info("runtime.device auto: using the CPU (%s)", reason)
-    return "cpu"
+
+
+class _Observers:
+    """Hands the batchers' events to several observers (the metrics and the stats recorder)."""
+
+    def __init__(self, *observers: InferenceObserver) -> None:
+        self.observers = observers
+
+    def on_request(self, model: str, status: str) -> None:
+        for o in self.observers:
+            o.on_request(model, status)
+
+    def on_batch(
+        self, model: str, batch_size: int, queue_seconds: list[float], compute_seconds: float
+    ) -> None:
+        for o in self.observers:
+            o.on_batch(model, batch_size, queue_seconds, compute_seconds)
+
+    def on_state(self, model: str, state: str, reason: str) -> None:
+        for o in self.observers:
+            o.on_state(model, state, reason)
 
 
 @dataclass
@@ -66,6 +115,8 @@ class SourceRun:
     queue: FrameQueue[Frame]
     intake: asyncio.Task[None] | None = None
     publisher: asyncio.Task[None] | None = None
+    # Frame tasks between intake and publish; cancelled when a removal gives up on them.
+    frame_tasks: set[asyncio.Task[Frame | None]] = field(default_factory=set)
     published: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     # The latest published frame (image and objects): what the dashboard's snapshot draws.
@@ -73,39 +124,24 @@ class SourceRun:
     # Tells this run of the source apart from earlier ones with the same id (frame
     # numbers start at 0 again); part of the JetStream de-duplication id.
     stream_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    latencies: list[float] = field(default_factory=list)
+    # Capture-to-publish seconds of the latest published frames (what /v1/stats shows).
+    latencies: LatencyWindow = field(default_factory=LatencyWindow)
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "id": self.source.id,
-            "url": self.source.display_url,
-            "state": self.source.state.value,
-            "reason": self.source.reason,
-            "live": self.source.live,
-            "frames": self.source.stats.frames,
-            "published": self.published,
-            "dropped": dict(self.dropped),
-            "reconnects": self.source.stats.reconnects,
-            "queue_depth": len(self.queue),
-        }
-
-
-class _RateLimitedLog:
-    """At most one log line per key per ``interval`` seconds, with a count of the rest."""
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self.interval = interval
-        self._last: dict[str, tuple[float, int]] = {}
-
-    def __call__(self, key: str, message: str) -> None:
-        now = time.monotonic()
-        last, suppressed = self._last.get(key, (0.0, 0))
-        if now - last >= self.interval:
-            extra = f" ({suppressed} more since last report)" if suppressed else ""
-            log.error("%s%s", message, extra)
-            self._last[key] = (now, 0)
-        else:
-            self._last[key] = (last, suppressed + 1)
+    def report(self) -> SourceReport:
+        source = self.source
+        return SourceReport(
+            id=source.id,
+            url=source.display_url,
+            state=source.state,
+            reason=source.reason,
+            live=source.live,
+            frames=source.stats.frames,
+            published=self.published,
+            dropped=dict(self.dropped),
+            reconnects=source.stats.reconnects,
+            queue_depth=len(self.queue),
+            latency_ms=self.latencies.percentiles_ms(),
+        )
 
 
 class Runtime:
@@ -131,13 +167,13 @@ class Runtime:
         self.sources: dict[str, SourceRun] = {}
         self._stopping = asyncio.Event()
         self._idle = asyncio.Event()
-        self._stage_error_log = _RateLimitedLog()
+        self._errors = RateLimitedLog()
+        self._model_stats = ModelRecorder()
         self._unordered: list[Stage] = []
         self._ordered: list[Stage] = []
         self.started_at = 0.0
         # Called on the event loop after each frame is published (embedding, benchmarks).
         self._on_published = on_published
-        self.device = "cpu"
         self._published = 0  # across every source, also removed ones
         self._persistent = False
 
@@ -151,9 +187,9 @@ class Runtime:
     async def prepare(self) -> None:
         """Everything but the sources: models, stages, the NATS connection."""
         self.started_at = time.time()
-        self.device = resolve_device(self.config.runtime.device)
+        check_device(self.config)
         await self._load_models()
-        ctx = StageContext(config=self.config, models=self.models, metrics=self.metrics)
+        ctx = StageContext(config=self.config, models=self.models, metrics=self.metrics, errors=self._errors)
         self.stages = [create_stage(s, ctx) for s in self.config.stages]
         first_ordered = next((i for i, s in enumerate(self.stages) if s.ordered), len(self.stages))
         self._unordered = self.stages[:first_ordered]
@@ -173,25 +209,35 @@ class Runtime:
             self.add_source(src)
 
     async def _load_models(self) -> None:
-        names = sorted({s.model for s in self.config.stages if s.model})
+        cfg = self.config
+        names = cfg.models_used()
         if not names:
             return
-        root = self.config.models_path()
+        root = cfg.models_path()
         assert root is not None  # checked by load_config
         if not root.is_dir():
             raise PipelineStartError(
-                f"{self.config.file}: models: repository folder {root} not found; check the path"
-            )
-        self.models = ModelRepository(Path(root), observer=self.metrics)
+                f"repository folder {root} not found; check the path",
+                key="models", file=cfg.file, line=cfg.line("models"),
+            )  # fmt: skip
+        self.models = ModelRepository(Path(root), observer=_Observers(self.metrics, self._model_stats))
         for name in names:
+            i = next(i for i, s in enumerate(cfg.stages) if name in s.models())
+            key = f"stages[{i}].model"
             if name not in self.models.names():
                 raise PipelineStartError(
-                    f"{self.config.file}: model {name!r} is not in the repository {root} "
-                    f"(it has: {', '.join(self.models.names()) or 'no models'})"
-                )
+                    f"model {name!r} is not in the repository {root} "
+                    f"(it has: {', '.join(self.models.names()) or 'no models'})",
+                    key=key, file=cfg.file, line=cfg.line(key),
+                )  # fmt: skip
             status = await self.models.load(name)
-            if status.state.value != "ready":
-                raise PipelineStartError(f"model {name} is unavailable: {status.reason}")
+            if status.state is not ModelState.READY:
+                raise PipelineStartError(
+                    f"model {name} is unavailable: {status.reason}",
+                    key=key,
+                    file=cfg.file,
+                    line=cfg.line(key),
+                )
             log.info("model %s ready", name)
 
     def keep_running(self) -> None:
@@ -295,12 +341,10 @@ class Runtime:
                     source_id,
                     self.config.runtime.drain_timeout,
                 )
-                for task in (run.publisher, run.intake):
-                    if task is not None:
-                        task.cancel()
-                await asyncio.gather(
-                    *(t for t in (run.publisher, run.intake) if t is not None), return_exceptions=True
-                )
+                tasks = [t for t in (run.publisher, run.intake, *run.frame_tasks) if t is not None]
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
             except asyncio.CancelledError:
                 pass
         run.source.join(timeout=2.0)
@@ -392,7 +436,10 @@ class Runtime:
                     item.capture_ts = time.time()
                 self.metrics.frames.labels(pipeline, sid).inc()
                 accepted += 1
-                in_flight.put_nowait(asyncio.create_task(self._process(item)))
+                task = asyncio.create_task(self._process(item))
+                run.frame_tasks.add(task)
+                task.add_done_callback(run.frame_tasks.discard)
+                in_flight.put_nowait(task)
                 if self.max_frames is not None and accepted >= self.max_frames:
                     run.source.stop()
                     run.queue.close()
@@ -417,7 +464,7 @@ class Runtime:
                 raise
             except Exception as exc:
                 self._count_drop(frame.source, "stage_error")
-                self._stage_error_log(
+                self._errors(
                     f"{stage.name}:{type(exc).__name__}",
                     f"stage {stage.name} failed on frame {frame.index} of {frame.source}: "
                     f"{type(exc).__name__}: {exc}; frame dropped",
@@ -471,10 +518,7 @@ class Runtime:
         if run.last_frame is not None:
             run.last_frame.release()
         run.last_frame = frame
-        latency = time.time() - frame.capture_ts
-        run.latencies.append(latency)
-        if len(run.latencies) > 512:
-            del run.latencies[:256]
+        run.latencies.add(time.time() - frame.capture_ts)
         if self._on_published is not None:
             try:
                 self._on_published(frame)
@@ -483,11 +527,40 @@ class Runtime:
 
     # -- reporting -------------------------------------------------------------------------
 
-    def frames_total(self) -> int:
-        return sum(r.source.stats.frames for r in self.sources.values())
-
     def published_total(self) -> int:
         return self._published
+
+    def report(self) -> PipelineReport:
+        """Sources, models and totals as they are now (what the API and health read)."""
+        needed = self.config.models_used()
+        recorders = self._model_stats.models()
+        models = []
+        if self.models is not None:
+            for status in self.models.status():
+                if status.name not in needed:
+                    continue
+                rec = recorders.get(status.name)
+                models.append(
+                    ModelReport(
+                        name=status.name,
+                        state=status.state,
+                        reason=status.reason,
+                        batches=rec.batches if rec else 0,
+                        requests=rec.requests if rec else 0,
+                        batch_sizes=dict(rec.sizes) if rec else {},
+                        queue_ms=rec.queue.percentiles_ms() if rec else Percentiles(),
+                    )
+                )
+        return PipelineReport(
+            pipeline=self.config.pipeline,
+            time=time.time(),
+            sources=[run.report() for run in self.sources.values()],
+            models=models,
+            models_needed=needed,
+            models_loaded=self.models is not None,
+            nats_connected=self.publisher.connected.is_set(),
+            published=self._published,
+        )
 
 
 __all__ = ["PipelineStartError", "Runtime", "SourceError", "SourceRun"]

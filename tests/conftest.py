@@ -88,8 +88,11 @@ class Collector:
         return self
 
     async def wait_for(self, count: int, timeout: float = 30.0) -> None:
+        """Until at least ``count`` messages arrived; fails the test after ``timeout`` seconds."""
         deadline = asyncio.get_running_loop().time() + timeout
-        while len(self.messages) < count and asyncio.get_running_loop().time() < deadline:
+        while len(self.messages) < count:
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"{len(self.messages)} of {count} messages after {timeout}s")
             await asyncio.sleep(0.05)
 
     def by_source(self, source: str) -> list[dict[str, Any]]:

@@ -25,17 +25,19 @@ from pipeline.config import (
     ReconnectConfig,
     RuntimeConfig,
     SourceConfig,
-    StageConfig,
 )
+from pipeline.stages.base import StageOptions
+from pipeline.stages.infer import InferOptions
+from pipeline.stages.track import TrackOptions
 from tests.conftest import ROOT
 
-LOADER_FIELDS = {"base_dir", "file"}  # set by the loader, refused in YAML
+LOADER_FIELDS = {"base_dir", "file", "lines"}  # set by the loader, refused in YAML
 
 
 @pytest.mark.parametrize(
     ("doc", "classes"),
     [
-        ("config.md", [PipelineConfig, SourceConfig, ReconnectConfig, StageConfig, NatsConfig, RuntimeConfig, HttpConfig]),
+        ("config.md", [PipelineConfig, SourceConfig, ReconnectConfig, StageOptions, InferOptions, TrackOptions, NatsConfig, RuntimeConfig, HttpConfig]),
         ("models.md", [ModelConfig, ModelFile, InputConfig, TaskConfig, DynamicBatching, QueuePolicy, InstanceGroup, BackendOptions]),
     ],
 )  # fmt: skip

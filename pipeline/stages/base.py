@@ -1,40 +1,89 @@
-"""The stage contract and the registry of stage kinds (``type:`` in the YAML)."""
+"""The stage contract: what every stage kind declares and what it may use.
+
+A stage kind is a :class:`Stage` subclass that names itself (``kind``, the
+``type:`` in the YAML) and its options (a frozen dataclass deriving from
+:class:`StageOptions`). :mod:`pipeline.stages.registry` lists the kinds and
+builds the stage for each ``stages[]`` entry; the options dataclass is what the
+config loader validates the entry against, so a key one kind does not take is
+a ``FILE:LINE`` error, not a silently ignored value::
+
+    stages:
+      - {name: text, type: infer, model: ppocr_det}   # InferOptions
+      - {name: track, type: track, iou: 0.3}          # TrackOptions
+"""
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from pipeline.config import PipelineConfig, StageConfig
+from inference.schema import spec
 from pipeline.frames import Frame
+from pipeline.ratelimit import RateLimitedLog
 
 if TYPE_CHECKING:
     from inference.repository import ModelRepository
+    from pipeline.config import PipelineConfig
     from pipeline.metrics import Metrics
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+NAME_HELP = "use 1-64 letters, digits, '_' or '-' (it becomes part of a NATS subject)"
+
+
+def check_name(value: str) -> str | None:
+    """None when ``value`` may be a pipeline, source or stage name; else the problem."""
+    return None if _NAME_RE.match(value) else f"{value!r} is not a valid name"
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """The keys every stage takes; each kind derives its own options from this."""
+
+    name: str = field(metadata=spec(check=check_name, help=NAME_HELP))
+    type: str = field(metadata=spec(help="the stage kind: infer, track, ..."))
+
+    def models(self) -> tuple[str, ...]:
+        """Models this stage runs (the runtime loads them; readiness waits for them)."""
+        return ()
+
+    def references(self) -> dict[str, str]:
+        """Keys that name an earlier stage whose objects this stage reads: key -> stage name."""
+        return {}
+
+    def problems(self) -> list[tuple[str, str]]:
+        """Checks across this stage's own keys: ``(key, problem)`` for each one that fails."""
+        return []
 
 
 @dataclass
 class StageContext:
-    """What a stage may use: the pipeline config, the model repository and the metrics."""
+    """What a stage may use: the pipeline config, the model repository, the metrics, the error log."""
 
     config: PipelineConfig
     models: ModelRepository | None  # None when the pipeline has no infer stage
     metrics: Metrics
+    # Rate-limited ERROR lines shared by the runtime and the stages (one per kind per interval).
+    errors: RateLimitedLog = field(default_factory=RateLimitedLog)
 
 
 class Stage(ABC):
     """One node of the graph; ``process`` adds to ``frame.objects``.
 
     Stages with ``ordered = True`` keep state across frames (tracking); they and
-    every stage after them run in frame order per source.
+    every stage after them run in frame order per source. ``finds_objects``
+    says whether other stages may name this one in ``on:``.
     """
 
+    kind: ClassVar[str]
+    options_type: ClassVar[type[StageOptions]] = StageOptions
     ordered: ClassVar[bool] = False
+    finds_objects: ClassVar[bool] = False
 
-    def __init__(self, config: StageConfig, context: StageContext) -> None:
-        self.config = config
-        self.name = config.name
+    def __init__(self, options: StageOptions, context: StageContext) -> None:
+        self.options = options
+        self.name = options.name
         self.context = context
 
     async def start(self) -> None:  # noqa: B027 - optional hook
@@ -49,16 +98,3 @@ class Stage(ABC):
 
     async def stop(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""
-
-
-def create_stage(config: StageConfig, context: StageContext) -> Stage:
-    """The stage for ``config.type``."""
-    if config.type == "infer":
-        from pipeline.stages.infer import InferStage
-
-        return InferStage(config, context)
-    if config.type == "track":
-        from pipeline.stages.track import TrackStage
-
-        return TrackStage(config, context)
-    raise ValueError(f"unknown stage type {config.type!r}")

@@ -11,6 +11,7 @@
         model: ppocr_cls
         on: text                   # crops of the objects found by `text`
         classes: [text]            # only these labels
+        confidence: 0.6            # only parents at least this sure
         min_size: 8                # skip objects smaller than 8 px
         max_objects: 16            # at most 16 crops per frame, best scores first
       - name: read                 # a recogniser on the same crops
@@ -22,28 +23,94 @@
 Every request goes to the model's dynamic batcher, so crops from all streams
 are batched together. Classifier results attach to the parent object as
 ``attributes``, recogniser results as ``text``; a detector run on crops adds
-new objects in frame coordinates.
+new objects in frame coordinates (mapped back through each crop's warp and
+turn). Cutting crops (copies, warps, turns) runs on a worker thread, not on
+the event loop. Objects a cascade does not run its model on, or gets no answer
+for, are counted in ``vidpipe_objects_skipped_total{reason}``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from inference.batcher import SHUTDOWN, InferenceRejected
-from inference.model import Model
 from inference.results import Classification, Detection, Recognition
+from inference.schema import spec
+from pipeline.crops import Crop, cut_box, cut_polygon, map_box, map_points, rotate
 from pipeline.frames import Attribute, DetectedObject, Frame
-from pipeline.stages.base import Stage
+from pipeline.stages.base import Stage, StageContext, StageOptions
+
+if TYPE_CHECKING:
+    from inference.model import Model
 
 log = logging.getLogger("vidpipe.infer")
+
+# Why an object of a cascade got no result (the `reason` of vidpipe_objects_skipped_total).
+SKIP_REASONS = ("max_objects", "min_size", "rejected", "failed")
+
+
+@dataclass(frozen=True)
+class InferOptions(StageOptions):
+    """``type: infer``: a model on whole frames, or with ``on:`` on crops of earlier objects."""
+
+    model: str = field(default="", metadata=spec(help="a model name in the repository"))
+    on: str | None = field(default=None, metadata=spec(help="an earlier stage whose objects to crop"))
+    classes: list[str] = field(default_factory=list, metadata=spec(help="labels to keep / to crop"))
+    confidence: float | None = field(
+        default=None, metadata=spec(ge=0, le=1, help="keep detections / crop parents at least this sure")
+    )
+    min_size: int = field(default=2, metadata=spec(ge=1, help="never crop objects smaller than this (px)"))
+    max_objects: int = field(default=32, metadata=spec(ge=1, le=1024))
+    crop: Literal["box", "polygon"] = field(
+        default="polygon", metadata=spec(help="polygon warps rotated text lines upright")
+    )
+    upright_by: str | None = field(
+        default=None, metadata=spec(help="a stage whose label ('0'/'180') says how to rotate the crop")
+    )
+    priority: int | None = field(default=None, metadata=spec(ge=1))
+    timeout_ms: float | None = field(default=None, metadata=spec(gt=0))
+
+    def models(self) -> tuple[str, ...]:
+        return (self.model,) if self.model else ()
+
+    def references(self) -> dict[str, str]:
+        refs = {"on": self.on, "upright_by": self.upright_by}
+        return {key: ref for key, ref in refs.items() if ref is not None}
+
+    def problems(self) -> list[tuple[str, str]]:
+        out = []
+        if not self.model:
+            out.append(("type", "an infer stage needs 'model'"))
+        if self.upright_by is not None and self.on is None:
+            out.append(("upright_by", "upright_by only applies to a stage with 'on'"))
+        return out
 
 
 class InferStage(Stage):
     """Runs ``model`` through its batcher on frames or on an earlier stage's objects."""
+
+    kind = "infer"
+    options_type = InferOptions
+    finds_objects = True
+
+    def __init__(self, options: StageOptions, context: StageContext) -> None:
+        super().__init__(options, context)
+        assert isinstance(options, InferOptions)  # the registry builds kinds from their own options
+        self.opts = options
+        # Sources already told that this stage leaves objects beyond max_objects out.
+        self._warned_max_objects: set[str] = set()
+        self._upright_model = self._upright_by_model()
+
+    def _upright_by_model(self) -> str | None:
+        if self.opts.upright_by is None:
+            return None
+        other = next(s for s in self.context.config.stages if s.name == self.opts.upright_by)
+        return other.models()[0] if other.models() else None
 
     async def _infer(self, image: np.ndarray, kwargs: dict[str, Any]) -> Any:
         """One request through the model's batcher.
@@ -59,134 +126,174 @@ class InferStage(Stage):
             return await self._model().infer(image, **kwargs)
 
     def _model(self) -> Model:
-        repo, name = self.context.models, self.config.model
-        # load_config requires `model` on infer stages; the runtime loads the repository.
-        assert repo is not None and name is not None
-        return repo.get(name)
+        repo = self.context.models
+        # The runtime loads every model an infer stage names before any frame flows.
+        assert repo is not None
+        return repo.get(self.opts.model)
 
     async def process(self, frame: Frame) -> None:
         kwargs = self._request_options()
-        if self.config.on is None:
+        if self.opts.on is None:
             result = await self._infer(frame.image, kwargs)
-            self._attach_detections(frame, result, offset=(0.0, 0.0))
+            self._attach_detections(frame, result, None)
             return
         parents = self._select_parents(frame)
         if not parents:
             return
-        crops = [self._crop(frame, obj) for obj in parents]
+        crops = await asyncio.to_thread(self._cut_all, frame, parents)
+        chosen = [(obj, crop) for obj, crop in zip(parents, crops, strict=True) if crop is not None]
+        if len(chosen) < len(parents):
+            self._skipped(frame.source, "min_size", len(parents) - len(chosen))
         results = await asyncio.gather(
-            *(self._infer(crop, kwargs) for crop, _ in crops), return_exceptions=True
+            *(self._infer(crop.image, kwargs) for _, crop in chosen), return_exceptions=True
         )
-        for obj, (_, offset), result in zip(parents, crops, results, strict=True):
+        for (obj, crop), result in zip(chosen, results, strict=True):
             if isinstance(result, BaseException):
                 if isinstance(result, asyncio.CancelledError):
                     raise result
-                # One rejected crop loses its attribute, not the frame; the batcher counted it.
-                log.debug("stage %s: object %d of %s: %s", self.name, obj.id, frame.source, result)
+                self._failed(frame, obj, result)
                 continue
-            self._attach(frame, obj, result, offset)
+            self._attach(frame, obj, result, crop)
 
     def _request_options(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
-        if self.config.priority is not None:
-            kwargs["priority"] = self.config.priority
-        if self.config.timeout_ms is not None:
-            kwargs["timeout_us"] = int(self.config.timeout_ms * 1000)
+        if self.opts.priority is not None:
+            kwargs["priority"] = self.opts.priority
+        if self.opts.timeout_ms is not None:
+            kwargs["timeout_us"] = int(self.opts.timeout_ms * 1000)
         return kwargs
 
     def _select_parents(self, frame: Frame) -> list[DetectedObject]:
-        cfg = self.config
+        """The objects of ``on`` to crop: chosen by label, confidence and size, best first."""
+        opts = self.opts
         chosen = []
+        too_small = 0
         for obj in frame.objects:
-            if obj.stage != cfg.on:
+            if obj.stage != opts.on:
                 continue
-            if cfg.classes and obj.label not in cfg.classes:
+            if opts.classes and obj.label not in opts.classes:
                 continue
+            if opts.confidence is not None and obj.score < opts.confidence:
+                continue
+            # The size that is left once the box is clipped to the frame, as the crop will be.
             x1, y1, x2, y2 = obj.bbox
-            if min(x2 - x1, y2 - y1) < cfg.min_size:
+            w = min(x2, frame.width) - max(x1, 0)
+            h = min(y2, frame.height) - max(y1, 0)
+            if min(w, h) < opts.min_size:
+                too_small += 1
                 continue
             chosen.append(obj)
+        if too_small:
+            self._skipped(frame.source, "min_size", too_small)
         chosen.sort(key=lambda o: -o.score)
-        return chosen[: cfg.max_objects]
+        left_out = len(chosen) - opts.max_objects
+        if left_out > 0:
+            self._skipped(frame.source, "max_objects", left_out)
+            if frame.source not in self._warned_max_objects:
+                self._warned_max_objects.add(frame.source)
+                log.warning(
+                    "stage %s: frame %d of %s has %d objects to crop, max_objects is %d; the "
+                    "lowest-scored get no result (counted in vidpipe_objects_skipped_total, "
+                    "said once per source)",
+                    self.name, frame.index, frame.source, len(chosen), opts.max_objects,
+                )  # fmt: skip
+        return chosen[: opts.max_objects]
+
+    def _skipped(self, source: str, reason: str, count: int = 1) -> None:
+        pipeline = self.context.config.pipeline
+        self.context.metrics.objects_skipped.labels(pipeline, source, self.name, reason).inc(count)
+
+    def _failed(self, frame: Frame, obj: DetectedObject, exc: BaseException) -> None:
+        """One object loses this stage's result, not the frame; counted and logged like a frame error."""
+        reason = "rejected" if isinstance(exc, InferenceRejected) else "failed"
+        self._skipped(frame.source, reason)
+        self.context.errors(
+            f"{self.name}:object:{type(exc).__name__}",
+            f"stage {self.name} failed on object {obj.id} of frame {frame.index} of {frame.source}: "
+            f"{type(exc).__name__}: {exc}; object left without a result",
+        )
+
+    def _cut_all(self, frame: Frame, parents: list[DetectedObject]) -> list[Crop | None]:
+        """Every parent's crop, or None where it is smaller than ``min_size`` (on a worker thread)."""
+        out: list[Crop | None] = []
+        for obj in parents:
+            crop = self._crop(frame, obj)
+            out.append(crop if crop.min_side >= self.opts.min_size else None)
+        return out
 
     def _rotation(self, obj: DetectedObject) -> int:
         """Degrees to turn the crop, from the ``upright_by`` stage's label ('0', '90', '180', ...)."""
-        if self.config.upright_by is None:
+        if self._upright_model is None:
             return 0
-        model = self.context.config.stage(self.config.upright_by).model
         for attr in obj.attributes:
-            if attr.model == model:
+            if attr.model == self._upright_model:
                 try:
                     return int(float(attr.label)) % 360
                 except ValueError:
                     return 0
         return 0
 
-    def _crop(self, frame: Frame, obj: DetectedObject) -> tuple[np.ndarray, tuple[float, float]]:
-        """The crop for ``obj`` (cached on the object so later stages reuse it) and its offset."""
-        from inference.processing.crop import crop_box, crop_upright
-
+    def _crop(self, frame: Frame, obj: DetectedObject) -> Crop:
+        """The crop for ``obj``, cached on the object so later cascade stages reuse it."""
         rotation = self._rotation(obj)
-        use_polygon = self.config.crop == "polygon" and obj.polygon is not None
+        use_polygon = self.opts.crop == "polygon" and obj.polygon is not None
         kind = "polygon" if use_polygon else "box"
-        key = (kind, rotation)
-        crop = obj.crops.get(key)
+        crop = obj.crops.get((kind, rotation))
         if crop is None:
             base = obj.crops.get((kind, 0))
             if base is None:
                 if use_polygon:
                     assert obj.polygon is not None
-                    base = crop_upright(frame.image, np.asarray(obj.polygon, dtype=np.float32))
+                    base = cut_polygon(frame.image, obj.polygon)
                 else:
-                    base = crop_box(frame.image, obj.bbox)
+                    base = cut_box(frame.image, obj.bbox)
                 obj.crops[(kind, 0)] = base
-            crop = base if rotation == 0 else _rotate(base, rotation)
-            obj.crops[key] = crop
-        offset = (0.0, 0.0) if use_polygon else (float(int(obj.bbox[0])), float(int(obj.bbox[1])))
-        return crop, offset
+            crop = base if rotation == 0 else rotate(base, rotation)
+            obj.crops[(kind, rotation)] = crop
+        return crop
 
-    def _attach(self, frame: Frame, obj: DetectedObject, result: Any, offset: tuple[float, float]) -> None:
-        model = self.config.model or ""
+    def _attach(self, frame: Frame, obj: DetectedObject, result: Any, crop: Crop) -> None:
         if isinstance(result, Classification):
-            obj.attributes.append(Attribute(model=model, label=result.label, score=result.score))
+            obj.attributes.append(Attribute(model=self.opts.model, label=result.label, score=result.score))
         elif isinstance(result, Recognition):
             obj.text = result.text
             obj.text_score = result.score
         elif isinstance(result, list):
-            self._attach_detections(frame, result, offset)
+            self._attach_detections(frame, result, crop.to_source)
 
-    def _attach_detections(self, frame: Frame, result: Any, offset: tuple[float, float]) -> None:
+    def _attach_detections(self, frame: Frame, result: Any, to_source: np.ndarray | None) -> None:
+        """Detections as new objects; ``to_source`` maps crop to frame pixels (None: whole frame)."""
         if not isinstance(result, list):
             raise TypeError(
-                f"stage {self.name}: model {self.config.model} returns {type(result).__name__}, "
+                f"stage {self.name}: model {self.opts.model} returns {type(result).__name__}, "
                 "not detections; use it with 'on:' to run it on objects"
             )
-        dx, dy = offset
         # On whole frames `classes`/`confidence` filter what the detector found; in a
         # cascade they choose the parents to crop (see _select_parents), not the children.
-        whole_frame = self.config.on is None
+        whole_frame = to_source is None
         for det in result:
             assert isinstance(det, Detection)
-            if whole_frame and self.config.classes and det.label not in self.config.classes:
+            if whole_frame and self.opts.classes and det.label not in self.opts.classes:
                 continue
-            if whole_frame and self.config.confidence is not None and det.score < self.config.confidence:
+            if whole_frame and self.opts.confidence is not None and det.score < self.opts.confidence:
                 continue
-            x1, y1, x2, y2 = det.box
-            polygon = [(x + dx, y + dy) for x, y in det.polygon] if det.polygon else None
+            bbox = tuple(float(v) for v in det.box)
+            polygon = [(float(x), float(y)) for x, y in det.polygon] if det.polygon else None
+            if to_source is not None:
+                bbox = map_box(to_source, bbox)
+                polygon = map_points(to_source, polygon) if polygon else None
+            x1, y1, x2, y2 = bbox
             frame.objects.append(
                 DetectedObject(
                     id=frame.next_object_id(),
                     label=det.label,
                     class_id=det.class_id,
                     score=det.score,
-                    bbox=(x1 + dx, y1 + dy, x2 + dx, y2 + dy),
+                    bbox=(x1, y1, x2, y2),
                     stage=self.name,
                     polygon=polygon,
                 )
             )
 
-
-def _rotate(image: np.ndarray, degrees: int) -> np.ndarray:
-    """Turn an image by a multiple of 90 degrees (counter-clockwise), contiguous for the model."""
-    quarter_turns = (degrees // 90) % 4
-    return np.ascontiguousarray(np.rot90(image, k=quarter_turns))
+    def forget_source(self, source: str) -> None:
+        self._warned_max_objects.discard(source)

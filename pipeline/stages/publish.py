@@ -9,11 +9,13 @@
 
 ``core`` is fire-and-forget: while the connection is down, messages wait in a
 bounded outbox; when it is full they are dropped and counted
-(``vidpipe_publish_errors_total{reason="outbox_full"}``).
+(``vidpipe_publish_errors_total{reason="outbox_full"}``). The ``reason`` of
+that counter is one of ``outbox_full``, ``retry``, ``shutdown`` and ``failed``.
 
 ``jetstream`` acknowledges every message. The stream for ``<prefix>.>`` is
 created or verified at start; each message carries ``Nats-Msg-Id:
-<pipeline>/<source>/<frame>`` so a retry after a lost ack is de-duplicated by
+<pipeline>/<source>/<run>/<frame>`` (``<run>`` tells apart runs of a source whose
+frame numbers start again at 0) so a retry after a lost ack is de-duplicated by
 the server. A message is retried until acknowledged; the per-source publisher
 waits meanwhile, which backs pressure up the graph instead of dropping.
 """
@@ -32,15 +34,17 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
+from inference.errors import VidpipeError
 from pipeline.config import NatsConfig, redact_url
 from pipeline.frames import Frame
 from pipeline.messages import build_message, encode, subject_for
 from pipeline.metrics import Metrics
+from pipeline.ratelimit import RateLimitedLog
 
 log = logging.getLogger("vidpipe.publish")
 
 
-class PublishError(RuntimeError):
+class PublishError(VidpipeError):
     """NATS could not be reached or set up; the message says where and what to do."""
 
 
@@ -65,6 +69,7 @@ class Publisher:
         # Told of every message that really left (sent, flushed from the outbox, or acked).
         self.on_sent: Callable[[str], None] | None = None
         self.display_url = redact_url(url)
+        self._errors = RateLimitedLog(logger=log)
 
     @property
     def mode(self) -> str:
@@ -199,8 +204,11 @@ class Publisher:
             self.on_sent(source)
 
     def _error(self, source: str, exc: Exception) -> None:
-        self.metrics.publish_errors.labels(self.pipeline, source, type(exc).__name__).inc()
-        log.debug("publish failed for %s: %s", source, exc)
+        self.metrics.publish_errors.labels(self.pipeline, source, "failed").inc()
+        self._errors(
+            f"publish:{type(exc).__name__}",
+            f"publishing for {source} failed: {type(exc).__name__}: {exc}; message dropped",
+        )
 
     async def close(self, timeout: float = 5.0) -> None:
         """Flush what is pending, then close the connection."""

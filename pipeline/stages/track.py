@@ -11,12 +11,22 @@ in frame order per source (``ordered``), so ids never depend on timing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from inference.schema import spec
 from pipeline.frames import Frame
-from pipeline.stages.base import Stage
+from pipeline.stages.base import Stage, StageContext, StageOptions
+
+
+@dataclass(frozen=True)
+class TrackOptions(StageOptions):
+    """``type: track``: which objects to track and when a track ends."""
+
+    classes: list[str] = field(default_factory=list, metadata=spec(help="labels to track; all when empty"))
+    iou: float = field(default=0.3, metadata=spec(ge=0, le=1, help="minimum overlap to continue a track"))
+    max_age: int = field(default=15, metadata=spec(ge=1, help="frames a track survives unseen"))
 
 
 @dataclass(slots=True)
@@ -43,16 +53,20 @@ def iou_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 class TrackStage(Stage):
     """IoU tracker, one state per source."""
 
+    kind = "track"
+    options_type = TrackOptions
     ordered = True
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, options: StageOptions, context: StageContext) -> None:
+        super().__init__(options, context)
+        assert isinstance(options, TrackOptions)  # the registry builds kinds from their own options
+        self.opts = options
         self._tracks: dict[str, list[_Track]] = {}
         self._next_id: dict[str, int] = {}
 
     async def process(self, frame: Frame) -> None:
         tracks = self._tracks.setdefault(frame.source, [])
-        objects = [o for o in frame.objects if not self.config.classes or o.label in self.config.classes]
+        objects = [o for o in frame.objects if not self.opts.classes or o.label in self.opts.classes]
         unmatched = set(range(len(objects)))
         if tracks and objects:
             iou = iou_matrix(
@@ -60,7 +74,7 @@ class TrackStage(Stage):
                 np.array([o.bbox for o in objects], dtype=np.float64),
             )
             for t_idx, o_idx in zip(*np.unravel_index(np.argsort(-iou, axis=None), iou.shape), strict=True):
-                if iou[t_idx, o_idx] < self.config.iou:
+                if iou[t_idx, o_idx] < self.opts.iou:
                     break
                 track, obj = tracks[t_idx], objects[o_idx]
                 if o_idx not in unmatched or track.last_seen == frame.index or track.label != obj.label:
@@ -75,7 +89,7 @@ class TrackStage(Stage):
             self._next_id[frame.source] = track_id + 1
             obj.track_id = track_id
             tracks.append(_Track(track_id, obj.label, obj.bbox, frame.index))
-        self._tracks[frame.source] = [t for t in tracks if frame.index - t.last_seen <= self.config.max_age]
+        self._tracks[frame.source] = [t for t in tracks if frame.index - t.last_seen <= self.opts.max_age]
 
     def forget_source(self, source: str) -> None:
         self._tracks.pop(source, None)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,20 @@ import aiohttp
 from pipeline.api import ApiServer
 from pipeline.config import load_config
 from pipeline.runtime import Runtime
+from pipeline.stages.base import Stage
+from pipeline.stages.registry import register_stage, unregister_stage
+
+
+@contextlib.contextmanager
+def stage_kinds(*kinds: type[Stage]) -> Iterator[None]:
+    """Test stage kinds usable as ``type:`` in a config while the block runs."""
+    for kind in kinds:
+        register_stage(kind)
+    try:
+        yield
+    finally:
+        for kind in kinds:
+            unregister_stage(kind.kind)
 
 
 class Stack:

@@ -58,6 +58,18 @@ BROKEN = [
                  "nats.publish: expected one of 'core', 'jetstream', got 'jetstrem' (hint: did you mean 'jetstream'?)",
                  id="publish-typo"),
     pytest.param(GOOD.replace("pipeline: shop\n", ""), 1, "missing required key 'pipeline'", id="missing-key"),
+    # Each stage kind takes its own keys: one that belongs to another kind is an error.
+    pytest.param(GOOD + "  - {name: t, type: track,\n     on: det}\n", 8,
+                 "stages[1].on: does not apply to a stage of type track (hint: type track takes: name, type, "
+                 "classes, iou, max_age)", id="on-on-track"),
+    pytest.param(GOOD.replace("model: squares", "model: squares, iou: 0.5"), 6,
+                 "stages[0].iou: does not apply to a stage of type infer", id="iou-on-infer"),
+    pytest.param(GOOD.replace("model: squares", "model: squares, mdoel: x"), 6,
+                 "stages[0].mdoel: unknown key (hint: did you mean 'model'?)", id="stage-key-typo"),
+    pytest.param(GOOD + "  - {name: t, type: track, on: det}\n" + "  - {name: c, type: infer, model: c, on: t}\n",
+                 7, "does not apply", id="first-error-wins"),
+    pytest.param(GOOD + "  - {name: t, type: track}\n  - {name: c, type: infer, model: c, on: t}\n", 8,
+                 "stages[2].on: stage 't' is a track stage and finds no objects", id="on-a-track-stage"),
 ]  # fmt: skip
 
 

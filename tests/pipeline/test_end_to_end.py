@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -173,19 +174,43 @@ def test_unreachable_nats_is_a_runtime_error_with_a_hint(squares_config: Path, t
 async def test_subscribe_prints_json_lines(
     squares_config: Path, tmp_path: Path, nats_server: EmbeddedNats
 ) -> None:
+    import nats
+
     sub = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "pipeline.cli", "subscribe", "--nats", nats_server.url, "vidpipe.demo.>",
-        "--count", "5", "--timeout", "60",
+        "--timeout", "60",
         cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    await asyncio.sleep(1.0)  # let the subscriber connect before frames flow
+    assert sub.stdout is not None
+    # Frames must not flow before the subscriber listens: probe until it echoes one.
+    nc = await nats.connect(nats_server.url)
+    try:
+        for _ in range(100):
+            await nc.publish("vidpipe.demo.probe", b'{"probe": true}')
+            try:
+                first = await asyncio.wait_for(sub.stdout.readline(), 0.2)
+                break
+            except TimeoutError:
+                continue
+        else:
+            raise AssertionError("the subscriber never received a probe")
+    finally:
+        await nc.close()
+    assert json.loads(first) == {"probe": True}
     code, _, err = await run_async(
         "run", str(squares_config), "--source", "test://?fps=50&frames=5",
         "--nats", nats_server.url,
     )  # fmt: skip
     assert code == 0, err
-    out, _ = await asyncio.wait_for(sub.communicate(), 60)
-    lines = out.decode().splitlines()
+    lines: list[str] = []
+    while len(lines) < 5:
+        line = (await asyncio.wait_for(sub.stdout.readline(), 30)).decode()
+        assert line, "the subscriber ended early"
+        if "probe" not in line:  # probes still in flight when the first came back
+            lines.append(line)
+    sub.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(sub.communicate(), 30)
+    assert sub.returncode == 0
     assert [json.loads(line)["frame"] for line in lines] == [0, 1, 2, 3, 4]
     for line in lines:
         validate_message(json.loads(line))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +18,10 @@ from pipeline.config import load_config
 from pipeline.frames import Frame
 from pipeline.nats_server import EmbeddedNats
 from pipeline.runtime import Runtime
-from pipeline.stages.base import Stage
+from pipeline.stages.base import Stage, StageContext, StageOptions
 from samples.make_clip import write_clip
 from tests.conftest import ROOT, Collector, validate_message
+from tests.pipeline.stack import stage_kinds, until
 
 SQUARES = """\
 pipeline: rel
@@ -28,6 +31,12 @@ sources:
 stages:
   - {{name: objects, type: infer, model: squares}}
 """
+
+
+def metric(runtime: Runtime, name: str, **labels: str) -> float:
+    """A sample of the runtime's registry (0 when the series does not exist yet)."""
+    value = runtime.metrics.registry.get_sample_value(name, {"pipeline": "rel", **labels})
+    return value or 0.0
 
 
 def config_file(tmp_path: Path, models: Path, sources: str) -> Path:
@@ -87,6 +96,7 @@ async def test_jetstream_mode_loses_and_duplicates_nothing_across_a_broker_kill(
             await asyncio.sleep(0.1)
         assert await stream_count(server.url) >= 60
         server.stop(kill=True)  # SIGKILL mid-run
+        # The outage itself: 1.5 s of frames (45 at 30 fps) published while no broker is there.
         await asyncio.sleep(1.5)
         server = EmbeddedNats(port=server.port, store_dir=str(store)).start()
         _, err = await asyncio.wait_for(proc.communicate(), 90)
@@ -115,11 +125,12 @@ async def test_sigterm_drains_in_flight_frames_and_exits_0(
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 0, err.decode()
     assert time.monotonic() - t0 < 10
-    await asyncio.sleep(0.3)
+    done = re.search(r"done: (\d+) frame\(s\) published from 1 source\(s\)", err.decode())
+    assert done, err.decode()
+    await collector.wait_for(int(done.group(1)), timeout=5)
     frames = [m["frame"] for m in collector.messages]
     # Every frame accepted before the signal was published: no holes, in order.
-    assert frames == list(range(len(frames)))
-    assert f"done: {len(frames)} frame(s) published from 1 source(s)" in err.decode()
+    assert frames == list(range(int(done.group(1))))
 
 
 async def test_second_signal_forces_exit(
@@ -133,7 +144,10 @@ async def test_second_signal_forces_exit(
     await collector.start(nats_server.url)
     await collector.wait_for(1, timeout=60)
     proc.send_signal(signal.SIGTERM)
-    await asyncio.sleep(0.2)
+    assert proc.stderr is not None
+    # The second signal counts only once the first one is being handled.
+    while b"stopping: finishing frames in flight" not in (line := await proc.stderr.readline()):
+        assert line, "the process ended before it said it was stopping"
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = await asyncio.wait_for(proc.communicate(), 30)
@@ -142,17 +156,20 @@ async def test_second_signal_forces_exit(
     assert proc.returncode == 0  # it had published frames
 
 
+@dataclass(frozen=True)
+class FailOptions(StageOptions):
+    fail_on: list[int] = field(default_factory=list)
+
+
 class FailOnFrame(Stage):
-    """A stage that raises on chosen frames: the seam for isolation tests."""
+    """A stage kind that raises on chosen frames: the seam for isolation tests."""
 
-    def __init__(self, fail_on: set[int], context: Any) -> None:
-        from pipeline.config import StageConfig
-
-        super().__init__(StageConfig(name="flaky", type="track"), context)
-        self.fail_on = fail_on
+    kind = "fail_on_frame"
+    options_type = FailOptions
 
     async def process(self, frame: Frame) -> None:
-        if frame.index in self.fail_on:
+        assert isinstance(self.options, FailOptions)
+        if frame.index in self.options.fail_on:
             raise ValueError(f"cannot handle frame {frame.index}")
 
 
@@ -160,20 +177,18 @@ async def test_a_stage_that_raises_drops_that_frame_only(
     tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats, collector: Collector,
     caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
-    cfg = load_config(
-        config_file(tmp_path, sample_models, "  - {url: 'test://?fps=100&frames=30', queue_size: 64}")
-    )
+    path = config_file(tmp_path, sample_models, "  - {url: 'test://?fps=100&frames=30', queue_size: 64}")
+    path.write_text(path.read_text() + "  - {name: flaky, type: fail_on_frame, fail_on: [3, 4, 17]}\n")
     await collector.start(nats_server.url)
-    runtime = Runtime(cfg, nats_url=nats_server.url)
-    await runtime.prepare()
-    runtime._unordered.append(FailOnFrame({3, 4, 17}, runtime.stages[0].context))
-    runtime.start_sources()
+    with stage_kinds(FailOnFrame):
+        runtime = Runtime(load_config(path), nats_url=nats_server.url)
+        await runtime.start()
     await runtime.wait(20)
     await runtime.stop()
     await collector.wait_for(27)
     frames = [m["frame"] for m in collector.messages]
     assert frames == [f for f in range(30) if f not in (3, 4, 17)]
-    assert runtime.metrics.frames_dropped.labels("rel", "test", "stage_error")._value.get() == 3
+    assert metric(runtime, "vidpipe_frames_dropped_total", source="test", reason="stage_error") == 3
     # One log line per kind of failure per interval, not one per frame.
     errors = [r.getMessage() for r in caplog.records if "stage flaky failed" in r.getMessage()]
     assert errors == [
@@ -184,10 +199,10 @@ async def test_a_stage_that_raises_drops_that_frame_only(
 class ConcurrencyProbe(Stage):
     """Records how many frames are inside the graph at once (a seam, not a model)."""
 
-    def __init__(self, context: Any) -> None:
-        from pipeline.config import StageConfig
+    kind = "concurrency_probe"
 
-        super().__init__(StageConfig(name="probe", type="track"), context)
+    def __init__(self, options: StageOptions, context: StageContext) -> None:
+        super().__init__(options, context)
         self.now = 0
         self.peak = 0
 
@@ -202,17 +217,15 @@ async def test_max_in_flight_bounds_frames_in_the_graph_exactly(
     tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats, collector: Collector
 ) -> None:
     clip = write_clip(tmp_path / "c.mp4", frames=30, fps=30, width=160, height=120)
-    text = (
-        SQUARES.format(models=sample_models, sources=f"  - {{url: {clip}}}") + "runtime: {max_in_flight: 3}\n"
-    )
+    text = SQUARES.format(models=sample_models, sources=f"  - {{url: {clip}}}")
+    text += "  - {name: probe, type: concurrency_probe}\nruntime: {max_in_flight: 3}\n"
     path = tmp_path / "inflight.yaml"
     path.write_text(text)
     await collector.start(nats_server.url)
-    runtime = Runtime(load_config(path), nats_url=nats_server.url)
-    await runtime.prepare()
-    probe = ConcurrencyProbe(runtime.stages[0].context)
-    runtime._unordered.append(probe)
-    runtime.start_sources()
+    with stage_kinds(ConcurrencyProbe):
+        runtime = Runtime(load_config(path), nats_url=nats_server.url)
+        await runtime.start()
+    probe = next(s for s in runtime.stages if isinstance(s, ConcurrencyProbe))
     await runtime.wait(30)
     await runtime.stop()
     await collector.wait_for(30)
@@ -235,7 +248,12 @@ async def test_core_mode_rides_out_a_broker_outage_and_counts_what_it_drops(
         while runtime.published_total() < 20 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         server.stop(kill=True)
-        await asyncio.sleep(1.0)  # 30 frames come and go while the broker is away
+        # The broker stays away until the outbox (5) has overflowed by 10 messages.
+        await until(
+            lambda: metric(runtime, "vidpipe_publish_errors_total", source="cam", reason="outbox_full") >= 10,
+            timeout=20,
+            what="10 outbox_full drops",
+        )
         server = EmbeddedNats(port=server.port, store_dir=str(tmp_path / "js")).start()
         await late.start(server.url, "vidpipe.rel.>")
         await runtime.wait(30)
@@ -244,9 +262,8 @@ async def test_core_mode_rides_out_a_broker_outage_and_counts_what_it_drops(
     finally:
         await late.close()
         server.cleanup()
-    errors = runtime.metrics.publish_errors
-    dropped = errors.labels("rel", "cam", "outbox_full")._value.get()
-    sent = runtime.metrics.published.labels("rel", "cam")._value.get()
+    dropped = metric(runtime, "vidpipe_publish_errors_total", source="cam", reason="outbox_full")
+    sent = metric(runtime, "vidpipe_published_messages_total", source="cam")
     # Only messages that really left count as published; the rest were dropped and
     # counted because the outbox (5) was full while the broker was away.
     assert runtime.published_total() == sent >= 50
@@ -291,30 +308,45 @@ async def test_a_failing_publish_hook_does_not_stall_the_source(
 
 
 class Hang(Stage):
-    """A stage that never finishes (a seam standing in for a wedged dependency)."""
+    """A stage kind that never finishes (a seam standing in for a wedged dependency)."""
 
-    def __init__(self, context: Any) -> None:
-        from pipeline.config import StageConfig
+    kind = "hang"
 
-        super().__init__(StageConfig(name="hang", type="track"), context)
+    def __init__(self, options: StageOptions, context: StageContext) -> None:
+        super().__init__(options, context)
+        self.inside = 0  # frames waiting in process() now
+        self.cancelled = 0  # frames given up on while inside
+        self.finished = 0
 
     async def process(self, frame: Frame) -> None:
-        await asyncio.Event().wait()
+        self.inside += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.inside -= 1
+        self.finished += 1
 
 
 async def test_removing_a_wedged_source_gives_up_after_the_drain_timeout(
     tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats
 ) -> None:
     path = config_file(tmp_path, sample_models, "  - {id: stuck, url: 'test://?fps=30'}")
-    path.write_text(path.read_text() + "runtime: {drain_timeout: 0.5}\n")
-    runtime = Runtime(load_config(path), nats_url=nats_server.url)
-    await runtime.prepare()
-    runtime._unordered.append(Hang(runtime.stages[0].context))
-    runtime.start_sources()
-    await asyncio.sleep(0.5)
+    path.write_text(path.read_text() + "  - {name: hang, type: hang}\nruntime: {drain_timeout: 0.5}\n")
+    with stage_kinds(Hang):
+        runtime = Runtime(load_config(path), nats_url=nats_server.url)
+        await runtime.start()
+    hang = next(s for s in runtime.stages if isinstance(s, Hang))
+    # max_in_flight (4) frames are wedged in the stage and nothing can be published.
+    await until(lambda: hang.inside == 4, what="four frames stuck in the hanging stage")
+    assert runtime.sources["stuck"].published == 0
     t0 = time.monotonic()
     assert await runtime.remove_source("stuck") is True
     assert time.monotonic() - t0 < 3
+    # They really hung: none finished, and each was given up on at the drain timeout.
+    assert (hang.inside, hang.cancelled, hang.finished) == (0, 4, 0)
     assert "stuck" not in runtime.sources
     assert 'source="stuck"' not in runtime.metrics.render().decode()
     await runtime.stop()

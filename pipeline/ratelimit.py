@@ -1,0 +1,37 @@
+"""Rate-limited error logging: one line per kind of failure per interval, with a count of the rest.
+
+A stage that fails on every frame of a 25 fps camera must not write 25 lines a
+second; the metric counts every failure, the log says what it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+log = logging.getLogger("vidpipe.errors")
+
+
+class RateLimitedLog:
+    """At most one ERROR line per key per ``interval`` seconds; safe to call from any thread."""
+
+    def __init__(self, interval: float = 10.0, logger: logging.Logger = log) -> None:
+        self.interval = interval
+        self.logger = logger
+        self._last: dict[str, tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, key: str, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last, suppressed = self._last.get(key, (float("-inf"), 0))
+            if now - last < self.interval:
+                self._last[key] = (last, suppressed + 1)
+                return
+            self._last[key] = (now, 0)
+        extra = f" ({suppressed} more since last report)" if suppressed else ""
+        self.logger.error("%s%s", message, extra)
+
+
+__all__ = ["RateLimitedLog"]

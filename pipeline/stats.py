@@ -1,0 +1,176 @@
+"""A typed snapshot of a running pipeline: per source, per model, totals.
+
+``GET /v1/stats``, the dashboard and ``/readyz`` read a :class:`PipelineReport`
+(from ``Runtime.report()``) instead of the runtime's internals or the metrics
+registry. The latency figures come from small recorders the runtime keeps
+itself: a window of recent end-to-end latencies per source
+(:class:`LatencyWindow`) and a batch recorder per model (:class:`BatchRecorder`,
+fed by the batcher's observer interface).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import overload
+
+import numpy as np
+
+from inference.model import ModelState
+from pipeline.stages.source import SourceState
+
+WINDOW = 256  # recent samples behind each percentile
+
+
+class LatencyWindow(Sequence[float]):
+    """The latest ``size`` samples (seconds), oldest first, with percentiles."""
+
+    def __init__(self, size: int = WINDOW) -> None:
+        self._values: collections.deque[float] = collections.deque(maxlen=size)
+        self._lock = threading.Lock()  # batches are recorded from model worker threads
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self._values.append(seconds)
+
+    def extend(self, seconds: Sequence[float]) -> None:
+        with self._lock:
+            self._values.extend(seconds)
+
+    def percentiles_ms(self) -> Percentiles:
+        with self._lock:
+            values = np.fromiter(self._values, dtype=np.float64, count=len(self._values))
+        if values.size == 0:
+            return Percentiles()
+        p50, p99 = np.percentile(values, [50, 99]) * 1000.0
+        return Percentiles(round(float(p50), 2), round(float(p99), 2))
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @overload
+    def __getitem__(self, index: int) -> float: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[float]: ...
+    def __getitem__(self, index: int | slice) -> float | list[float]:
+        with self._lock:
+            values = list(self._values)
+        return values[index]
+
+    def __iter__(self) -> Iterator[float]:
+        with self._lock:
+            return iter(list(self._values))
+
+
+@dataclass(slots=True)
+class BatchRecorder:
+    """What one model's batcher reported: batches, their sizes, recent queue times."""
+
+    batches: int = 0
+    requests: int = 0
+    sizes: dict[int, int] = field(default_factory=dict)
+    queue: LatencyWindow = field(default_factory=LatencyWindow)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, size: int, queue_seconds: Sequence[float]) -> None:
+        with self._lock:
+            self.batches += 1
+            self.requests += size
+            self.sizes[size] = self.sizes.get(size, 0) + 1
+        self.queue.extend(queue_seconds)
+
+
+class ModelRecorder:
+    """The inference observer behind :class:`ModelReport`: one :class:`BatchRecorder` per model."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, BatchRecorder] = {}
+        self._lock = threading.Lock()
+
+    def recorder(self, model: str) -> BatchRecorder:
+        with self._lock:
+            return self._models.setdefault(model, BatchRecorder())
+
+    def models(self) -> dict[str, BatchRecorder]:
+        with self._lock:
+            return dict(self._models)
+
+    def on_request(self, model: str, status: str) -> None:
+        pass
+
+    def on_batch(
+        self, model: str, batch_size: int, queue_seconds: list[float], compute_seconds: float
+    ) -> None:
+        self.recorder(model).record(batch_size, queue_seconds)
+
+    def on_state(self, model: str, state: str, reason: str) -> None:
+        pass
+
+
+@dataclass(slots=True, frozen=True)
+class Percentiles:
+    """p50 and p99 in milliseconds; None when nothing was measured yet."""
+
+    p50: float | None = None
+    p99: float | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class SourceReport:
+    """One source as ``GET /v1/sources`` and ``/v1/stats`` show it."""
+
+    id: str
+    url: str  # credentials redacted
+    state: SourceState
+    reason: str
+    live: bool
+    frames: int  # decoded and accepted into the graph
+    published: int
+    dropped: dict[str, int]  # by reason
+    reconnects: int
+    queue_depth: int
+    latency_ms: Percentiles  # capture to publish, over the recent window
+
+
+@dataclass(slots=True, frozen=True)
+class ModelReport:
+    """One model the stages use: its state and how its batches ran."""
+
+    name: str
+    state: ModelState
+    reason: str
+    batches: int
+    requests: int  # requests that ran in a batch
+    batch_sizes: dict[int, int]  # size -> batches of that size
+    queue_ms: Percentiles  # time in the batcher, over the recent window
+
+    @property
+    def mean_batch_size(self) -> float | None:
+        return round(self.requests / self.batches, 2) if self.batches else None
+
+
+@dataclass(slots=True, frozen=True)
+class PipelineReport:
+    """Everything at one moment: sources, the models the stages need, and totals."""
+
+    pipeline: str
+    time: float  # unix seconds
+    sources: list[SourceReport]
+    models: list[ModelReport]  # only models that are loaded (or failed to load)
+    models_needed: list[str]
+    models_loaded: bool  # False until the repository is open
+    nats_connected: bool
+    published: int  # across every source, also removed ones
+
+
+__all__ = [
+    "BatchRecorder",
+    "LatencyWindow",
+    "ModelRecorder",
+    "ModelReport",
+    "Percentiles",
+    "PipelineReport",
+    "SourceReport",
+]
