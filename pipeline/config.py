@@ -24,16 +24,8 @@ from typing import Any, Literal
 from urllib.parse import parse_qsl, urlsplit
 
 from inference.schema import ConfigError, LineDict, build, line_of, load_yaml, spec
-from pipeline.stages.base import StageOptions
+from pipeline.stages.base import NAME_HELP, StageOptions, check_name
 from pipeline.stages.registry import stage_kinds
-
-_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_NAME_HELP = "use 1-64 letters, digits, '_' or '-' (it becomes part of a NATS subject)"
-
-
-def _check_id(value: str) -> str | None:
-    return None if _ID_RE.fullmatch(value) else f"{value!r} is not a valid name"
-
 
 SOURCE_SCHEMES = ("file", "test", "rtsp", "rtsps", "whip")
 
@@ -63,7 +55,7 @@ class SourceConfig:
     """
 
     url: str = field(metadata=spec(check=_check_url, help="e.g. samples/clip.mp4 or rtsp://cam/stream"))
-    id: str | None = field(default=None, metadata=spec(check=_check_id, help=_NAME_HELP))
+    id: str | None = field(default=None, metadata=spec(check=check_name, help=NAME_HELP))
     loop: bool = False
     realtime: bool | None = field(
         default=None, metadata=spec(help="pace files at their frame rate; default: as fast as possible")
@@ -102,7 +94,7 @@ class NatsConfig:
 
     url: str | None = None
     publish: Literal["core", "jetstream"] = "core"
-    subject_prefix: str = field(default="vidpipe", metadata=spec(check=_check_id))
+    subject_prefix: str = field(default="vidpipe", metadata=spec(check=check_name))
     outbox_size: int = field(default=1000, metadata=spec(ge=1))
 
 
@@ -132,7 +124,7 @@ class HttpConfig:
 class PipelineConfig:
     """A whole pipeline file."""
 
-    pipeline: str = field(metadata=spec(check=_check_id, help=_NAME_HELP))
+    pipeline: str = field(metadata=spec(check=check_name, help=NAME_HELP))
     sources: list[SourceConfig] = field(default_factory=list)
     # Each entry is its kind's options (InferOptions, TrackOptions, ...; see pipeline.stages.registry).
     stages: list[StageOptions] = field(default_factory=list)

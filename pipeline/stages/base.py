@@ -28,13 +28,14 @@ if TYPE_CHECKING:
     from pipeline.config import PipelineConfig
     from pipeline.metrics import Metrics
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# fullmatch, not "$": "$" also matches before a final newline, and "cam1\n" would pass.
+_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 NAME_HELP = "use 1-64 letters, digits, '_' or '-' (it becomes part of a NATS subject)"
 
 
 def check_name(value: str) -> str | None:
     """None when ``value`` may be a pipeline, source or stage name; else the problem."""
-    return None if _NAME_RE.match(value) else f"{value!r} is not a valid name"
+    return None if _NAME_RE.fullmatch(value) else f"{value!r} is not a valid name"
 
 
 @dataclass(frozen=True)
