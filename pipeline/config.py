@@ -19,9 +19,9 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import parse_qsl, urlsplit
 
 from inference.schema import ConfigError, build, line_of, load_yaml, spec
+from pipeline.sources.schemes import check_url, derive_id, resolve_url, scheme_of
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _NAME_HELP = "use 1-64 letters, digits, '_' or '-' (it becomes part of a NATS subject)"
@@ -29,16 +29,6 @@ _NAME_HELP = "use 1-64 letters, digits, '_' or '-' (it becomes part of a NATS su
 
 def _check_id(value: str) -> str | None:
     return None if _ID_RE.match(value) else f"{value!r} is not a valid name"
-
-
-SOURCE_SCHEMES = ("file", "test", "rtsp", "rtsps", "whip")
-
-
-def _check_url(value: str) -> str | None:
-    scheme = urlsplit(value).scheme
-    if scheme and len(scheme) > 1 and scheme not in SOURCE_SCHEMES:
-        return f"unsupported source scheme {scheme!r} in {redact_url(value)!r}"
-    return None
 
 
 @dataclass(frozen=True)
@@ -58,7 +48,7 @@ class SourceConfig:
     ``rtsp://`` or ``whip://<id>``.
     """
 
-    url: str = field(metadata=spec(check=_check_url, help="e.g. samples/clip.mp4 or rtsp://cam/stream"))
+    url: str = field(metadata=spec(check=check_url, help="e.g. samples/clip.mp4 or rtsp://cam/stream"))
     id: str | None = field(default=None, metadata=spec(check=_check_id, help=_NAME_HELP))
     loop: bool = False
     realtime: bool | None = field(
@@ -78,13 +68,12 @@ class SourceConfig:
 
     @property
     def scheme(self) -> str:
-        scheme = urlsplit(self.url).scheme
-        return scheme if scheme in SOURCE_SCHEMES else "file"
+        return scheme_of(self.url).name
 
     @property
     def live(self) -> bool:
         """Live sources drop the oldest frame when behind; files block (lossless)."""
-        return self.scheme in ("test", "rtsp", "rtsps", "whip")
+        return scheme_of(self.url).live
 
     @property
     def source_id(self) -> str:
@@ -177,42 +166,13 @@ class PipelineConfig:
         return next(s for s in self.stages if s.name == name)
 
 
-_USERINFO_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(.*)@", re.DOTALL)
-
-
-def redact_url(url: str) -> str:
-    """Hide credentials in a URL (``rtsp://user:pass@host`` → ``rtsp://***@host``).
-
-    Everything between the scheme and the *last* ``@`` goes, so a password with an
-    unescaped ``/``, ``?``, ``#`` or ``@`` (which URL parsers misread) is hidden too.
-    """
-    return _USERINFO_RE.sub(r"\1***@", url, count=1)
-
-
-def derive_source_id(url: str) -> str:
-    """A readable id from a URL: the file stem, the RTSP path, or the WHIP id."""
-    url = redact_url(url)  # a password must never become part of an id (a metric label)
-    parts = urlsplit(url)
-    if parts.scheme == "whip":
-        raw = parts.netloc or parts.path.strip("/")
-    elif parts.scheme == "test":
-        query = dict(parse_qsl(parts.query))
-        raw = query.get("id") or "test"
-    elif parts.scheme in ("rtsp", "rtsps"):
-        raw = (parts.path.strip("/").replace("/", "_") or parts.hostname) or "camera"
-    else:
-        raw = Path(parts.path if parts.scheme == "file" else url).stem or "source"
-    cleaned = re.sub(r"[^A-Za-z0-9_-]+", "_", raw).strip("_")[:64]
-    return cleaned or "source"
-
-
 def _unique_ids(sources: list[SourceConfig]) -> list[SourceConfig]:
     """Fill in missing ids from the URL; a clash with another id gets a ``_2``, ``_3`` suffix."""
     used = {s.id for s in sources if s.id}
     out = []
     for src in sources:
         if src.id is None:
-            base = sid = derive_source_id(src.url)
+            base = sid = derive_id(src.url)
             n = 1
             while sid in used:
                 n += 1
@@ -221,18 +181,6 @@ def _unique_ids(sources: list[SourceConfig]) -> list[SourceConfig]:
             src = replace(src, id=sid)
         out.append(src)
     return out
-
-
-def _resolve_file(url: str, base: Path) -> str:
-    """Make a relative file path absolute against ``base``; other URLs pass through."""
-    parts = urlsplit(url)
-    if parts.scheme == "file":
-        path = Path(parts.netloc + parts.path)
-    elif parts.scheme in SOURCE_SCHEMES and len(parts.scheme) > 1:
-        return url
-    else:
-        path = Path(url)
-    return str(path if path.is_absolute() else (base / path).resolve())
 
 
 def _check_graph(cfg: PipelineConfig, raw: Any, file: str) -> None:
@@ -307,14 +255,14 @@ def load_config(
     cfg = build(raw, PipelineConfig, file)
     if sources is not None:
         for u in sources:
-            problem = _check_url(u)
+            problem = check_url(u)
             if problem:
                 raise ConfigError("--source", None, "", problem, "use a file, test://, rtsp:// or whip://")
         cwd = Path.cwd()
-        cfg = replace(cfg, sources=[SourceConfig(url=_resolve_file(u, cwd)) for u in sources])
+        cfg = replace(cfg, sources=[SourceConfig(url=resolve_url(u, cwd)) for u in sources])
     else:
         base = p.parent.resolve()
-        cfg = replace(cfg, sources=[replace(s, url=_resolve_file(s.url, base)) for s in cfg.sources])
+        cfg = replace(cfg, sources=[replace(s, url=resolve_url(s.url, base)) for s in cfg.sources])
     cfg = replace(cfg, sources=_unique_ids(cfg.sources), base_dir=str(p.parent.resolve()), file=file)
     _check_graph(cfg, raw, file)
     return cfg

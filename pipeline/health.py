@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.stages.source import SourceState
+from pipeline.sources.base import SourceState
 
 
 def readiness_problems(runtime: Any) -> list[str]:

@@ -29,9 +29,10 @@ from pipeline.config import PipelineConfig, SourceConfig
 from pipeline.frames import Frame
 from pipeline.metrics import Metrics
 from pipeline.queues import EndOfStream, FrameQueue, OverflowPolicy
+from pipeline.sources.base import Source, SourceError, SourceState
+from pipeline.sources.schemes import create_source
 from pipeline.stages.base import Stage, StageContext, create_stage
 from pipeline.stages.publish import Publisher
-from pipeline.stages.source import Source, SourceError, SourceState, create_source
 
 log = logging.getLogger("vidpipe.runtime")
 

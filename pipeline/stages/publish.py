@@ -32,10 +32,11 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
-from pipeline.config import NatsConfig, redact_url
+from pipeline.config import NatsConfig
 from pipeline.frames import Frame
 from pipeline.messages import build_message, encode, subject_for
 from pipeline.metrics import Metrics
+from pipeline.redact import redact_url
 
 log = logging.getLogger("vidpipe.publish")
 

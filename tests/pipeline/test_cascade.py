@@ -8,7 +8,7 @@ from pathlib import Path
 from pipeline.config import load_config
 from pipeline.nats_server import EmbeddedNats
 from pipeline.runtime import Runtime
-from pipeline.stages.source import pattern_square_box
+from pipeline.sources.pattern import pattern_square_box
 from tests.conftest import Collector
 
 PIPELINE = """\

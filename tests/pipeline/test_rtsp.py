@@ -23,9 +23,10 @@ from pipeline.config import PipelineConfig, ReconnectConfig, SourceConfig, load_
 from pipeline.frames import Frame
 from pipeline.nats_server import EmbeddedNats
 from pipeline.queues import EndOfStream, FrameQueue
+from pipeline.redact import redact_text
 from pipeline.runtime import Runtime
-from pipeline.stages.rtsp import RtspSource, backoff_delay
-from pipeline.stages.source import SourceState, scrub_credentials
+from pipeline.sources.base import SourceState
+from pipeline.sources.rtsp import RtspSource, backoff_delay
 from tests.conftest import Collector
 from tests.support.rtsp_server import RtspTestServer, free_port, gstreamer_available
 
@@ -105,10 +106,10 @@ def test_backoff_doubles_from_min_delay_caps_at_max_and_jitters() -> None:
 def test_credentials_are_scrubbed_from_ffmpeg_text() -> None:
     url = f"rtsp://admin:{SECRET}@127.0.0.1:554/cam"
     text = f"Connection refused: '{url}' (auth admin:{SECRET}) rtsp://other:pw@host/x"
-    scrubbed = scrub_credentials(text, url)
+    scrubbed = redact_text(text, url)
     assert SECRET not in scrubbed
     assert "other:pw" not in scrubbed
-    assert scrubbed == "Connection refused: '<url>' (auth admin:***) rtsp://***@host/x"
+    assert scrubbed == "Connection refused: 'rtsp://***@127.0.0.1:554/cam' (auth ***) rtsp://***@host/x"
 
 
 def test_ffmpeg_options_follow_transport_and_timeouts() -> None:
@@ -429,7 +430,7 @@ async def test_clip_end_is_reconnected_with_frame_indices_continuing(
 
 
 def test_timeline_is_strictly_increasing_from_zero() -> None:
-    from pipeline.stages.rtsp import _Timeline
+    from pipeline.sources.rtsp import _Timeline
 
     line = _Timeline(0.1)
     # No timestamp on the first frame, then 10.0.. ; a reset back to 3.0 continues after 10.2.
