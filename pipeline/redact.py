@@ -16,7 +16,7 @@ the credentials (a path with an ``@``), never less.
 from __future__ import annotations
 
 import re
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 __all__ = ["redact_text", "redact_url"]
 
@@ -45,7 +45,8 @@ def _secrets(url: str) -> list[str]:
         return []
     password = userinfo.partition(":")[2]
     found = {url, unquote(url), userinfo, unquote(userinfo)}
-    for secret in (password, unquote(password)):
+    # As written, decoded, and encoded (a tool may re-encode what it echoes).
+    for secret in (password, unquote(password), quote(unquote(password), safe="")):
         # A password with URL delimiters in it may reach a message in pieces (a parser
         # that stopped at '/' shows the rest as a path), so its pieces go too.
         pieces = [secret, *re.split(r"[@/:?#%\s]+", secret)]
