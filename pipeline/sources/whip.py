@@ -99,7 +99,7 @@ class WhipSource(Source):
         self._ended_by: ReconnectReason | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing: set[asyncio.Task[None]] = set()
-        # emit() runs on the event loop here, which must never wait for a frame buffer.
+        # Buffers are taken on the event loop, which must never wait for one: a dry pool drops.
         self.emit_blocks = False
         self.set_state(SourceState.CONNECTING, WAITING)
 
