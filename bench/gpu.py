@@ -98,7 +98,7 @@ def _model_path(config: Any) -> Path:
 
 
 def _decode_all(path: Path, mode: str) -> tuple[list[np.ndarray], str]:
-    from pipeline.stages.hwdecode import open_with_hwaccel
+    from pipeline.sources.decode import open_with_hwaccel
 
     container, how = open_with_hwaccel(str(path), decode=mode)  # type: ignore[arg-type]
     frames = []
@@ -199,7 +199,7 @@ def bench_tensorrt(config: Any, seconds: float) -> dict[str, Any]:
 
 
 def _decode_into(path: Path, mode: str, sink: Callable[[np.ndarray], None], stop: threading.Event) -> str:
-    from pipeline.stages.hwdecode import open_with_hwaccel
+    from pipeline.sources.decode import open_with_hwaccel
 
     container, how = open_with_hwaccel(str(path), decode=mode)  # type: ignore[arg-type]
     with container:

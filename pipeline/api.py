@@ -51,13 +51,14 @@ from aiohttp import web
 from inference.errors import VidpipeError
 from inference.model import ModelState
 from inference.schema import ConfigError, build
-from pipeline.config import HttpConfig, SourceConfig, _resolve_file, _unique_ids
+from pipeline.config import HttpConfig, SourceConfig, _unique_ids
 from pipeline.frames import Frame
 from pipeline.health import readiness_problems
 from pipeline.runtime import Runtime
 from pipeline.snapshot import render_snapshot
-from pipeline.stages.source import SourceError
-from pipeline.stages.whip import MAX_SDP_BYTES, WhipError, WhipSource
+from pipeline.sources.base import SourceError
+from pipeline.sources.schemes import resolve_url
+from pipeline.sources.whip import MAX_SDP_BYTES, WhipError, WhipSource
 from pipeline.stats import ModelReport, SourceReport
 
 log = logging.getLogger("vidpipe.api")
@@ -292,9 +293,7 @@ class ApiServer:
         problem = _api_limits(config)
         if problem:
             return _error(400, problem)
-        config = dataclasses.replace(
-            config, url=_resolve_file(config.url, Path(self.runtime.config.base_dir))
-        )
+        config = dataclasses.replace(config, url=resolve_url(config.url, Path(self.runtime.config.base_dir)))
         sources = self.runtime.sources
         if config.id is None:
             # The same derivation as the YAML loader, unique among the running sources.

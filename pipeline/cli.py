@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from inference.schema import ConfigError
-from pipeline.config import HttpConfig, PipelineConfig, load_config, redact_url
+from pipeline.config import HttpConfig, PipelineConfig, load_config
+from pipeline.redact import redact_url
 
 log = logging.getLogger("vidpipe")
 

@@ -17,24 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import parse_qsl, urlsplit
 
 from inference.schema import ConfigError, LineDict, build, line_of, load_yaml, spec
+from pipeline.sources.schemes import check_url, derive_id, resolve_url, scheme_of
 from pipeline.stages.base import NAME_HELP, StageOptions, check_name
 from pipeline.stages.registry import stage_kinds
-
-SOURCE_SCHEMES = ("file", "test", "rtsp", "rtsps", "whip")
-
-
-def _check_url(value: str) -> str | None:
-    scheme = urlsplit(value).scheme
-    if scheme and len(scheme) > 1 and scheme not in SOURCE_SCHEMES:
-        return f"unsupported source scheme {scheme!r} in {redact_url(value)!r}"
-    return None
 
 
 @dataclass(frozen=True)
@@ -54,7 +44,7 @@ class SourceConfig:
     ``rtsp://`` or ``whip://<id>``.
     """
 
-    url: str = field(metadata=spec(check=_check_url, help="e.g. samples/clip.mp4 or rtsp://cam/stream"))
+    url: str = field(metadata=spec(check=check_url, help="e.g. samples/clip.mp4 or rtsp://cam/stream"))
     id: str | None = field(default=None, metadata=spec(check=check_name, help=NAME_HELP))
     loop: bool = False
     realtime: bool | None = field(
@@ -74,13 +64,12 @@ class SourceConfig:
 
     @property
     def scheme(self) -> str:
-        scheme = urlsplit(self.url).scheme
-        return scheme if scheme in SOURCE_SCHEMES else "file"
+        return scheme_of(self.url).name
 
     @property
     def live(self) -> bool:
         """Live sources drop the oldest frame when behind; files block (lossless)."""
-        return self.scheme in ("test", "rtsp", "rtsps", "whip")
+        return scheme_of(self.url).live
 
     @property
     def source_id(self) -> str:
@@ -155,42 +144,13 @@ class PipelineConfig:
         return sorted({m for s in self.stages for m in s.models()})
 
 
-_USERINFO_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(.*)@", re.DOTALL)
-
-
-def redact_url(url: str) -> str:
-    """Hide credentials in a URL (``rtsp://user:pass@host`` → ``rtsp://***@host``).
-
-    Everything between the scheme and the *last* ``@`` goes, so a password with an
-    unescaped ``/``, ``?``, ``#`` or ``@`` (which URL parsers misread) is hidden too.
-    """
-    return _USERINFO_RE.sub(r"\1***@", url, count=1)
-
-
-def derive_source_id(url: str) -> str:
-    """A readable id from a URL: the file stem, the RTSP path, or the WHIP id."""
-    url = redact_url(url)  # a password must never become part of an id (a metric label)
-    parts = urlsplit(url)
-    if parts.scheme == "whip":
-        raw = parts.netloc or parts.path.strip("/")
-    elif parts.scheme == "test":
-        query = dict(parse_qsl(parts.query))
-        raw = query.get("id") or "test"
-    elif parts.scheme in ("rtsp", "rtsps"):
-        raw = (parts.path.strip("/").replace("/", "_") or parts.hostname) or "camera"
-    else:
-        raw = Path(parts.path if parts.scheme == "file" else url).stem or "source"
-    cleaned = re.sub(r"[^A-Za-z0-9_-]+", "_", raw).strip("_")[:64]
-    return cleaned or "source"
-
-
 def _unique_ids(sources: list[SourceConfig]) -> list[SourceConfig]:
     """Fill in missing ids from the URL; a clash with another id gets a ``_2``, ``_3`` suffix."""
     used = {s.id for s in sources if s.id}
     out = []
     for src in sources:
         if src.id is None:
-            base = sid = derive_source_id(src.url)
+            base = sid = derive_id(src.url)
             n = 1
             while sid in used:
                 n += 1
@@ -199,18 +159,6 @@ def _unique_ids(sources: list[SourceConfig]) -> list[SourceConfig]:
             src = replace(src, id=sid)
         out.append(src)
     return out
-
-
-def _resolve_file(url: str, base: Path) -> str:
-    """Make a relative file path absolute against ``base``; other URLs pass through."""
-    parts = urlsplit(url)
-    if parts.scheme == "file":
-        path = Path(parts.netloc + parts.path)
-    elif parts.scheme in SOURCE_SCHEMES and len(parts.scheme) > 1:
-        return url
-    else:
-        path = Path(url)
-    return str(path if path.is_absolute() else (base / path).resolve())
 
 
 def _check_graph(cfg: PipelineConfig, raw: Any, file: str) -> None:
@@ -346,14 +294,14 @@ def load_config(
     cfg = replace(cfg, stages=_build_stages(raw.get("stages"), file), lines=_key_lines(raw))
     if sources is not None:
         for u in sources:
-            problem = _check_url(u)
+            problem = check_url(u)
             if problem:
                 raise ConfigError("--source", None, "", problem, "use a file, test://, rtsp:// or whip://")
         cwd = Path.cwd()
-        cfg = replace(cfg, sources=[SourceConfig(url=_resolve_file(u, cwd)) for u in sources])
+        cfg = replace(cfg, sources=[SourceConfig(url=resolve_url(u, cwd)) for u in sources])
     else:
         base = p.parent.resolve()
-        cfg = replace(cfg, sources=[replace(s, url=_resolve_file(s.url, base)) for s in cfg.sources])
+        cfg = replace(cfg, sources=[replace(s, url=resolve_url(s.url, base)) for s in cfg.sources])
     cfg = replace(cfg, sources=_unique_ids(cfg.sources), base_dir=str(p.parent.resolve()), file=file)
     _check_graph(cfg, raw, file)
     return cfg

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from inference.model import ModelState
-from pipeline.stages.source import SourceState
+from pipeline.sources.base import SourceState
 from pipeline.stats import PipelineReport
 
 

@@ -33,10 +33,11 @@ from pipeline.frames import Frame
 from pipeline.metrics import Metrics
 from pipeline.queues import EndOfStream, FrameQueue, OverflowPolicy
 from pipeline.ratelimit import RateLimitedLog
+from pipeline.sources.base import Source, SourceError, SourceState
+from pipeline.sources.schemes import create_source
 from pipeline.stages.base import Stage, StageContext
 from pipeline.stages.publish import Publisher
 from pipeline.stages.registry import create_stage
-from pipeline.stages.source import Source, SourceError, SourceState, create_source
 from pipeline.stats import (
     LatencyWindow,
     ModelRecorder,

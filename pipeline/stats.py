@@ -19,7 +19,7 @@ from typing import overload
 import numpy as np
 
 from inference.model import ModelState
-from pipeline.stages.source import SourceState
+from pipeline.sources.base import SourceState
 
 WINDOW = 256  # recent samples behind each percentile
 

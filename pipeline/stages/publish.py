@@ -35,11 +35,12 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
 from inference.errors import VidpipeError
-from pipeline.config import NatsConfig, redact_url
+from pipeline.config import NatsConfig
 from pipeline.frames import Frame
 from pipeline.messages import build_message, encode, subject_for
 from pipeline.metrics import Metrics
 from pipeline.ratelimit import RateLimitedLog
+from pipeline.redact import redact_url
 
 log = logging.getLogger("vidpipe.publish")
 

@@ -343,7 +343,7 @@ def test_gpu_modules_import_without_cupy_or_tensorrt() -> None:
         "sys.modules['cupy'] = None\n"
         "sys.modules['tensorrt'] = None\n"
         "import inference.device, inference.gpu, inference.gpu.kernels, inference.gpu.memory\n"
-        "import inference.gpu.preprocess, inference.backends.tensorrt, pipeline.stages.hwdecode\n"
+        "import inference.gpu.preprocess, inference.backends.tensorrt, pipeline.sources.decode\n"
         "from inference.device import gpu_available\n"
         "print(gpu_available()[0])\n"
     )
@@ -412,7 +412,7 @@ def test_plan_cache_key_changes_with_every_input(monkeypatch: pytest.MonkeyPatch
 
 
 def test_open_with_hwaccel_falls_back_to_software(demo_clip: Path) -> None:
-    from pipeline.stages.hwdecode import open_with_hwaccel
+    from pipeline.sources.decode import open_with_hwaccel
 
     container, how = open_with_hwaccel(str(demo_clip), decode="cpu")
     with container:

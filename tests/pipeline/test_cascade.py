@@ -14,8 +14,8 @@ from pipeline.crops import cut_box, cut_polygon, map_box, rotate
 from pipeline.frames import DetectedObject, Frame
 from pipeline.nats_server import EmbeddedNats
 from pipeline.runtime import Runtime
+from pipeline.sources.pattern import pattern_square_box
 from pipeline.stages.base import Stage, StageOptions
-from pipeline.stages.source import pattern_square_box
 from pipeline.stats import PipelineReport
 from tests.conftest import Collector
 from tests.pipeline.stack import stage_kinds

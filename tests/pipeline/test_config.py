@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from inference.schema import ConfigError
-from pipeline.config import load_config, redact_url
+from pipeline.config import load_config
+from pipeline.redact import redact_url
 from tests.conftest import ROOT, run_cli
 
 GOOD = """\
@@ -189,6 +190,6 @@ def test_yaml_1_1_booleans_are_plain_strings(tmp_path: Path) -> None:
 def test_passwords_with_url_delimiters_are_redacted_too(url: str, shown: str) -> None:
     assert redact_url(url) == shown
     # Nor does any part of them end up in a source id (a metric label).
-    from pipeline.config import derive_source_id
+    from pipeline.sources.schemes import derive_id
 
-    assert not any(secret in derive_source_id(url) for secret in ("pa", "ab", "cd", "ss", "pw", "user"))
+    assert not any(secret in derive_id(url) for secret in ("pa", "ab", "cd", "ss", "pw", "user"))

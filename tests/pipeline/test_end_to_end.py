@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.nats_server import EmbeddedNats
-from pipeline.stages.source import pattern_square_box
+from pipeline.sources.pattern import pattern_square_box
 from samples.make_clip import square_at, write_clip
 from tests.conftest import ROOT, Collector, run_cli, validate_message
 

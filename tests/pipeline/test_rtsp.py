@@ -23,10 +23,13 @@ from pipeline.config import PipelineConfig, ReconnectConfig, SourceConfig, load_
 from pipeline.frames import Frame
 from pipeline.nats_server import EmbeddedNats
 from pipeline.queues import EndOfStream, FrameQueue
+from pipeline.redact import redact_text
 from pipeline.runtime import Runtime
-from pipeline.stages.rtsp import RtspSource, backoff_delay
-from pipeline.stages.source import SourceState, scrub_credentials
+from pipeline.sources.base import SourceState
+from pipeline.sources.rtsp import RtspSource, backoff_delay
+from pipeline.stages.base import Stage, StageContext, StageOptions
 from tests.conftest import Collector
+from tests.pipeline.stack import stage_kinds
 from tests.support.rtsp_server import RtspTestServer, free_port, gstreamer_available
 
 needs_gstreamer = pytest.mark.skipif(
@@ -105,10 +108,10 @@ def test_backoff_doubles_from_min_delay_caps_at_max_and_jitters() -> None:
 def test_credentials_are_scrubbed_from_ffmpeg_text() -> None:
     url = f"rtsp://admin:{SECRET}@127.0.0.1:554/cam"
     text = f"Connection refused: '{url}' (auth admin:{SECRET}) rtsp://other:pw@host/x"
-    scrubbed = scrub_credentials(text, url)
+    scrubbed = redact_text(text, url)
     assert SECRET not in scrubbed
     assert "other:pw" not in scrubbed
-    assert scrubbed == "Connection refused: '<url>' (auth admin:***) rtsp://***@host/x"
+    assert scrubbed == "Connection refused: 'rtsp://***@127.0.0.1:554/cam' (auth ***) rtsp://***@host/x"
 
 
 def test_ffmpeg_options_follow_transport_and_timeouts() -> None:
@@ -263,7 +266,7 @@ async def test_closed_port_is_reported_redacted_and_retried_with_growing_backoff
         await until(lambda: len(source_lines(caplog, "cam")) >= 7, 6, "six failed attempts")
         run = runtime.sources["cam"]
         assert run.source.state == SourceState.BACKOFF
-        described = run.describe()
+        described = run.report()
         rendered = runtime.metrics.render().decode()
     records = [r for r in source_lines(caplog, "cam") if r.levelno == logging.WARNING]
     messages = [r.getMessage() for r in records]
@@ -278,8 +281,8 @@ async def test_closed_port_is_reported_redacted_and_retried_with_growing_backoff
     for gap, expected in zip(gaps, [0.1, 0.2, 0.4, 0.8, 0.8], strict=True):
         assert expected <= gap < expected + 0.25, gaps
     assert gaps[0] < gaps[1] < gaps[2] < gaps[3]
-    assert described["url"] == shown
-    assert described["reason"].startswith(f"cannot connect to {shown}: connection refused; retry ")
+    assert described.url == shown
+    assert described.reason.startswith(f"cannot connect to {shown}: connection refused; retry ")
     assert 'vidpipe_source_reconnects_total{pipeline="cams",reason="refused",source="cam"}' in rendered
     assert 'vidpipe_source_up{pipeline="cams",source="cam"} 0.0' in rendered
     out, err = capfd.readouterr()
@@ -369,30 +372,44 @@ async def test_stop_interrupts_a_blocked_open_and_a_backoff_wait() -> None:
             assert isinstance(await queue.get(), EndOfStream)
 
 
+STEP = 0.1  # the slow stage handles 10 frames/s
+
+
+class OneAtATime(Stage):
+    """A stage kind that takes STEP per frame, one frame at a time, like a saturated model."""
+
+    kind = "one_at_a_time"
+
+    def __init__(self, options: StageOptions, context: StageContext) -> None:
+        super().__init__(options, context)
+        self.busy = asyncio.Lock()
+
+    async def process(self, frame: Frame) -> None:
+        async with self.busy:
+            await asyncio.sleep(STEP)
+
+
 async def test_live_queue_drops_oldest_when_the_graph_falls_behind(
     nats_server: EmbeddedNats, collector: Collector, tmp_path: Path
 ) -> None:
-    cfg = make_config(
-        tmp_path,
-        [{"id": "pattern", "url": "test://?width=64&height=48&fps=30", "queue_size": 2}],
-        runtime={"max_in_flight": 1},
-    )
     await collector.start(nats_server.url)
-    step = 0.1  # the graph handles 10 frames/s of a 30 fps source
-    async with running(cfg, nats_server.url) as runtime:
-        process = runtime._process
-        busy = asyncio.Lock()  # one frame at a time, like a single saturated model
-
-        async def slow(frame: Frame) -> Frame | None:
-            async with busy:
-                await asyncio.sleep(step)
-            return await process(frame)
-
-        runtime._process = slow  # type: ignore[method-assign]
+    step = STEP  # the graph handles 10 frames/s of a 30 fps source
+    with stage_kinds(OneAtATime):
+        cfg = make_config(
+            tmp_path,
+            [{"id": "pattern", "url": "test://?width=64&height=48&fps=30", "queue_size": 2}],
+            runtime={"max_in_flight": 1},
+            stages=[{"name": "slow", "type": "one_at_a_time"}],
+        )
+        runtime = Runtime(cfg, nats_url=nats_server.url)
+        await runtime.start()
+    try:
         await asyncio.sleep(2.0)
         dropped = metric(runtime, "vidpipe_frames_dropped_total", source="pattern", reason="queue_full")
         assert dropped > 20
         assert runtime.sources["pattern"].dropped["queue_full"] == dropped
+    finally:
+        await runtime.stop()
     messages = collector.by_source("pattern")
     indices = [m["frame"] for m in messages]
     assert indices == sorted(set(indices))
@@ -429,7 +446,7 @@ async def test_clip_end_is_reconnected_with_frame_indices_continuing(
 
 
 def test_timeline_is_strictly_increasing_from_zero() -> None:
-    from pipeline.stages.rtsp import _Timeline
+    from pipeline.sources.rtsp import _Timeline
 
     line = _Timeline(0.1)
     # No timestamp on the first frame, then 10.0.. ; a reset back to 3.0 continues after 10.2.

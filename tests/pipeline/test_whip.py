@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from fractions import Fraction
@@ -23,7 +24,7 @@ from av import VideoFrame
 
 from pipeline.nats_server import EmbeddedNats
 from pipeline.runtime import SourceRun
-from pipeline.stages.whip import WhipSource
+from pipeline.sources.whip import WhipSource
 from tests.conftest import Collector
 from tests.pipeline.stack import Stack, until
 
@@ -223,6 +224,8 @@ async def test_bad_offers_and_unknown_ids(tmp_path: Path, nats_server: EmbeddedN
         assert status == 404
         # A rejected offer leaves the source free for a real publisher.
         run = stack.runtime.sources["cam"]
+        # Waiting for a publisher costs no thread: frames come from the event loop.
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("source-")]
         assert whip(run).session is None
         assert (run.source.state.value, run.source.reason) == ("connecting", "waiting for a publisher")
     finally:
@@ -232,15 +235,17 @@ async def test_bad_offers_and_unknown_ids(tmp_path: Path, nats_server: EmbeddedN
 async def test_slow_conversion_skips_frames_instead_of_lagging(
     tmp_path: Path, nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pipeline.stages.whip as whip_module
+    import pipeline.sources.whip as whip_module
 
-    real = whip_module._to_rgb
+    real = whip_module.copy_rgb
+    converters: set[str] = set()
 
-    def slow_to_rgb(frame: VideoFrame) -> np.ndarray:
+    def slow_copy_rgb(frame: VideoFrame, out: np.ndarray) -> None:
+        converters.add(threading.current_thread().name)
         time.sleep(0.1)  # a converter at 10 fps behind a 30 fps publisher
-        return real(frame)
+        real(frame, out)
 
-    monkeypatch.setattr(whip_module, "_to_rgb", slow_to_rgb)
+    monkeypatch.setattr(whip_module, "copy_rgb", slow_copy_rgb)
     stack = await Stack.start(tmp_path, CONFIG.format(nats=nats_server.url), nats_server.url)
     try:
         run = stack.runtime.sources["cam"]
@@ -249,10 +254,15 @@ async def test_slow_conversion_skips_frames_instead_of_lagging(
         status, _ = await publisher.publish()
         assert status == 201
         await until(lambda: run.published >= 15, timeout=20, what="15 published frames")
-        assert whip(run).frames_skipped >= 15  # about two of every three frames
+        skipped = stack.runtime.metrics.registry.get_sample_value(
+            "vidpipe_frames_dropped_total", {"pipeline": "whiptest", "source": "cam", "reason": "queue_full"}
+        )
+        assert skipped is not None and skipped >= 15  # about two of every three frames
         assert run.last_frame is not None
         # Every published frame is at most one conversion (plus one waiting frame) old.
         assert max(run.latencies[-10:]) < 0.5, run.latencies[-10:]
         assert await publisher.leave() == 200
     finally:
         await stack.close()
+    # The conversion ran on worker threads, never on the event loop's thread.
+    assert converters and threading.main_thread().name not in converters

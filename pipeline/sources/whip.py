@@ -17,21 +17,23 @@ left``); a peer whose connection fails or that sends nothing for ``stall_timeout
 is dropped (``backoff``, ``publisher lost: ...``). Either way the next publisher
 can POST again. One publisher at a time; a second one gets 409.
 
-Threading: aiortc delivers frames on the event loop, while the :class:`Source`
-base class expects a producer thread. This source keeps the thread only for the
-lifecycle (it waits for :meth:`stop`, then the base class leaves END in the
-queue) and calls :meth:`emit` from the loop. That is safe because a live
-source's queue drops the oldest frame instead of blocking, so ``emit`` never
-waits; and it keeps every state change (first frame, publisher left, stall) on
-one thread, so a frame that arrives while a session is being torn down cannot
-flip the state back to ``up``. The costly part, converting YUV to RGB, runs in
-the default executor so the loop stays responsive.
+Threading: aiortc decodes on its own thread and delivers frames on the event loop;
+this source has no thread of its own. For each frame it takes a pooled buffer on
+the loop (never waiting: a dry pool drops the frame as ``pool_empty``), converts
+YUV to RGB into it on a worker thread (:func:`asyncio.to_thread`), and puts it in
+the queue back on the loop, where a live queue drops the oldest frame instead of
+blocking. State changes (first frame, publisher left, stall) stay on the loop, so a
+frame converted while its session was being torn down is discarded instead of
+flipping the state back to ``up``. Frames are converted one at a time, in order;
+when conversion falls behind, the newest received frame replaces the waiting one
+and the replaced one counts as ``queue_full``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -39,10 +41,13 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import numpy as np
-
+from inference.errors import VidpipeError
+from inference.memory import BufferHandle
 from pipeline.config import SourceConfig
-from pipeline.stages.source import Source, SourceState, StateListener
+from pipeline.frames import Frame
+from pipeline.queues import FrameQueue
+from pipeline.sources.base import ReconnectReason, Source, SourceState, StateListener
+from pipeline.sources.decode import copy_rgb
 
 log = logging.getLogger("vidpipe.whip")
 
@@ -52,7 +57,7 @@ MAX_SDP_BYTES = 64 * 1024
 DECODABLE_CODECS = frozenset({"VP8", "H264"})  # what aiortc receives and decodes
 
 
-class WhipError(Exception):
+class WhipError(VidpipeError):
     """A WHIP request that cannot be served; ``status`` is the HTTP status to answer with."""
 
     def __init__(self, status: int, message: str) -> None:
@@ -83,11 +88,6 @@ class WhipSession:
     skipped: int = 0
 
 
-def _to_rgb(frame: Any) -> np.ndarray:
-    image: np.ndarray = frame.to_ndarray(format="rgb24")
-    return image
-
-
 class WhipSource(Source):
     """A live source fed by one WebRTC publisher at a time."""
 
@@ -95,26 +95,24 @@ class WhipSource(Source):
         super().__init__(config, on_state)
         self.name = whip_name(config.url)
         self.session: WhipSession | None = None
-        self.sessions_started = 0
-        # Frames a publisher sent while the previous one was still being converted.
-        self.frames_skipped = 0
-        self._ended_by: str | None = None
+        # How the last publisher's session ended: the label of the next reconnect.
+        self._ended_by: ReconnectReason | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing: set[asyncio.Task[None]] = set()
-        # emit() runs on the event loop here, which must never wait for a frame buffer.
+        # Buffers are taken on the event loop, which must never wait for one: a dry pool drops.
         self.emit_blocks = False
         self.set_state(SourceState.CONNECTING, WAITING)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def run(self) -> None:
-        # Frames arrive on the event loop (see the module docstring); this thread only
-        # lives as long as the source so the base class ends the stream on stop().
-        self._stop.wait()
+    def start(self, queue: FrameQueue[Frame]) -> None:
+        # Nothing runs until a publisher POSTs its offer (see the module docstring).
+        self._queue = queue
 
     def stop(self) -> None:
-        """Stop the source and close the publisher's peer connection, if any."""
+        """Stop the source, end its stream and close the publisher's peer connection, if any."""
         super().stop()
+        self._finish(SourceState.STOPPED, "stop requested")
         if self.session is None or self._loop is None or self._loop.is_closed():
             return
         session = self.session
@@ -122,7 +120,7 @@ class WhipSource(Source):
             self._loop.call_soon_threadsafe(self._schedule_end, session)
 
     def _schedule_end(self, session: WhipSession) -> None:
-        task = asyncio.ensure_future(self._end(session, SourceState.STOPPED, "stopped", "stopped"))
+        task = asyncio.ensure_future(self._end(session, SourceState.STOPPED, "stopped", None))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
@@ -172,11 +170,10 @@ class WhipSource(Source):
 
         @pc.on("connectionstatechange")
         async def on_connection_state() -> None:
-            if pc.connectionState in ("failed", "closed"):
-                state = pc.connectionState
-                await self._end(
-                    session, SourceState.BACKOFF, f"publisher lost: connection {state}", f"connection_{state}"
-                )
+            state = pc.connectionState
+            if state in ("failed", "closed"):
+                label: ReconnectReason = "connection_failed" if state == "failed" else "connection_closed"
+                await self._end(session, SourceState.BACKOFF, f"publisher lost: connection {state}", label)
 
         try:
             await pc.setRemoteDescription(RTCSessionDescription(sdp=offer, type="offer"))
@@ -197,7 +194,6 @@ class WhipSource(Source):
         if self._ended_by is not None:
             # A publisher coming back counts as a reconnect, labelled by how the last one ended.
             self.count_reconnect(self._ended_by)
-        self.sessions_started += 1
         log.info("source %s: publisher connected (session %s)", self.id, session.id)
         return session.id, answer
 
@@ -214,16 +210,19 @@ class WhipSource(Source):
             self.session = None
         await session.pc.close()
 
-    async def _end(self, session: WhipSession, state: SourceState, reason: str, label: str) -> None:
+    async def _end(
+        self, session: WhipSession, state: SourceState, reason: str, label: ReconnectReason | None
+    ) -> None:
         """End ``session`` once; later calls for the same session do nothing.
 
-        ``reason`` is what the API shows; ``label`` is the bounded metric label of the
-        reconnect the next publisher will count.
+        ``reason`` is what the API shows; ``label`` is the metric label of the reconnect
+        the next publisher will count (None: the source is stopping, there is no next).
         """
         if self.session is not session:
             return
         self.session = None
-        self._ended_by = label
+        if label is not None:
+            self._ended_by = label
         if not self.stopping:
             self.set_state(state, reason)
             log.debug("source %s: session %s ended: %s", self.id, session.id, reason)
@@ -246,7 +245,7 @@ class WhipSource(Source):
         # The first frame waits for ICE and DTLS as well, so it gets the open timeout.
         timeout = self.config.open_timeout
         # Keep pts increasing across publishers (each starts its RTP clock anywhere).
-        self.pts_offset = (self._last_kept_pts + 1e-3) if self._last_kept_pts is not None else 0.0
+        self._pts_offset = (self._last_kept_pts + 1e-3) if self._last_kept_pts is not None else 0.0
         while self.session is session and not self.stopping:
             try:
                 frame = await asyncio.wait_for(track.recv(), timeout)
@@ -263,14 +262,13 @@ class WhipSource(Source):
             # so latency stays bounded instead of aiortc's queue growing.
             if session.pending is not None:
                 session.skipped += 1
-                self.frames_skipped += 1
                 # The same overflow a camera's queue counts, one step earlier.
                 self._drop("queue_full")
             session.pending = (frame, time.time())
             session.wakeup.set()
 
     async def _convert(self, session: WhipSession) -> None:
-        loop = asyncio.get_running_loop()
+        """Convert the newest received frame into a pooled buffer off the loop, then queue it."""
         while self.session is session and not self.stopping:
             await session.wakeup.wait()
             session.wakeup.clear()
@@ -278,17 +276,35 @@ class WhipSource(Source):
                 continue
             frame, capture_ts = session.pending
             session.pending = None
-            image = await loop.run_in_executor(None, _to_rgb, frame)
-            if self.session is not session:
-                return  # ended while converting: the frame belongs to a gone publisher
             if frame.pts is not None and frame.time_base is not None:
                 pts = float(frame.pts * frame.time_base)
             else:
                 pts = capture_ts
             if session.first_pts is None:
                 session.first_pts = pts
-            if not self.emit(image, pts - session.first_pts, capture_ts):
+            reserved = self._reserve(pts - session.first_pts, (frame.height, frame.width, 3))
+            if reserved is None:
+                continue  # dropped (max_fps, pool_empty) and counted
+            pts, buffer = reserved
+            conversion = asyncio.ensure_future(asyncio.to_thread(copy_rgb, frame, buffer.array))
+            try:
+                await asyncio.shield(conversion)
+            except BaseException:
+                # Cancelled (the session ended) or failed: the worker may still be writing
+                # into the buffer, so it goes back to the pool only once the worker is done.
+                conversion.add_done_callback(functools.partial(_release_after, buffer))
+                raise
+            if self.session is not session or self.stopping:
+                buffer.release()  # ended while converting: the frame belongs to a gone publisher
                 return
+            if not self._publish(buffer, pts, capture_ts):
+                return
+
+
+def _release_after(buffer: BufferHandle, conversion: asyncio.Future[None]) -> None:
+    buffer.release()
+    if not conversion.cancelled() and conversion.exception() is not None:
+        log.debug("frame conversion failed: %r", conversion.exception())
 
 
 async def _discard_frames(track: Any) -> None:

@@ -32,7 +32,6 @@ Frame indices keep counting across reconnects and ``pts`` keeps increasing;
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import random
 import threading
@@ -41,21 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.config import ReconnectConfig, SourceConfig
-from pipeline.stages.source import AvSource, SourceState, StateListener, ffmpeg_reason
+from pipeline.redact import redact_text
+from pipeline.sources.base import ReconnectReason, SourceError, SourceState, StateListener
+from pipeline.sources.decode import AvSource, frame_rate
 
 log = logging.getLogger("vidpipe.source")
 
-# Reconnect reasons: the ``reason`` label of vidpipe_source_reconnects_total (a closed set).
-RECONNECT_REASONS = (
-    "refused",
-    "unreachable",
-    "timeout",
-    "stalled",
-    "end_of_stream",
-    "not_found",
-    "unauthorized",
-    "error",
-)
+__all__ = ["RtspSource", "backoff_delay"]
 
 # How often the supervisor looks at its reader; also the bound on how late stop() is seen.
 _TICK = 0.05
@@ -114,12 +105,17 @@ class _Attempt:
     frames: int = 0
     # Set (under the source's lock) when the supervisor has given up on this reader.
     abandoned: bool = False
-    failure: tuple[str, str] | None = None
+    # (reconnect reason, one-line message); None when the reader stopped because asked to.
+    failure: tuple[ReconnectReason, str] | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
 
 class RtspSource(AvSource):
     """An RTSP/RTSPS camera: reconnects with backoff, detects stalls, never gives up while running."""
+
+    # Frame threads hold frames back (one per thread); slice threads do not.
+    thread_type = "SLICE"
+    skip_bad_packets = True
 
     def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
         super().__init__(config, on_state)
@@ -152,15 +148,6 @@ class RtspSource(AvSource):
         # PyAV interrupts a blocking open or read after these many seconds.
         return (self.config.open_timeout, self.config.read_timeout)
 
-    def open(self) -> Any:
-        """Connect; FFmpeg errors propagate so :meth:`_classify` can name them."""
-        from pipeline.stages.hwdecode import open_with_hwaccel
-
-        container, self.decoder = open_with_hwaccel(
-            self.url, self.open_options(), self.open_timeout(), self.config.decode
-        )
-        return container
-
     # -- supervision -----------------------------------------------------------------------
 
     def run(self) -> None:
@@ -174,9 +161,10 @@ class RtspSource(AvSource):
                 target=self._read, args=(attempt,), name=f"rtsp-{self.id}-{number}", daemon=True
             )
             reader.start()
-            label, message = self._supervise(attempt)
-            if self.stopping:
+            failure = self._supervise(attempt)
+            if failure is None or self.stopping:
                 break
+            label, message = failure
             delay = backoff_delay(self._failures, self.config.reconnect, self._random.random())
             self._failures += 1
             # The retry number makes every failure a state change of its own (one log line each).
@@ -185,14 +173,17 @@ class RtspSource(AvSource):
                 break
             self.count_reconnect(label)
 
-    def _supervise(self, attempt: _Attempt) -> tuple[str, str]:
-        """Wait for the reader to fail or end; step in on stall, a hung open, or stop()."""
+    def _supervise(self, attempt: _Attempt) -> tuple[ReconnectReason, str] | None:
+        """Wait for the reader to fail or end; step in on stall, a hung open, or stop().
+
+        Returns why the connection ended, or None when the source is stopping.
+        """
         cfg = self.config
         while not attempt.done.wait(_TICK):
             now = time.monotonic()
             if self.stopping:
                 self._abandon(attempt)
-                return ("stopped", "stopped")
+                return None
             if attempt.opened is None:
                 if now - attempt.started > cfg.open_timeout + _OPEN_GRACE:
                     self._abandon(attempt)
@@ -200,6 +191,8 @@ class RtspSource(AvSource):
             elif now - (attempt.last_frame or attempt.opened) > cfg.stall_timeout:
                 self._abandon(attempt)
                 return ("stalled", f"stalled: no frame for {cfg.stall_timeout:g}s from {self.display_url}")
+        if self.stopping:
+            return None
         return attempt.failure or ("error", f"connection to {self.display_url} ended")
 
     def _abandon(self, attempt: _Attempt) -> None:
@@ -211,18 +204,16 @@ class RtspSource(AvSource):
 
     def _read(self, attempt: _Attempt) -> None:
         container: Any = None
-        failure: tuple[str, str]
+        failure: tuple[ReconnectReason, str] | None
         try:
             container = self.open()
             attempt.opened = time.monotonic()
             failure = self._decode_live(container, attempt)
-        except Exception as exc:
+        except SourceError as exc:
             failure = self._classify(exc, attempt)
-            if failure[0] == "error":
-                # No traceback: FFmpeg exceptions carry the URL, credentials included.
-                log.debug(
-                    "source %s: reader failed: %s: %s", self.id, type(exc).__name__, self._reason_text(exc)
-                )
+        except Exception as exc:  # a bug, not the camera: reconnect all the same
+            detail = redact_text(str(exc), self.url)
+            failure = ("error", f"lost {self.display_url}: {type(exc).__name__}: {detail}")
         finally:
             if container is not None:
                 with contextlib.suppress(Exception):
@@ -230,83 +221,65 @@ class RtspSource(AvSource):
         attempt.failure = failure
         attempt.done.set()
 
-    def _decode_live(self, container: Any, attempt: _Attempt) -> tuple[str, str]:
-        import av
-
-        if not container.streams.video:
-            return ("error", f"{self.display_url} has no video stream")
-        stream = container.streams.video[0]
-        # Frame threads hold frames back (one per thread); slice threads do not.
-        stream.thread_type = "SLICE"
-        time_base = float(stream.time_base) if stream.time_base else 0.0
-        fps = float(stream.average_rate) if stream.average_rate else 25.0
-        timeline = _Timeline(1.0 / fps)
-        for packet in container.demux(stream):
+    def _decode_live(self, container: Any, attempt: _Attempt) -> tuple[ReconnectReason, str] | None:
+        """Emit the connection's frames until it ends (returns why) or is given up (None)."""
+        stream = self.video_stream(container)
+        step = 1.0 / frame_rate(stream)
+        timeline = _Timeline(step)
+        for frame, seconds in self.frames(container, stream):
             if attempt.abandoned or self.stopping:
-                return ("stopped", "stopped")
-            try:
-                frames = packet.decode()
-            except av.FFmpegError as exc:
-                # A damaged packet on a live stream: skip it, the next keyframe repairs
-                # the picture; the stall watchdog catches a stream that never recovers.
-                log.debug("source %s: skipped a packet: %s", self.id, self._reason_text(exc))
-                continue
-            for av_frame in frames:
-                image = av_frame.to_ndarray(format="rgb24")
-                capture_ts = time.time()
-                raw = float(av_frame.pts) * time_base if av_frame.pts is not None and time_base else None
-                pts = timeline.next(raw)
-                with self._lock:
-                    if attempt.abandoned or self.stopping:
-                        return ("stopped", "stopped")
-                    if attempt.frames == 0:
-                        # RTP timestamps start anywhere on each connection; continue the
-                        # source's timeline one frame after the last frame it kept.
-                        last = self._last_kept_pts
-                        self.pts_offset = 0.0 if last is None else last + 1.0 / fps
-                    attempt.frames += 1
-                    attempt.last_frame = time.monotonic()
-                    self._failures = 0
-                    if not self.emit(image, pts=pts, capture_ts=capture_ts):
-                        return ("stopped", "stopped")
+                return None
+            capture_ts = time.time()
+            pts = timeline.next(seconds)
+            with self._lock:
+                if attempt.abandoned or self.stopping:
+                    return None
+                if attempt.frames == 0:
+                    # RTP timestamps start anywhere on each connection; continue the
+                    # source's timeline one frame after the last frame it kept.
+                    last = self._last_kept_pts
+                    self._pts_offset = 0.0 if last is None else last + step
+                attempt.frames += 1
+                attempt.last_frame = time.monotonic()
+                self._failures = 0
+                if not self.emit_frame(frame, pts, capture_ts):
+                    return None
+        if self.stopping:
+            return None
         return ("end_of_stream", f"end of stream from {self.display_url}")
 
     # -- reasons ---------------------------------------------------------------------------
 
-    def _reason_text(self, exc: BaseException) -> str:
-        return ffmpeg_reason(exc, self.url)
-
-    def _classify(self, exc: BaseException, attempt: _Attempt) -> tuple[str, str]:
+    def _classify(self, exc: SourceError, attempt: _Attempt) -> tuple[ReconnectReason, str]:
         """(reconnect reason label, one-line message) for a failed open or read."""
-        import av
-
         url = self.display_url
         opening = attempt.opened is None
         since = attempt.started if opening else (attempt.last_frame or attempt.opened or attempt.started)
         elapsed = time.monotonic() - since
         cfg = self.config
-        code = getattr(exc, "errno", None)
-        if isinstance(exc, av.error.ConnectionRefusedError):
+        kind = exc.kind
+        if kind == "refused":
             return ("refused", f"cannot connect to {url}: connection refused")
-        if code in (errno.EHOSTUNREACH, errno.ENETUNREACH):
-            return ("unreachable", f"cannot connect to {url}: {self._reason_text(exc).lower()}")
-        if isinstance(exc, av.error.HTTPUnauthorizedError):
+        if kind == "unreachable":
+            return ("unreachable", f"cannot connect to {url}: {exc.detail.lower()}")
+        if kind == "unauthorized":
             return ("unauthorized", f"{url} refused the credentials (401); check user and password")
-        if isinstance(exc, av.error.HTTPForbiddenError):
+        if kind == "forbidden":
             return ("unauthorized", f"{url} answered 403 forbidden; check the account's rights")
-        if isinstance(exc, av.error.HTTPNotFoundError):
+        if kind == "not_found":
             return ("not_found", f"{url} answered 404 not found; check the stream path")
-        # A silent peer shows up as PyAV's interrupt (ExitError), a socket timeout, or, while
-        # FFmpeg waits for an RTSP reply, "invalid data" once the socket read gave up.
+        if kind == "no_video":
+            return ("error", exc.problem)
+        # A silent peer shows up as PyAV's interrupt, a socket timeout, or, while FFmpeg
+        # waits for an RTSP reply, "invalid data" once the socket read gave up.
         timeout_limit = min(cfg.open_timeout, cfg.read_timeout) if opening else cfg.read_timeout
-        timed_out = isinstance(exc, (av.error.ExitError, av.error.TimeoutError)) or (
-            isinstance(exc, av.error.InvalidDataError) and elapsed >= 0.9 * timeout_limit
-        )
+        timed_out = kind == "timeout" or (kind == "invalid_data" and elapsed >= 0.9 * timeout_limit)
         if timed_out and opening:
             return ("timeout", f"no answer from {url} in {elapsed:.1f}s")
         if timed_out:
             return ("timeout", f"read timed out: no data from {url} for {cfg.read_timeout:g}s")
-        if isinstance(exc, av.error.EOFError):
+        if kind == "end_of_stream":
             return ("end_of_stream", f"end of stream from {url}")
         verb = "cannot open" if opening else "lost"
-        return ("error", f"{verb} {url}: {self._reason_text(exc)}")
+        log.debug("source %s: reader failed (%s): %s", self.id, kind, exc.detail)
+        return ("error", f"{verb} {url}: {exc.detail}")

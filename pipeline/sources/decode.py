@@ -1,0 +1,265 @@
+"""The one PyAV open/decode loop that files and RTSP cameras share, hardware decoding included.
+
+::
+
+    sources:
+      - id: gate
+        url: rtsp://10.0.0.5/stream1
+        decode: auto        # auto: NVDEC when PyAV and FFmpeg support it, else software
+                            # cpu: always software; cuda: NVDEC or fail
+
+:func:`open_with_hwaccel` opens the container, with PyAV's CUDA hardware acceleration
+when asked (``av.open(url, hwaccel=HWAccel("cuda"))``, PyAV ≥ 14); FFmpeg falls back
+to software per stream when the codec or profile is not supported, and frames arrive
+as ordinary ``VideoFrame`` objects either way.
+
+:class:`AvSource` opens (:meth:`AvSource.open`), iterates decoded frames
+(:meth:`AvSource.frames`) and hands each to the graph (:meth:`AvSource.emit_frame`);
+every FFmpeg error becomes a :class:`SourceError` whose ``kind`` names the cause and
+whose text has the URL's credentials redacted.
+
+Per frame the CPU path writes the image twice: swscale converts YUV to RGB into a
+frame FFmpeg allocates (:func:`copy_rgb`), and that frame's pixels are copied into
+the source's pooled buffer. PyAV has no call that converts into memory the caller
+owns, so the copy is what keeps the frame pool (and its bound on memory) in charge.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Iterator
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from pipeline.redact import redact_text
+from pipeline.sources.base import SourceError, ThreadedSource
+
+log = logging.getLogger("vidpipe.source")
+
+__all__ = [
+    "AvSource",
+    "DecodeMode",
+    "copy_rgb",
+    "ffmpeg_error_kind",
+    "ffmpeg_reason",
+    "frame_rate",
+    "hwaccel_support",
+    "open_with_hwaccel",
+]
+
+DecodeMode = Literal["auto", "cpu", "cuda"]
+
+
+# -- FFmpeg errors ---------------------------------------------------------------------------
+
+
+def ffmpeg_reason(exc: BaseException, url: str = "") -> str:
+    """An FFmpeg error as one short phrase, with ``url``'s credentials redacted from it."""
+    text = getattr(exc, "strerror", None) or str(exc) or exc.__class__.__name__
+    return redact_text(str(text).strip().rstrip("."), url)
+
+
+def ffmpeg_error_kind(exc: BaseException) -> str:
+    """What an FFmpeg (or socket) error means, in one word: :attr:`SourceError.kind`."""
+    import av
+
+    if isinstance(exc, av.error.ConnectionRefusedError):
+        return "refused"
+    if getattr(exc, "errno", None) in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return "unreachable"
+    if isinstance(exc, av.error.HTTPUnauthorizedError):
+        return "unauthorized"
+    if isinstance(exc, av.error.HTTPForbiddenError):
+        return "forbidden"
+    if isinstance(exc, (av.error.HTTPNotFoundError, FileNotFoundError)):
+        return "not_found"
+    # PyAV interrupts a blocking call that outlived its timeout with ExitError.
+    if isinstance(exc, (av.error.ExitError, av.error.TimeoutError)):
+        return "timeout"
+    if isinstance(exc, av.error.InvalidDataError):
+        return "invalid_data"
+    if isinstance(exc, av.error.EOFError):
+        return "end_of_stream"
+    return "error"
+
+
+# -- hardware decoding -----------------------------------------------------------------------
+
+
+def hwaccel_support() -> tuple[bool, str]:
+    """Whether PyAV can decode with CUDA here: ``(True, "")`` or ``(False, reason)``."""
+    try:
+        import av
+    except ImportError:
+        return False, "PyAV is not installed"
+    try:
+        from av.codec import hwaccel
+    except ImportError:
+        return False, f"PyAV {getattr(av, '__version__', '?')} has no hardware acceleration (needs ≥ 14)"
+    if not hasattr(hwaccel, "HWAccel"):
+        return False, f"PyAV {getattr(av, '__version__', '?')} has no av.codec.hwaccel.HWAccel"
+    available = getattr(hwaccel, "hwdevices_available", None)
+    if callable(available):
+        try:
+            devices = list(available())
+        except Exception as exc:
+            return False, f"cannot list FFmpeg hardware devices: {exc}"
+        if "cuda" not in devices:
+            return False, f"this FFmpeg build has no CUDA hwaccel (it has: {', '.join(devices) or 'none'})"
+    return True, ""
+
+
+# Set once a CUDA open failed where a software open of the same URL worked: stop trying.
+_hw_broken: str | None = None
+
+
+def open_with_hwaccel(
+    url: str,
+    options: dict[str, str] | None = None,
+    timeout: float | tuple[float, float] | None = None,
+    decode: DecodeMode = "auto",
+) -> tuple[Any, str]:
+    """Open ``url`` for decoding; returns ``(container, "cuda" | "software")``.
+
+    ``auto`` tries the CUDA hwaccel and falls back to software with one log
+    line; ``cuda`` raises ``RuntimeError`` instead of falling back; ``cpu``
+    never tries. Errors opening the URL itself propagate unchanged (the
+    caller's message names the source).
+    """
+    import av
+
+    global _hw_broken
+    options = dict(options or {})
+    if decode == "cpu":
+        return av.open(url, options=options, timeout=timeout), "software"
+    supported, reason = hwaccel_support()
+    if not supported:
+        if decode == "cuda":
+            raise RuntimeError(f"decode: cuda is not possible: {reason}")
+        log.info("hardware decoding unavailable (%s); decoding in software", reason)
+        return av.open(url, options=options, timeout=timeout), "software"
+    from av.codec.hwaccel import HWAccel
+
+    if _hw_broken is not None and decode == "auto":
+        return av.open(url, options=options, timeout=timeout), "software"
+    try:
+        accel = HWAccel(device_type="cuda", allow_software_fallback=decode != "cuda")
+        return av.open(url, options=options, timeout=timeout, hwaccel=accel), "cuda"
+    except (FileNotFoundError, ConnectionError, TimeoutError):
+        raise  # the URL itself is the problem; a software open would fail the same way
+    except Exception as exc:
+        # FFmpeg creates the CUDA device when the decoder opens, so a machine without a
+        # usable GPU fails here (e.g. "Operation not permitted") -- but so does a bad URL,
+        # a wrong password or a damaged file. A software open tells the two apart: if it
+        # fails too, its error (about the stream) is the one to report.
+        container = av.open(url, options=options, timeout=timeout)
+        if decode == "cuda":
+            container.close()
+            raise RuntimeError(f"decode: cuda is not possible: {ffmpeg_reason(exc, url)}") from None
+        _hw_broken = ffmpeg_reason(exc, url)
+        log.info("hardware decoding failed to start (%s); decoding in software", _hw_broken)
+        return container, "software"
+
+
+# -- frames ----------------------------------------------------------------------------------
+
+
+def frame_rate(stream: Any) -> float:
+    """A video stream's average frame rate; 25 when the container does not say."""
+    return float(stream.average_rate) if stream.average_rate else 25.0
+
+
+def copy_rgb(frame: Any, out: np.ndarray) -> None:
+    """Write ``frame`` (any pixel format, on the CPU or the GPU) into ``out`` as H×W×3 RGB.
+
+    swscale converts into a new frame (skipped when the frame already is RGB); its
+    rows are padded to ``line_size``, so they are copied through a strided view.
+    """
+    rgb = frame.reformat(format="rgb24")
+    plane = rgb.planes[0]
+    view = np.ndarray((rgb.height, rgb.width, 3), np.uint8, buffer=plane, strides=(plane.line_size, 3, 1))
+    np.copyto(out, view)
+
+
+class AvSource(ThreadedSource):
+    """A stream FFmpeg demuxes and decodes through PyAV: the base of files and cameras."""
+
+    # What decodes it once open: "cuda" (NVDEC) or "software".
+    decoder = "software"
+    # FFmpeg's decoder threads: frame threads are fastest but hold one frame back each.
+    thread_type: ClassVar[str] = "AUTO"
+    # A live stream skips a damaged packet (the next keyframe repairs the picture).
+    skip_bad_packets: ClassVar[bool] = False
+
+    def open_options(self) -> dict[str, str]:
+        return {}
+
+    def open_timeout(self) -> float | tuple[float, float] | None:
+        return None
+
+    def open(self) -> Any:
+        """Open the stream; raises :class:`SourceError` (with ``kind``) when it cannot."""
+        import av
+
+        try:
+            container, self.decoder = open_with_hwaccel(
+                self.url, self.open_options(), self.open_timeout(), self.config.decode
+            )
+        except av.FFmpegError as exc:
+            kind = ffmpeg_error_kind(exc)
+            reason = ffmpeg_reason(exc, self.url)
+            if kind == "not_found" and isinstance(exc, FileNotFoundError):
+                raise SourceError(self.id, f"file not found: {self.display_url}", kind) from None
+            raise SourceError(self.id, f"cannot open {self.display_url}: {reason}", kind, reason) from None
+        except OSError as exc:  # a socket error PyAV did not translate
+            reason = ffmpeg_reason(exc, self.url)
+            raise SourceError(
+                self.id, f"cannot open {self.display_url}: {reason}", ffmpeg_error_kind(exc), reason
+            ) from None
+        except RuntimeError as exc:  # decode: cuda asked for, not possible here
+            raise SourceError(self.id, redact_text(str(exc), self.url)) from None
+        return container
+
+    def video_stream(self, container: Any) -> Any:
+        """The container's first video stream, set up for decoding."""
+        if not container.streams.video:
+            raise SourceError(self.id, f"{self.display_url} has no video stream", "no_video")
+        stream = container.streams.video[0]
+        stream.thread_type = self.thread_type
+        return stream
+
+    def frames(self, container: Any, stream: Any) -> Iterator[tuple[Any, float | None]]:
+        """Each decoded frame of ``stream`` with its timestamp in seconds (None if it has none).
+
+        Ends at the end of the stream or when the source is stopping; a read or decode
+        error raises :class:`SourceError` (a bad packet is skipped with
+        :attr:`skip_bad_packets`).
+        """
+        import av
+
+        time_base = float(stream.time_base) if stream.time_base else 0.0
+        try:
+            for packet in container.demux(stream):
+                if self.stopping:
+                    return
+                try:
+                    decoded = packet.decode()
+                except av.FFmpegError as exc:
+                    if not self.skip_bad_packets:
+                        raise
+                    log.debug("source %s: skipped a packet: %s", self.id, ffmpeg_reason(exc, self.url))
+                    continue
+                for frame in decoded:
+                    seconds = float(frame.pts) * time_base if frame.pts is not None and time_base else None
+                    yield frame, seconds
+        except av.FFmpegError as exc:
+            reason = ffmpeg_reason(exc, self.url)
+            raise SourceError(
+                self.id, f"cannot decode {self.display_url}: {reason}", ffmpeg_error_kind(exc), reason
+            ) from None
+
+    def emit_frame(self, frame: Any, pts: float, capture_ts: float | None = None) -> bool:
+        """Hand a decoded frame to the graph (see :meth:`Source.emit`)."""
+        return self.emit(pts, (frame.height, frame.width, 3), lambda out: copy_rgb(frame, out), capture_ts)

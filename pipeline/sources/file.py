@@ -1,0 +1,89 @@
+"""Video files: decoded once (or looped), every frame processed.
+
+::
+
+    sources:
+      - id: lobby
+        url: samples/generated/demo.mp4   # a path (relative to the YAML file) or file:// URL
+        loop: false                       # start again at the end
+        realtime: false                   # pace at the clip's frame rate
+        max_fps: null                     # drop frames above this rate
+
+A file is lossless: its queue blocks the decode thread while the graph is behind. A
+file that cannot be opened or decoded is reported in one line naming it, goes to
+``failed`` and stops; the other sources go on. A damaged tail ends the file with a
+warning after the frames that did decode.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from pipeline.config import SourceConfig
+from pipeline.sources.base import SourceError, StateListener
+from pipeline.sources.decode import AvSource, frame_rate
+
+log = logging.getLogger("vidpipe.source")
+
+__all__ = ["FileSource"]
+
+
+class FileSource(AvSource):
+    """A video file, lossless: the queue blocks so every frame is processed."""
+
+    def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
+        super().__init__(config, on_state)
+        parts = urlsplit(config.url)
+        self.path = Path(parts.netloc + parts.path) if parts.scheme == "file" else Path(config.url)
+        self.url = str(self.path)
+
+    def run(self) -> None:
+        if not self.path.is_file():
+            raise SourceError(self.id, f"file not found: {self.path}", "not_found")
+        realtime = bool(self.config.realtime)
+        while not self.stopping:
+            container = self.open()
+            try:
+                self._play(container, realtime)
+            finally:
+                container.close()
+            if not self.config.loop:
+                break
+            # Keep pts increasing across loops so max_fps and latency maths stay monotonic.
+            self._pts_offset = (self._last_kept_pts or 0.0) + 1e-3
+
+    def _play(self, container: Any, realtime: bool) -> None:
+        """Decode every frame of one pass; pace it at the clip's rate when ``realtime``."""
+        stream = self.video_stream(container)
+        rate = frame_rate(stream)
+        decoded = 0
+        start_wall = time.monotonic()
+        first_pts: float | None = None
+        try:
+            for frame, seconds in self.frames(container, stream):
+                pts = seconds if seconds is not None else decoded / rate
+                if first_pts is None:
+                    first_pts = pts
+                if realtime:
+                    delay = start_wall + (pts - first_pts) - time.monotonic()
+                    if delay > 0 and self._stop.wait(delay):
+                        return
+                decoded += 1
+                if not self.emit_frame(frame, pts):
+                    return
+        except SourceError as exc:
+            if decoded == 0:
+                raise
+            log.warning(
+                "source %s: stopped decoding %s after %d frames: %s",
+                self.id,
+                self.display_url,
+                decoded,
+                exc.detail,
+            )
+        if decoded == 0 and not self.stopping:
+            raise SourceError(self.id, f"{self.display_url} has no decodable video frames")

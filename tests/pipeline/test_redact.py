@@ -1,0 +1,128 @@
+"""One redactor for every place a camera URL can show up: URLs, FFmpeg errors, states, logs, ids.
+
+Each password is tried raw (as operators paste it) and percent-encoded (as RFC 3986
+wants it); a real RTSP source fails against a closed loopback port with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from urllib.parse import quote, unquote
+
+import av
+import pytest
+
+from pipeline.config import ReconnectConfig, SourceConfig
+from pipeline.frames import Frame
+from pipeline.queues import EndOfStream, FrameQueue
+from pipeline.redact import redact_text, redact_url
+from pipeline.sources.base import SourceError, SourceState
+from pipeline.sources.decode import ffmpeg_reason
+from pipeline.sources.rtsp import RtspSource
+from pipeline.sources.schemes import derive_id
+from tests.support.rtsp_server import free_port
+
+PASSWORDS = [
+    "left@right-side",  # '@': a parser that splits at the first '@' shows "right-side@host"
+    "left/right-side",  # '/': urlsplit ends the host there and reads the rest as a path
+    "left:right-side",
+    "100%pure-secret",  # a '%' that is no escape
+    "frag#ment-secret",
+    "que?ry-secret",
+    "pässwörd-geheim",
+]
+CASES = [
+    pytest.param(password, encoded, id=f"{'encoded' if encoded else 'raw'}-{password}")
+    for password in PASSWORDS
+    for encoded in (False, True)
+]
+
+
+def secrets_of(password: str) -> set[str]:
+    """The password in every form it could leak in, and its pieces between URL delimiters."""
+    forms = {password, quote(password, safe=""), unquote(password)}
+    pieces = {p for form in forms for p in re.split(r"[@/:?#%]+", form) if len(p) >= 4}
+    return forms | pieces
+
+
+def leaks(text: str, password: str) -> list[str]:
+    return sorted(s for s in secrets_of(password) if s in text)
+
+
+def camera_url(password: str, encoded: bool, port: int) -> str:
+    written = quote(password, safe="") if encoded else password
+    return f"rtsp://admin:{written}@127.0.0.1:{port}/cam"
+
+
+@pytest.mark.parametrize(("password", "encoded"), CASES)
+async def test_no_form_of_the_password_shows_anywhere(
+    password: str, encoded: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    port = free_port()  # nothing listens there
+    url = camera_url(password, encoded, port)
+    shown = f"rtsp://***@127.0.0.1:{port}/cam"
+
+    assert redact_url(url) == shown
+    assert derive_id(url) == "cam"  # ids become NATS subjects and metric labels
+
+    # FFmpeg's own error text names the URL it failed on, credentials and all.
+    with pytest.raises(av.FFmpegError) as raised:
+        av.open(url, options={"rtsp_transport": "tcp"}, timeout=2.0)
+    ffmpeg_text = str(raised.value)
+    assert leaks(ffmpeg_text, password), "the test should start from a message that leaks"
+    echoed = f"{ffmpeg_text}; retrying {unquote(url)} as admin:{password} ({quote(password, safe='')})"
+    assert leaks(redact_text(echoed, url), password) == []
+    assert leaks(ffmpeg_reason(raised.value, url), password) == []
+
+    config = SourceConfig(url=url, id="cam", open_timeout=2.0, read_timeout=2.0)
+    source = RtspSource(config)
+    assert source.display_url == shown
+    with pytest.raises(SourceError) as failed:
+        source.open()
+    assert str(failed.value).startswith(f"source cam: cannot open {shown}: ")
+    assert leaks(str(failed.value), password) == []
+    assert leaks(failed.value.detail, password) == []
+
+    # A running source fails, backs off and retries; nothing it says gives the password away.
+    config = SourceConfig(
+        url=url,
+        id="cam",
+        open_timeout=2.0,
+        read_timeout=2.0,
+        reconnect=ReconnectConfig(min_delay=0.05, max_delay=0.05, jitter=0.0),
+    )
+    states: list[tuple[SourceState, str]] = []
+    source = RtspSource(config, on_state=lambda _source, state, reason: states.append((state, reason)))
+    labels: list[str] = []
+    source.on_reconnect = lambda _source, label: labels.append(label)
+    queue: FrameQueue[Frame] = FrameQueue(2, "drop_oldest", asyncio.get_running_loop())
+    source.start(queue)
+    deadline = time.monotonic() + 5
+    while len(labels) < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    source.stop()
+    await asyncio.to_thread(source.join, 2.0)
+    assert isinstance(await queue.get(), EndOfStream)
+    assert len(labels) >= 2 and set(labels) <= {"refused", "error"}
+    backoffs = [reason for state, reason in states if state == SourceState.BACKOFF]
+    assert len(backoffs) >= 2 and all(reason.startswith(f"cannot open {shown}: ") or
+                                      reason.startswith(f"cannot connect to {shown}: ")
+                                      for reason in backoffs), backoffs  # fmt: skip
+    texts = [reason for _, reason in states] + [record.getMessage() for record in caplog.records]
+    for text in texts:
+        assert leaks(text, password) == [], text
+
+
+def test_short_passwords_and_other_urls_in_a_message() -> None:
+    # A short password is too common a string to blank on its own, but never shows in a URL.
+    url = "rtsp://cam:pw@10.0.0.7/live"
+    text = "401 from rtsp://cam:pw@10.0.0.7/live and nats://bot:hunter2@broker:4222 (user cam:pw)"
+    assert redact_text(text, url) == (
+        "401 from rtsp://***@10.0.0.7/live and nats://***@broker:4222 (user ***)"
+    )
+    assert redact_url("rtsp://10.0.0.7/live") == "rtsp://10.0.0.7/live"
+    assert redact_text("no url here", "") == "no url here"

@@ -1,0 +1,67 @@
+"""The source registry and the frame copy shared by every PyAV source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+from pipeline.config import SourceConfig
+from pipeline.sources.decode import copy_rgb
+from pipeline.sources.file import FileSource
+from pipeline.sources.pattern import TestPatternSource
+from pipeline.sources.rtsp import RtspSource
+from pipeline.sources.schemes import SCHEMES, check_url, create_source, derive_id, is_live, resolve_url
+from pipeline.sources.whip import WhipSource
+
+
+@pytest.mark.parametrize(
+    ("url", "cls", "live", "sid"),
+    [
+        ("/data/clips/lobby.mp4", FileSource, False, "lobby"),
+        ("file:///data/clips/gate%201.mp4", FileSource, False, "gate_201"),
+        ("test://?width=64&height=48&id=left", TestPatternSource, True, "left"),
+        ("rtsp://user:pw@10.0.0.7:554/cam/1", RtspSource, True, "cam_1"),
+        ("rtsps://10.0.0.7", RtspSource, True, "10_0_0_7"),
+        ("whip://door", WhipSource, True, "door"),
+    ],
+)
+def test_each_scheme_makes_its_source(url: str, cls: type, live: bool, sid: str) -> None:
+    assert check_url(url) is None
+    assert is_live(url) is live
+    assert derive_id(url) == sid
+    source = create_source(SourceConfig(url=url, id=sid))
+    assert type(source) is cls
+    assert source.live is live and source.id == sid
+
+
+def test_scheme_names_and_unknown_schemes() -> None:
+    assert sorted(SCHEMES) == ["file", "rtsp", "rtsps", "test", "whip"]
+    assert is_live("rtsp") and not is_live("file")
+    assert check_url("gopher://u:secret@x/y") == "unsupported source scheme 'gopher' in 'gopher://***@x/y'"
+    assert check_url(r"C:\clips\a.mp4") is None  # a drive letter is not a scheme
+
+
+def test_relative_files_resolve_and_other_urls_pass_through(tmp_path: Path) -> None:
+    assert resolve_url("clips/a.mp4", tmp_path) == str(tmp_path / "clips" / "a.mp4")
+    assert resolve_url("file://clips/a.mp4", tmp_path) == str(tmp_path / "clips" / "a.mp4")
+    assert resolve_url("/abs/a.mp4", tmp_path) == "/abs/a.mp4"
+    assert resolve_url("rtsp://cam/x", tmp_path) == "rtsp://cam/x"
+
+
+@pytest.mark.parametrize("width", [100, 101, 1280])
+def test_copy_rgb_skips_the_row_padding(width: int) -> None:
+    height = 6
+    image = np.arange(height * width * 3, dtype=np.uint32).astype(np.uint8).reshape(height, width, 3)
+    frame = av.VideoFrame.from_ndarray(image, format="rgb24").reformat(format="yuv444p")
+    rgb = frame.reformat(format="rgb24")
+    if width == 100:
+        assert rgb.planes[0].line_size > width * 3  # FFmpeg pads rows: the case that matters
+    out = np.zeros((height, width, 3), np.uint8)
+    copy_rgb(frame, out)
+    assert np.array_equal(out, frame.to_ndarray(format="rgb24"))
+    # An RGB frame is copied as it is, without a conversion.
+    copy_rgb(av.VideoFrame.from_ndarray(image, format="rgb24"), out)
+    assert np.array_equal(out, image)
