@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import enum
-import importlib
 import importlib.util
 import logging
 import time
@@ -46,6 +45,7 @@ import numpy as np
 
 from inference.backends import create_backend
 from inference.backends.base import Backend, BackendError, TensorSpec
+from inference.batch_policy import BatchPolicy
 from inference.batcher import (
     UNAVAILABLE,
     BatcherStats,
@@ -54,19 +54,17 @@ from inference.batcher import (
     InferenceRejected,
     NullObserver,
 )
-from inference.batching import BatchPolicy
 from inference.config import ModelConfig
 from inference.memory import BufferPool
+from inference.processing.base import Task
 from inference.processing.resize import check_image as check_rgb_image
+from inference.processing.tasks import create_task
 from inference.results import Result
-from inference.tasks import Task
 
 log = logging.getLogger(__name__)
 
 TaskFactory = Callable[[ModelConfig, TensorSpec, Mapping[str, str], Sequence[str]], Task]
 BackendFactory = Callable[[ModelConfig, Path, int], Backend]
-
-_TASK_MODULES = ("inference.processing.tasks", "inference.tasks_impl")
 
 
 class ModelState(enum.Enum):
@@ -97,20 +95,8 @@ class ModelConfigError(BackendError):
 def default_task_factory(
     config: ModelConfig, input_spec: TensorSpec, metadata: Mapping[str, str], labels: Sequence[str]
 ) -> Task:
-    """Build the task for ``task.kind`` from the processing package (imported on first use)."""
-    for module_name in _TASK_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:
-                continue
-            raise
-        task: Task = module.create_task(config, input_spec, metadata, labels)
-        return task
-    raise BackendError(
-        f"{config.name}: no pre/post-processing for task kind {config.task.kind!r} is installed "
-        f"(looked for create_task in {', '.join(_TASK_MODULES)})"
-    )
+    """Build the task for ``task.kind`` (:func:`inference.processing.tasks.create_task`)."""
+    return create_task(config, input_spec, metadata, labels)
 
 
 def resolve_model_file(config: ModelConfig, model_dir: Path, version_dir: Path | None = None) -> Path:

@@ -35,8 +35,8 @@ from typing import Any
 
 from inference.backends import create_backend
 from inference.backends.base import TensorSpec
+from inference.batch_policy import BatchPolicy
 from inference.batcher import InferenceObserver, NullObserver
-from inference.batching import BatchPolicy
 from inference.config import ModelConfig
 from inference.model import (
     BackendFactory,

@@ -3,8 +3,9 @@
 Images go in as H×W×3 uint8 RGB and results come out in source-image pixels.
 The modules own one concept each: ``resize`` (geometry and normalisation into
 the batch tensor), ``nms``, ``yolo``, ``classify``, ``db`` (text detection),
-``ctc`` (text recognition), ``crop`` (second-stage crops) and ``tasks`` (the
-concrete :class:`~inference.tasks.Task` classes and :func:`create_task`).
+``ctc`` (text recognition), ``crop`` (second-stage crops), ``base`` (the
+:class:`~inference.processing.base.Task` contract every kind implements) and
+``tasks`` (the concrete task per ``task.kind`` and :func:`create_task`).
 """
 
 from __future__ import annotations

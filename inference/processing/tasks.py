@@ -1,4 +1,4 @@
-"""Concrete :class:`~inference.tasks.Task` implementations and the factory that picks one.
+"""Concrete :class:`~inference.processing.base.Task` implementations and the factory that picks one.
 
 ``task.kind`` in a model config selects the class:
 
@@ -26,13 +26,13 @@ import numpy as np
 
 from inference.backends.base import TensorSpec
 from inference.config import ModelConfig
+from inference.processing.base import Task
 from inference.processing.classify import classify
 from inference.processing.ctc import CTCDecoder, parse_dictionary
 from inference.processing.db import DBParams, db_boxes
 from inference.processing.resize import ImagePreprocessor
 from inference.processing.yolo import decode_yolo, resolve_layout
 from inference.results import Detection, Recognition, Result
-from inference.tasks import Task
 
 __all__ = ["ClassifyTask", "TextDetectTask", "TextRecognizeTask", "YoloTask", "create_task"]
 

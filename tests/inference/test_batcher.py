@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from inference.backends.base import Backend, TensorSpec
+from inference.batch_policy import BatchPolicy
 from inference.batcher import (
     BatcherStats,
     DynamicBatcher,
@@ -27,7 +28,6 @@ from inference.batcher import (
     InferenceRejected,
     InferenceTimeout,
 )
-from inference.batching import BatchPolicy
 from inference.config import (
     DynamicBatching,
     InputConfig,
@@ -38,8 +38,8 @@ from inference.config import (
     TaskConfig,
 )
 from inference.model import Model, ModelState, ModelUnavailable
+from inference.processing.base import Task
 from inference.results import Classification, Result
-from inference.tasks import Task
 
 WAIT = 5.0  # seconds; only ever reached when something is broken
 

@@ -22,9 +22,9 @@ from inference.processing import (
     create_task,
     crop_upright,
 )
+from inference.processing.base import Task
 from inference.results import Classification, Detection, Recognition
 from inference.schema import build
-from inference.tasks import Task
 
 MODELS = Path(rapidocr_onnxruntime.__file__).parent / "models"
 NORM: dict[str, Any] = {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "color": "bgr"}

@@ -18,10 +18,10 @@ from inference.backends.base import TensorSpec
 from inference.backends.onnxruntime import OnnxRuntimeBackend, choose_providers
 from inference.config import BackendOptions, InputConfig, InstanceGroup, ModelConfig, ModelFile, TaskConfig
 from inference.model import ModelState, ModelUnavailable
+from inference.processing.base import Task
 from inference.repository import ModelNotFoundError, ModelRepository, describe_repository
 from inference.results import Classification, Result
 from inference.schema import ConfigError
-from inference.tasks import Task
 
 WAIT = 10.0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference.batching import (
+from inference.batch_policy import (
     BatchPolicy,
     LevelPolicy,
     PendingQueue,

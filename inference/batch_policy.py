@@ -1,4 +1,4 @@
-"""Dynamic-batching rules: when to send how many queued requests, and the queue they come from.
+"""The batch policy: when to send how many queued requests, and the queue they come from.
 
 This module owns the decisions only; it has no threads and no clock of its own
 (every function takes ``now``), so each rule can be checked in isolation. The
