@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from inference.batch_policy import BatchPolicy, PendingQueue, Send, next_batch, split_by_level
+from inference.errors import VidpipeError
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ UNAVAILABLE = "unavailable"
 SHUTDOWN = "shutdown"
 
 
-class InferenceError(RuntimeError):
+class InferenceError(VidpipeError, RuntimeError):
     """A request to ``model`` was not answered with a result."""
 
     def __init__(self, model: str, message: str) -> None:

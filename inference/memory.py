@@ -29,8 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from inference.errors import VidpipeError
 
-class PoolExhausted(TimeoutError):
+
+class PoolExhausted(VidpipeError, TimeoutError):
     """No buffer came back within the acquire timeout."""
 
 

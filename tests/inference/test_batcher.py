@@ -85,8 +85,9 @@ class FakeBackend(Backend):
         fail: set[int],
         batched: bool,
     ) -> None:
-        shape: tuple[int | None, ...] = (None, 1, 1, 1) if batched else (1, 1, 1)
-        self.inputs = [TensorSpec("x", shape, "float32")]
+        shape: tuple[int | None, ...] = (None, 3, 1, 1) if batched else (3, 1, 1)
+        self.input = TensorSpec("x", shape, "float32")
+        self.inputs = [self.input]
         self.outputs = [TensorSpec("y", shape[:1], "float32")]
         self.metadata = {"kind": "fake"}
         self.instance = instance
@@ -103,7 +104,8 @@ class FakeBackend(Backend):
         x = inputs["x"]
         self.ranks.add(x.ndim)
         self.pointers.add(x.__array_interface__["data"][0])
-        ids = [int(v) for v in x.reshape(-1)]
+        first = x[:, 0, 0, 0] if x.ndim == 4 else x[0, 0]  # each item's id (the task's first byte)
+        ids = [int(v) for v in first.reshape(-1)]
         self.log.append((self.instance, ids))
         self.started.put(ids)
         if self.hold.intersection(ids):
@@ -111,7 +113,7 @@ class FakeBackend(Backend):
         if self.fail.intersection(ids):
             raise ValueError("bad input 13")
         # One value per item; an unbatched model's output has no batch axis either.
-        return {"y": x.reshape(-1).copy() if x.ndim == 4 else x.reshape(()).copy()}
+        return {"y": first.copy() if x.ndim == 4 else first.reshape(()).copy()}
 
     def close(self) -> None:
         self.closed = True
@@ -149,7 +151,7 @@ class Harness:
         self.config = ModelConfig(
             name="m",
             model_file=ModelFile(path="m.onnx"),
-            input=InputConfig(shape=[1, 1, 1], mean=[0.0], std=[1.0]),
+            input=InputConfig(shape=[3, 1, 1]),
             task=TaskConfig(kind="classify"),
             max_batch_size=max_batch_size,
             dynamic_batching=DynamicBatching(**batching),
@@ -501,7 +503,7 @@ def test_a_model_whose_backend_fails_to_load_is_unavailable(tmp_path: Path) -> N
     cfg = ModelConfig(
         name="m",
         model_file=ModelFile(path="m.onnx"),
-        input=InputConfig(shape=[1, 1, 1], mean=[0.0], std=[1.0]),
+        input=InputConfig(shape=[3, 1, 1]),
         task=TaskConfig(kind="classify"),
     )
 
