@@ -268,8 +268,11 @@ class Model:
                         # fused kernel on the instance's stream; the engine reads them in place.
                         from inference.gpu import device_batch_pool, gpu_preprocessor
 
-                        pool = device_batch_pool(config, name=pool_name)
-                        task.preprocessor = gpu_preprocessor(config, stream=getattr(backend, "stream", None))
+                        _, gpu = config.placement(index)
+                        pool = device_batch_pool(config, name=pool_name, device=gpu)
+                        task.preprocessor = gpu_preprocessor(
+                            config, stream=getattr(backend, "stream", None), device=gpu
+                        )
                     else:
                         pool = BufferPool(self.batch_shape, config.input.dtype, count=1, name=pool_name)
                 except BaseException:

@@ -388,16 +388,21 @@ class TensorRTBackend(Backend):
         return self._stream
 
     def run(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Run one batch and return NumPy outputs (fresh arrays, safe to keep)."""
+        """Run one batch and return NumPy outputs (fresh arrays, safe to keep).
+
+        Every output is queued as an asynchronous device→pinned-host copy on the
+        instance's stream; the host then waits once for the whole batch.
+        """
         outputs = self.run_device(inputs)
         try:
             with self._device:
                 hosts = {}
                 for name, arr in outputs.items():
                     host = self._out_host[name].reshape(-1)[: arr.size].reshape(arr.shape)
-                    arr.get(stream=self._stream, out=host)
+                    # blocking=False: queue the copy without a host wait per output.
+                    arr.get(stream=self._stream, out=host, blocking=False)
                     hosts[name] = host
-                self._stream.synchronize()
+                self._stream.synchronize()  # the one wait of this batch
                 # Copies, so results outlive the next batch (the pinned buffers are reused).
                 return {name: host.copy() for name, host in hosts.items()}
         except Exception as exc:
