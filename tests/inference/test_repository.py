@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -196,7 +197,9 @@ async def test_reload_swaps_then_lets_requests_on_the_old_model_finish(tmp_path:
     queued = old.submit(rgb(0, 50, 0))  # waits in the old model's queue
     assert await asyncio.to_thread(started.wait, WAIT)
     reload = asyncio.create_task(repo.reload("cls"))
+    deadline = time.monotonic() + WAIT
     while repo.get("cls") is old:
+        assert time.monotonic() < deadline, "the reload never swapped the new copy in"
         await asyncio.sleep(0.005)
     new = repo.get("cls")
     assert new.state is ModelState.READY
