@@ -131,3 +131,10 @@ def test_runtime_errors_say_what_and_what_to_do() -> None:
         DynamicBatching(
             priority_levels=2, default_priority_level=1, priority_queue_policy={"0": QueuePolicy()}
         )
+
+
+def test_origin_is_set_by_the_loader_and_refused_in_yaml() -> None:
+    data = load_yaml_text(CONFIG.format(name="cls") + "origin: here\n", "c.yaml")
+    with pytest.raises(ConfigError) as err:
+        build(data, ModelConfig, "c.yaml")
+    assert (err.value.line, err.value.path, err.value.problem) == (7, "origin", "unknown key")

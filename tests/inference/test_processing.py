@@ -12,7 +12,6 @@ from onnx import TensorProto, helper
 
 from inference.backends.base import TensorSpec
 from inference.config import InputConfig, ModelConfig
-from inference.processing import YoloTask, create_task
 from inference.processing.classify import classify, is_probability, softmax, top_k
 from inference.processing.nms import batched_nms, nms
 from inference.processing.resize import (
@@ -22,6 +21,7 @@ from inference.processing.resize import (
     keep_height_geometry,
     letterbox_geometry,
 )
+from inference.processing.tasks import YoloTask, create_task
 from inference.processing.yolo import decode_yolo, resolve_layout
 from inference.results import Classification, Detection
 from inference.schema import build
