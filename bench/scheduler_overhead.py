@@ -28,8 +28,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import cpu_name
+from inference.batch_policy import BatchPolicy
 from inference.batcher import DynamicBatcher
-from inference.batching import BatchPolicy
 
 
 def null_instance(items: list[Any]) -> list[Any]:

@@ -2,7 +2,7 @@
 
 :class:`DynamicBatcher` owns one worker thread per model instance (the
 ``instance_group`` counts, summed). A free worker takes the next batch that the
-rules in :mod:`inference.batching` allow, runs it through its instance and
+rules in :mod:`inference.batch_policy` allow, runs it through its instance and
 answers every request in it. An instance is only ever called from its own
 worker thread, one batch at a time. It is configured by the model's
 ``config.yaml``::
@@ -47,7 +47,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from inference.batching import BatchPolicy, PendingQueue, Send, next_batch, split_by_level
+from inference.batch_policy import BatchPolicy, PendingQueue, Send, next_batch, split_by_level
+from inference.errors import VidpipeError
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ UNAVAILABLE = "unavailable"
 SHUTDOWN = "shutdown"
 
 
-class InferenceError(RuntimeError):
+class InferenceError(VidpipeError, RuntimeError):
     """A request to ``model`` was not answered with a result."""
 
     def __init__(self, model: str, message: str) -> None:

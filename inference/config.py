@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from inference.schema import spec
+from inference.schema import ConfigError, ConfigOrigin, spec
 
 TaskKind = Literal["yolo", "classify", "text_detect", "text_recognize"]
 
@@ -63,6 +63,9 @@ class InputConfig:
     def __post_init__(self) -> None:
         if len(self.shape) != 3 or any(d <= 0 for d in self.shape):
             raise ValueError("input.shape must be three positive integers [C, H, W]")
+        if self.shape[0] != 3:
+            # Every task kind feeds H×W×3 RGB images; this is the only channel check.
+            raise ValueError(f"input.shape {list(self.shape)}: images have 3 channels, so C must be 3")
         if len(self.mean) != self.shape[0] or len(self.std) != self.shape[0]:
             raise ValueError("input.mean and input.std need one value per channel")
 
@@ -118,6 +121,13 @@ class DynamicBatching:
             raise ValueError("dynamic_batching.preferred_batch_size values must be positive")
         if self.priority_levels and not 1 <= self.default_priority_level <= self.priority_levels:
             raise ValueError("dynamic_batching.default_priority_level must be in 1..priority_levels")
+        levels = max(1, self.priority_levels)
+        for key in self.priority_queue_policy:
+            if not (key.isdigit() and 1 <= int(key) <= levels):
+                raise ValueError(
+                    f"dynamic_batching.priority_queue_policy key {key!r} is not a priority level "
+                    f"in 1..{levels} (set priority_levels to cover it)"
+                )
 
 
 @dataclass(frozen=True)
@@ -143,6 +153,24 @@ class BackendOptions:
     workspace_mb: int = field(default=1024, metadata=spec(ge=16))
 
 
+class ModelConfigError(ConfigError):
+    """A model's config.yaml disagrees with what it names (files, the model, this machine).
+
+    Raised after the file parsed, by loading; ``path`` is the key to change and
+    ``line`` its line when the config came from a file.
+    """
+
+    def __init__(
+        self, model: str, file: str, line: int | None, path: str, problem: str, hint: str = ""
+    ) -> None:
+        self.model = model
+        super().__init__(file, line, path, problem, hint)
+
+    @property
+    def key(self) -> str:
+        return self.path
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """One model in the repository."""
@@ -159,8 +187,12 @@ class ModelConfig:
     dynamic_batching: DynamicBatching = field(default_factory=DynamicBatching)
     instance_group: list[InstanceGroup] = field(default_factory=lambda: [InstanceGroup()])
     backend_options: BackendOptions = field(default_factory=BackendOptions)
+    # Set by the repository to the file it read, so later checks can point at lines.
+    origin: ConfigOrigin | None = field(default=None, compare=False, repr=False, metadata={"yaml": False})
 
     def __post_init__(self) -> None:
+        if self.labels and self.labels_file:
+            raise ValueError("set labels or labels_file, not both")
         if self.max_batch_size:
             too_big = [b for b in self.dynamic_batching.preferred_batch_size if b > self.max_batch_size]
             if too_big:
@@ -172,3 +204,25 @@ class ModelConfig:
     @property
     def instance_count(self) -> int:
         return sum(g.count for g in self.instance_group)
+
+    def placement(self, instance: int) -> tuple[InstanceGroup, int]:
+        """The group that instance number ``instance`` (0-based) belongs to, and its GPU id.
+
+        Instances are numbered across groups in order; a group's instances take
+        its ``gpus`` in turn (GPU 0 when none are listed).
+        """
+        start = 0
+        for group in self.instance_group:
+            if 0 <= instance < start + group.count:
+                gpus = group.gpus or [0]
+                return group, gpus[(instance - start) % len(gpus)]
+            start += group.count
+        raise IndexError(f"{self.name}: instance {instance} does not exist; instance_group has {start}")
+
+    def error(
+        self, key: str, problem: str, hint: str = "", *, kind: type[ModelConfigError] = ModelConfigError
+    ) -> ModelConfigError:
+        """A :class:`ModelConfigError` (or subclass ``kind``) at ``key``'s line in this config's file."""
+        if self.origin is None:
+            return kind(self.name, f"model {self.name!r}", None, key, problem, hint)
+        return kind(self.name, self.origin.file, self.origin.line(key), key, problem, hint)

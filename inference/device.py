@@ -29,8 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from inference.errors import VidpipeError
+
 __all__ = [
     "DLPACK_CUDA_DEVICES",
+    "GpuUnavailableError",
     "as_device_array",
     "current_stream",
     "get_array_module",
@@ -46,6 +49,11 @@ __all__ = [
 
 # DLPack device types that are CUDA device memory (kDLCUDA, kDLCUDAManaged).
 DLPACK_CUDA_DEVICES = (2, 13)
+
+
+class GpuUnavailableError(VidpipeError, RuntimeError):
+    """The GPU path was asked for but CuPy or a CUDA device is not usable; the message says why."""
+
 
 _probe_lock = threading.Lock()
 _probe: tuple[bool, str] | None = None
@@ -97,10 +105,10 @@ def _probe_gpu() -> tuple[bool, str]:
 
 
 def require_cupy() -> ModuleType:
-    """Import CuPy or raise ``RuntimeError`` saying why the GPU cannot be used."""
+    """Import CuPy or raise :class:`GpuUnavailableError` saying why the GPU cannot be used."""
     ok, reason = gpu_available()
     if not ok:
-        raise RuntimeError(f"the GPU path is not available: {reason}")
+        raise GpuUnavailableError(f"the GPU path is not available: {reason}")
     return importlib.import_module("cupy")
 
 

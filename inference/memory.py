@@ -29,8 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from inference.errors import VidpipeError
 
-class PoolExhausted(TimeoutError):
+
+class PoolExhausted(VidpipeError, TimeoutError):
     """No buffer came back within the acquire timeout."""
 
 
@@ -93,10 +95,16 @@ class BufferPool:
         self.dtype = dtype
         self.xp = xp
         self._cond = threading.Condition(threading.Lock())
-        self._handles = [BufferHandle(self, i, xp.empty(self.shape, dtype=dtype)) for i in range(count)]
+        self._allocations = 0
+        self._handles = [BufferHandle(self, i, self._allocate()) for i in range(count)]
         self._free = list(reversed(self._handles))
-        self._allocations = count
         self._waits = 0
+
+    def _allocate(self) -> Any:
+        # The only place the pool creates an array, so ``allocations`` counts every one.
+        array = self.xp.empty(self.shape, dtype=self.dtype)
+        self._allocations += 1
+        return array
 
     @property
     def capacity(self) -> int:
@@ -105,7 +113,7 @@ class BufferPool:
 
     @property
     def allocations(self) -> int:
-        """Arrays ever created; fixed at ``capacity`` for the pool's life."""
+        """Arrays this pool has created; equal to ``capacity`` while the pool never grows."""
         return self._allocations
 
     @property

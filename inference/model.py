@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import enum
-import importlib
 import importlib.util
 import logging
 import time
@@ -45,7 +44,8 @@ from typing import Any
 import numpy as np
 
 from inference.backends import create_backend
-from inference.backends.base import Backend, BackendError, TensorSpec
+from inference.backends.base import Backend, TensorSpec
+from inference.batch_policy import BatchPolicy
 from inference.batcher import (
     UNAVAILABLE,
     BatcherStats,
@@ -54,19 +54,17 @@ from inference.batcher import (
     InferenceRejected,
     NullObserver,
 )
-from inference.batching import BatchPolicy
 from inference.config import ModelConfig
 from inference.memory import BufferPool
+from inference.processing.base import Task
 from inference.processing.resize import check_image as check_rgb_image
+from inference.processing.tasks import create_task
 from inference.results import Result
-from inference.tasks import Task
 
 log = logging.getLogger(__name__)
 
 TaskFactory = Callable[[ModelConfig, TensorSpec, Mapping[str, str], Sequence[str]], Task]
 BackendFactory = Callable[[ModelConfig, Path, int], Backend]
-
-_TASK_MODULES = ("inference.processing.tasks", "inference.tasks_impl")
 
 
 class ModelState(enum.Enum):
@@ -86,33 +84,6 @@ class ModelUnavailable(InferenceRejected):
         super().__init__(model, UNAVAILABLE, f"the model is {state.value}" + (f": {why}" if why else ""))
 
 
-class ModelConfigError(BackendError):
-    """A model file or labels file named in config.yaml is missing; ``key`` is the key to fix."""
-
-    def __init__(self, message: str, key: str) -> None:
-        self.key = key
-        super().__init__(message)
-
-
-def default_task_factory(
-    config: ModelConfig, input_spec: TensorSpec, metadata: Mapping[str, str], labels: Sequence[str]
-) -> Task:
-    """Build the task for ``task.kind`` from the processing package (imported on first use)."""
-    for module_name in _TASK_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:
-                continue
-            raise
-        task: Task = module.create_task(config, input_spec, metadata, labels)
-        return task
-    raise BackendError(
-        f"{config.name}: no pre/post-processing for task kind {config.task.kind!r} is installed "
-        f"(looked for create_task in {', '.join(_TASK_MODULES)})"
-    )
-
-
 def resolve_model_file(config: ModelConfig, model_dir: Path, version_dir: Path | None = None) -> Path:
     """The model file's absolute path; relative paths are taken from the version folder or model folder."""
     mf = config.model_file
@@ -122,10 +93,10 @@ def resolve_model_file(config: ModelConfig, model_dir: Path, version_dir: Path |
         except (ImportError, ValueError):
             spec = None
         if spec is None:
-            raise ModelConfigError(
-                f"{config.name}: model_file.package {mf.package!r} is not installed "
-                f"(install it, or point model_file.path at a local file)",
+            raise config.error(
                 "model_file.package",
+                f"package {mf.package!r} is not installed",
+                "install it, or point model_file.path at a local file",
             )
         if spec.submodule_search_locations:
             roots = [Path(p) for p in spec.submodule_search_locations]
@@ -138,26 +109,23 @@ def resolve_model_file(config: ModelConfig, model_dir: Path, version_dir: Path |
             if candidate.is_file():
                 return candidate
         where = roots[0] if roots else mf.package
-        raise ModelConfigError(
-            f"{config.name}: package {mf.package!r} has no file {mf.path!r} (looked in {where})",
-            "model_file.path",
+        raise config.error(
+            "model_file.path", f"package {mf.package!r} has no file {mf.path!r} (looked in {where})"
         )
     path = Path(mf.path)
     if not path.is_absolute():
         path = (version_dir or model_dir) / path
     if not path.is_file():
-        raise ModelConfigError(
-            f"{config.name}: model file not found: {path} (fix model_file.path; relative paths start "
-            f"at {version_dir or model_dir})",
+        raise config.error(
             "model_file.path",
+            f"model file not found: {path}",
+            f"relative paths start at {version_dir or model_dir}",
         )
     return path
 
 
 def load_labels(config: ModelConfig, model_dir: Path) -> list[str]:
     """Class labels from ``labels`` or ``labels_file`` (one per line, relative to the model folder)."""
-    if config.labels and config.labels_file:
-        raise ModelConfigError(f"{config.name}: set labels or labels_file, not both", "labels_file")
     if not config.labels_file:
         return list(config.labels)
     path = Path(config.labels_file)
@@ -166,9 +134,7 @@ def load_labels(config: ModelConfig, model_dir: Path) -> list[str]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        raise ModelConfigError(
-            f"{config.name}: cannot read labels_file {path}: {exc}", "labels_file"
-        ) from exc
+        raise config.error("labels_file", f"cannot read {path}: {exc.strerror or exc}") from exc
     # Blank lines inside the file keep their class id; trailing ones are just the file's end.
     while lines and not lines[-1].strip():
         lines.pop()
@@ -194,15 +160,6 @@ class ModelInstance:
     input_name: str
 
 
-def _input_spec(config: ModelConfig, backend: Backend) -> TensorSpec:
-    wanted = config.input.name
-    for spec in backend.inputs:
-        if wanted is None or spec.name == wanted:
-            return spec
-    names = ", ".join(s.name for s in backend.inputs) or "none"
-    raise BackendError(f"{config.name}: the model has no input {wanted!r} (inputs: {names}); fix input.name")
-
-
 class Model:
     """A model's instances behind one dynamic batcher."""
 
@@ -214,7 +171,7 @@ class Model:
         version: int | None = None,
         version_dir: Path | None = None,
         backend_factory: BackendFactory = create_backend,
-        task_factory: TaskFactory = default_task_factory,
+        task_factory: TaskFactory = create_task,
         observer: InferenceObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         describe_error: Callable[[BaseException], str] | None = None,
@@ -299,29 +256,29 @@ class Model:
         try:
             self.model_path = resolve_model_file(config, self.model_dir, self.version_dir)
             self.labels = load_labels(config, self.model_dir)
-            try:
-                policy = BatchPolicy.from_config(config)
-            except ValueError as exc:
-                raise ModelConfigError(str(exc), "dynamic_batching.priority_queue_policy") from None
+            policy = BatchPolicy.from_config(config)
             for index in range(config.instance_count):
                 backend = self._backend_factory(config, self.model_path, index)
                 try:
-                    spec = _input_spec(config, backend)
-                    task = self._task_factory(config, spec, backend.metadata, self.labels)
+                    # The backend checked its input against the config while loading.
+                    task = self._task_factory(config, backend.input, backend.metadata, self.labels)
                     pool_name = f"{self.name}/instance-{index}"
                     if config.backend == "tensorrt":
-                        # Batch tensors stay on the device and are filled by one fused kernel
-                        # on the instance's stream; the engine reads them without a host copy.
+                        # Batch tensors stay on the instance's GPU and are filled there by one
+                        # fused kernel on the instance's stream; the engine reads them in place.
                         from inference.gpu import device_batch_pool, gpu_preprocessor
 
-                        pool = device_batch_pool(config, name=pool_name)
-                        task.preprocessor = gpu_preprocessor(config, stream=getattr(backend, "stream", None))
+                        _, gpu = config.placement(index)
+                        pool = device_batch_pool(config, name=pool_name, device=gpu)
+                        task.preprocessor = gpu_preprocessor(
+                            config, stream=getattr(backend, "stream", None), device=gpu
+                        )
                     else:
                         pool = BufferPool(self.batch_shape, config.input.dtype, count=1, name=pool_name)
                 except BaseException:
                     backend.close()
                     raise
-                instances.append(ModelInstance(index, backend, task, pool, spec.name))
+                instances.append(ModelInstance(index, backend, task, pool, backend.input.name))
             runners = [partial(self._execute, inst) for inst in instances]
             batcher = DynamicBatcher(self.name, policy, runners, observer=self.observer, clock=self._clock)
             batcher.start()

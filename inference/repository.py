@@ -26,6 +26,7 @@ the old one still finish. If the new copy fails, the old one keeps serving.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -36,25 +37,25 @@ from typing import Any
 from inference.backends import create_backend
 from inference.backends.base import TensorSpec
 from inference.batcher import InferenceObserver, NullObserver
-from inference.batching import BatchPolicy
 from inference.config import ModelConfig
+from inference.errors import VidpipeError
 from inference.model import (
     BackendFactory,
     Model,
     ModelState,
     ModelUnavailable,
     TaskFactory,
-    default_task_factory,
     resolve_model_file,
 )
-from inference.schema import ConfigError, build, line_of, load_yaml
+from inference.processing.tasks import create_task
+from inference.schema import ConfigError, ConfigOrigin, build, line_of, load_yaml
 
 CONFIG_FILE = "config.yaml"
 
 log = logging.getLogger(__name__)
 
 
-class ModelNotFoundError(LookupError):
+class ModelNotFoundError(VidpipeError, LookupError):
     """No folder with a config.yaml for that model name."""
 
 
@@ -88,25 +89,10 @@ class ModelSource:
     def model_dir(self) -> Path:
         return self.file.parent
 
-    def line_of_key(self, key: str) -> int | None:
-        """The line of a dotted config key, or of its nearest parent present in the file."""
-        node = self.data
-        line = line_of(node)
-        for part in key.split("."):
-            here = line_of(node, part) if isinstance(node, dict) else None
-            if here is None:
-                break
-            line = here
-            node = node.get(part)
-        return line
-
     def describe(self, exc: BaseException) -> str:
-        """Render a load error; errors that name a config key point at its line."""
+        """Render a load error; config errors already say ``FILE:LINE: key``."""
         if isinstance(exc, ConfigError):
             return exc.render()
-        key = getattr(exc, "key", None)
-        if isinstance(key, str):
-            return ConfigError(str(self.file), self.line_of_key(key), key, str(exc)).render()
         return f"{self.file}: {exc}"
 
 
@@ -118,6 +104,8 @@ def read_source(root: Path, name: str) -> ModelSource:
         raise ModelNotFoundError(f"no model {name!r} in {root} (expected {path})")
     data = load_yaml(path)
     config = build(data, ModelConfig, str(path))
+    # Later checks (model file, labels, the model's input) point at lines of this file.
+    config = dataclasses.replace(config, origin=ConfigOrigin(str(path), data))
     if config.name != name:
         raise ConfigError(
             str(path),
@@ -126,16 +114,6 @@ def read_source(root: Path, name: str) -> ModelSource:
             f"{config.name!r} does not match the model's folder {name!r}",
             f"set name: {name} or rename the folder to {config.name}",
         )
-    try:
-        BatchPolicy.from_config(config)
-    except ValueError as exc:
-        src = ModelSource(name, path, data, config, None, None)
-        raise ConfigError(
-            str(path),
-            src.line_of_key("dynamic_batching.priority_queue_policy"),
-            "dynamic_batching.priority_queue_policy",
-            str(exc),
-        ) from None
     versions = sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
     if config.version is not None:
         if config.version not in versions:
@@ -162,7 +140,7 @@ class ModelRepository:
         *,
         observer: InferenceObserver | None = None,
         backend_factory: BackendFactory = create_backend,
-        task_factory: TaskFactory = default_task_factory,
+        task_factory: TaskFactory = create_task,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.root = Path(root)

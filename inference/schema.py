@@ -26,11 +26,13 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 
+from inference.errors import VidpipeError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
-    """A configuration problem located at ``file:line``."""
+class ConfigError(VidpipeError, ValueError):
+    """A configuration problem located at ``file:line``; ``path`` is the dotted key to fix."""
 
     def __init__(self, file: str, line: int | None, path: str, problem: str, hint: str = "") -> None:
         self.file = file
@@ -44,6 +46,30 @@ class ConfigError(ValueError):
         where = f"{self.file}:{self.line}" if self.line else self.file
         what = f"{self.path}: {self.problem}" if self.path else self.problem
         return f"{where}: {what}" + (f" (hint: {self.hint})" if self.hint else "")
+
+
+@dataclass(frozen=True, eq=False)
+class ConfigOrigin:
+    """Where a built config came from: its file and the parsed YAML that remembers lines.
+
+    Checks that can only run later (a model file that does not match its
+    config, a provider this machine lacks) use it to point at the key's line.
+    """
+
+    file: str
+    data: Any = None
+
+    def line(self, key: str) -> int | None:
+        """The line of a dotted key, or of its nearest parent present in the file."""
+        node = self.data
+        line = line_of(node)
+        for part in key.split("."):
+            here = line_of(node, part) if isinstance(node, dict) else None
+            if here is None:
+                break
+            line = here
+            node = node.get(part)
+        return line
 
 
 class LineDict(dict[str, Any]):
@@ -359,7 +385,12 @@ def _check_bounds(value: Any, ctx: _Ctx, meta: Mapping[str, Any]) -> None:
 
 def _build_dataclass(data: dict[str, Any], cls: type[T], ctx: _Ctx) -> T:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    # Fields marked yaml=False (e.g. a config's origin) are set by code, never by the file.
+    fields = {
+        f.name: f
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if f.init and f.metadata.get("yaml", True)
+    }
     key_lines: dict[str, int] = getattr(data, "key_lines", {})
     for key in data:
         if key not in fields:

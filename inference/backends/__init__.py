@@ -43,4 +43,4 @@ def create_backend(config: ModelConfig, model_path: Path, instance: int) -> Back
             raise BackendError(f"{config.name}: {_TENSORRT_MISSING} ({exc})") from exc
         backend: Backend = module.TensorRTBackend(config, model_path, instance)
         return backend
-    raise BackendError(f"{config.name}: unknown backend {config.backend!r}; use backend: onnxruntime")
+    raise config.error("backend", f"unknown backend {config.backend!r}", "use backend: onnxruntime")

@@ -1,7 +1,9 @@
 """The backend contract: one object per model instance, running one batch at a time.
 
 A backend is created for each instance in ``instance_group`` and only ever called
-from that instance's worker thread, so it never sees two batches at once.
+from that instance's worker thread, so it never sees two batches at once. While
+loading it checks the model's declared image input against the config once, with
+:func:`inference.backends.inputs.check_input`, and keeps the result as ``input``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+
+from inference.errors import VidpipeError
 
 
 @dataclass(frozen=True)
@@ -22,13 +26,18 @@ class TensorSpec:
     dtype: str
 
 
-class BackendError(RuntimeError):
-    """A model file that cannot be loaded or run; the message names the model and what to do."""
+class BackendError(VidpipeError, RuntimeError):
+    """A model file that cannot be loaded or run here; the message names the model and what to do.
+
+    A model that loads but disagrees with its config is a
+    :class:`~inference.config.ModelConfigError` instead.
+    """
 
 
 class Backend(ABC):
     """One loaded instance of a model."""
 
+    input: TensorSpec  # the image input the config feeds (checked at load)
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     metadata: dict[str, str]

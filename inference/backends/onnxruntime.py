@@ -1,7 +1,8 @@
 """The ONNX Runtime backend: one ``InferenceSession`` per model instance.
 
-It owns session options, execution-provider choice and the load-time check that
-the model's declared input matches the model's ``config.yaml``::
+It owns session options and execution-provider choice; the model's declared
+input is checked against ``config.yaml`` by
+:func:`~inference.backends.inputs.check_input`::
 
     backend: onnxruntime
     max_batch_size: 16                  # the model's input must have a batch axis (dynamic)
@@ -13,9 +14,8 @@ the model's declared input matches the model's ``config.yaml``::
       execution_providers: []           # [] = CPU; [auto] = CUDA when present; or names:
                                         # cpu, cuda, tensorrt (or ONNX Runtime's full names)
 
-A mismatch between the model and the config is a :class:`InputMismatchError`
-naming the model file, the tensor, what the model declares, what the config
-says and which key to change.
+A provider this machine lacks is a :class:`~inference.config.ModelConfigError`
+at ``backend_options.execution_providers`` or ``instance_group``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from inference.backends.base import Backend, BackendError, TensorSpec
-from inference.config import InstanceGroup, ModelConfig
+from inference.backends.inputs import check_input
+from inference.config import ModelConfig
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -48,36 +49,11 @@ _DTYPES = {
 }
 
 
-class InputMismatchError(BackendError):
-    """The model's input does not fit the config; ``key`` is the config key to change."""
-
-    def __init__(self, message: str, key: str) -> None:
-        self.key = key
-        super().__init__(message)
-
-
-def instance_group_of(config: ModelConfig, instance: int) -> tuple[InstanceGroup, int]:
-    """The group that instance number ``instance`` belongs to, and its GPU id.
-
-    Instances are numbered across groups in order; a group's instances take its
-    ``gpus`` in turn (GPU 0 when none are listed).
-    """
-    start = 0
-    for group in config.instance_group:
-        if instance < start + group.count:
-            gpus = group.gpus or [0]
-            return group, gpus[(instance - start) % len(gpus)]
-        start += group.count
-    raise BackendError(
-        f"{config.name}: instance {instance} does not exist; instance_group has {config.instance_count}"
-    )
-
-
 def choose_providers(
     config: ModelConfig, instance: int, available: list[str]
 ) -> list[str | tuple[str, dict[str, Any]]]:
     """Execution providers for one instance, best first, always ending with the CPU."""
-    group, gpu = instance_group_of(config, instance)
+    group, gpu = config.placement(instance)
     opts = config.backend_options
     if group.kind == "KIND_CPU":
         return [CPU]
@@ -92,15 +68,17 @@ def choose_providers(
         elif p in available:
             names.append(p)
         else:
-            raise BackendError(
-                f"{config.name}: execution provider {p!r} is not available in this ONNX Runtime "
-                f"(available: {', '.join(available)}); change backend_options.execution_providers "
-                f"(or use [auto] to take CUDA only when present)"
+            raise config.error(
+                "backend_options.execution_providers",
+                f"execution provider {p!r} is not available in this ONNX Runtime "
+                f"(available: {', '.join(available)})",
+                "change backend_options.execution_providers, or use [auto] to take CUDA only when present",
             )
     if group.kind == "KIND_GPU" and not any(n in (CUDA, TENSORRT) for n in names):
-        raise BackendError(
-            f"{config.name}: instance_group kind KIND_GPU needs ONNX Runtime with CUDA "
-            f"(available providers: {', '.join(available)}); use kind: KIND_CPU or KIND_AUTO"
+        raise config.error(
+            "instance_group",
+            f"kind KIND_GPU needs ONNX Runtime with CUDA (available providers: {', '.join(available)})",
+            "use kind: KIND_CPU or KIND_AUTO",
         )
     chosen: list[str | tuple[str, dict[str, Any]]] = []
     for n in dict.fromkeys(names):
@@ -126,97 +104,6 @@ def choose_providers(
 def _spec(arg: Any) -> TensorSpec:
     shape = tuple(d if isinstance(d, int) and d > 0 else None for d in (arg.shape or []))
     return TensorSpec(arg.name, shape, _DTYPES.get(arg.type, arg.type))
-
-
-def _shown(shape: Any) -> str:
-    return "[" + ", ".join(str(d) if isinstance(d, int) and d > 0 else "dynamic" for d in shape) + "]"
-
-
-def check_input(config: ModelConfig, model_path: Path, inputs: list[Any]) -> Any:
-    """Return the ONNX Runtime input the config feeds, or raise :class:`InputMismatchError`."""
-    where = f"{config.name}: {model_path.name}"
-    names = [i.name for i in inputs]
-    if not inputs:
-        raise InputMismatchError(f"{where}: the model declares no inputs", "model_file")
-    wanted = config.input.name
-    if wanted is not None:
-        matches = [i for i in inputs if i.name == wanted]
-        if not matches:
-            raise InputMismatchError(
-                f"{where}: the model has no input tensor {wanted!r} (it has: {', '.join(names)}); "
-                f"set input.name to one of those",
-                "input.name",
-            )
-        arg = matches[0]
-    else:
-        arg = inputs[0]
-    if len(inputs) > 1:
-        raise InputMismatchError(
-            f"{where}: the model needs {len(inputs)} inputs ({', '.join(names)}) but is fed only "
-            f"the image tensor {arg.name!r}; export it with a single image input",
-            "model_file",
-        )
-    tensor = f"{where}: input tensor {arg.name!r}"
-    dtype = _DTYPES.get(arg.type, arg.type)
-    if dtype not in ("float32", "float16"):
-        raise InputMismatchError(
-            f"{tensor} is {dtype}, but images are fed as float tensors; export the model with a "
-            f"float32 or float16 input",
-            "input.dtype",
-        )
-    if dtype != config.input.dtype:
-        raise InputMismatchError(
-            f"{tensor} is {dtype}, config.yaml says input.dtype: {config.input.dtype}; "
-            f"set input.dtype: {dtype}",
-            "input.dtype",
-        )
-    shape = list(arg.shape or [])
-    batched = config.max_batch_size > 0
-    if batched and len(shape) == 3:
-        raise InputMismatchError(
-            f"{tensor} has no batch axis (shape {_shown(shape)}), but max_batch_size is "
-            f"{config.max_batch_size}; set max_batch_size: 0",
-            "max_batch_size",
-        )
-    if not batched and len(shape) == 4:
-        raise InputMismatchError(
-            f"{tensor} has a batch axis (shape {_shown(shape)}), but max_batch_size is 0; "
-            f"set max_batch_size to 1 or more",
-            "max_batch_size",
-        )
-    if len(shape) not in (3, 4):
-        raise InputMismatchError(
-            f"{tensor} has shape {_shown(shape)}; an image input must be [batch, C, H, W] or [C, H, W]",
-            "model_file",
-        )
-    if batched:
-        batch_dim = shape[0]
-        if isinstance(batch_dim, int) and batch_dim > 0 and not (batch_dim == 1 == config.max_batch_size):
-            fix = "set max_batch_size: 1 or " if batch_dim == 1 else ""
-            raise InputMismatchError(
-                f"{tensor} has a fixed batch size of {batch_dim}, but max_batch_size is "
-                f"{config.max_batch_size} and batches vary in size; {fix}export the model with a "
-                f"dynamic batch axis",
-                "max_batch_size",
-            )
-        item = shape[1:]
-    else:
-        item = shape
-    configured = list(config.input.shape)
-    wrong = [
-        i
-        for i, (declared, want) in enumerate(zip(item, configured, strict=True))
-        if isinstance(declared, int) and declared > 0 and declared != want
-    ]
-    if wrong:
-        fixed = [d if isinstance(d, int) and d > 0 else c for d, c in zip(item, configured, strict=True)]
-        axes = ", ".join("CHW"[i] for i in wrong)
-        raise InputMismatchError(
-            f"{tensor} expects items of shape {_shown(item)} (C, H, W), but config.yaml has "
-            f"input.shape: {configured} (wrong: {axes}); set input.shape: {fixed}",
-            "input.shape",
-        )
-    return arg
 
 
 class OnnxRuntimeBackend(Backend):
@@ -247,12 +134,11 @@ class OnnxRuntimeBackend(Backend):
                 f"{config.name}: cannot load model file {self.model_path}: {exc} "
                 f"(is it a valid ONNX model? re-export or re-download it)"
             ) from exc
-        ort_inputs = self._session.get_inputs()
-        self.inputs = [_spec(i) for i in ort_inputs]
+        self.inputs = [_spec(i) for i in self._session.get_inputs()]
         self.outputs = [_spec(o) for o in self._session.get_outputs()]
         self.metadata = dict(self._session.get_modelmeta().custom_metadata_map)
         self.providers = list(self._session.get_providers())
-        self.input_name: str = check_input(config, self.model_path, ort_inputs).name
+        self.input = check_input(config, self.model_path, self.inputs)
         self._output_names = [o.name for o in self.outputs]
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from inference.backends.base import Backend, BackendError, TensorSpec
-from inference.backends.onnxruntime import check_input, instance_group_of
+from inference.backends.inputs import check_input
 from inference.config import ModelConfig
 from inference.device import DLPACK_CUDA_DEVICES, gpu_available
 
@@ -55,15 +55,16 @@ MISSING = (
     "(pip install 'vidpipe[gpu]'); use backend: onnxruntime on CPU"
 )
 
+# ONNX TensorProto element types, as NumPy dtype names.
 _ONNX_DTYPES = {
-    1: "tensor(float)",
-    10: "tensor(float16)",
-    11: "tensor(double)",
-    7: "tensor(int64)",
-    6: "tensor(int32)",
-    2: "tensor(uint8)",
-    3: "tensor(int8)",
-    9: "tensor(bool)",
+    1: "float32",
+    10: "float16",
+    11: "float64",
+    7: "int64",
+    6: "int32",
+    2: "uint8",
+    3: "int8",
+    9: "bool",
 }
 
 
@@ -114,26 +115,20 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-class _OnnxInput:
-    """The fields of an ONNX graph input that :func:`check_input` reads (as ONNX Runtime names them)."""
-
-    def __init__(self, name: str, elem_type: int, dims: list[int | str | None]) -> None:
-        self.name = name
-        self.type = _ONNX_DTYPES.get(elem_type, f"tensor(type {elem_type})")
-        self.shape = dims
-
-
-def _onnx_inputs(model: Any) -> list[_OnnxInput]:
+def _onnx_inputs(model: Any) -> list[TensorSpec]:
+    """The graph's real inputs (initializers excluded); unnamed or symbolic dims are dynamic (None)."""
     initializers = {t.name for t in model.graph.initializer}
     found = []
     for value in model.graph.input:
         if value.name in initializers:
             continue
         tensor = value.type.tensor_type
-        dims: list[int | str | None] = [
-            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim
-        ]
-        found.append(_OnnxInput(value.name, tensor.elem_type, dims))
+        dims = tuple(
+            int(d.dim_value) if d.HasField("dim_value") and d.dim_value > 0 else None
+            for d in tensor.shape.dim
+        )
+        dtype = _ONNX_DTYPES.get(tensor.elem_type, f"onnx type {tensor.elem_type}")
+        found.append(TensorSpec(value.name, dims, dtype))
     return found
 
 
@@ -159,11 +154,12 @@ class TensorRTBackend(Backend):
         ok, reason = gpu_available()
         if not ok:
             raise BackendError(f"{config.name}: {MISSING} ({reason})")
-        group, gpu = instance_group_of(config, instance)
+        group, gpu = config.placement(instance)
         if group.kind == "KIND_CPU":
-            raise BackendError(
-                f"{config.name}: instance_group kind KIND_CPU cannot run on TensorRT; "
-                f"use kind: KIND_GPU (or KIND_AUTO), or backend: onnxruntime"
+            raise config.error(
+                "instance_group",
+                "kind KIND_CPU cannot run on TensorRT",
+                "use kind: KIND_GPU (or KIND_AUTO), or backend: onnxruntime",
             )
         if not self.model_path.is_file():
             raise BackendError(
@@ -194,9 +190,9 @@ class TensorRTBackend(Backend):
                 f"{config.name}: cannot load model file {self.model_path}: {exc} "
                 f"(is it a valid ONNX model? re-export or re-download it)"
             ) from exc
-        # The same load-time check (and messages) as the ONNX Runtime backend,
-        # before a build that can take minutes.
-        self.input_name: str = check_input(config, self.model_path, _onnx_inputs(model)).name
+        # The one input check every backend runs, here before a build that can take minutes.
+        self.input = check_input(config, self.model_path, _onnx_inputs(model))
+        self.input_name = self.input.name
         self.metadata = {p.key: p.value for p in model.metadata_props}
         del model
 
@@ -392,16 +388,21 @@ class TensorRTBackend(Backend):
         return self._stream
 
     def run(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Run one batch and return NumPy outputs (fresh arrays, safe to keep)."""
+        """Run one batch and return NumPy outputs (fresh arrays, safe to keep).
+
+        Every output is queued as an asynchronous device→pinned-host copy on the
+        instance's stream; the host then waits once for the whole batch.
+        """
         outputs = self.run_device(inputs)
         try:
             with self._device:
                 hosts = {}
                 for name, arr in outputs.items():
                     host = self._out_host[name].reshape(-1)[: arr.size].reshape(arr.shape)
-                    arr.get(stream=self._stream, out=host)
+                    # blocking=False: queue the copy without a host wait per output.
+                    arr.get(stream=self._stream, out=host, blocking=False)
                     hosts[name] = host
-                self._stream.synchronize()
+                self._stream.synchronize()  # the one wait of this batch
                 # Copies, so results outlive the next batch (the pinned buffers are reused).
                 return {name: host.copy() for name, host in hosts.items()}
         except Exception as exc:

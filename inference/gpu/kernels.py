@@ -9,13 +9,7 @@ One launch per batch, one thread per output pixel, for every item at once::
 memory (a table of pointers, row pitches and regions of interest), places it
 with the same geometry as :class:`~inference.processing.resize.ImagePreprocessor`
 (letterbox / stretch / keep_height), resizes bilinearly, pads, normalises,
-swaps RGB→BGR if asked and writes planar ``N×C×H×W`` float32 or float16 — or,
-in mode ``u8``, plain resized ``N×H×W×3`` uint8 crops. A region of interest
-makes the same kernel the batched crop-and-resize of a cascade.
-
-``vp_warp`` rectifies quadrilaterals (rotated text lines): per crop a 3×3
-inverse homography (output pixel → source pixel), bilinear sampling with
-replicated borders, uint8 ``K×H×W×3`` out.
+swaps RGB→BGR if asked and writes planar ``N×C×H×W`` float32 or float16.
 
 Agreement with OpenCV (what the tests pin):
 
@@ -26,10 +20,6 @@ Agreement with OpenCV (what the tests pin):
   one level. So the normalised output is within ``|scale / std|`` (one uint8
   level) of the CPU path everywhere, and equal to float32 rounding on ≥ 99 % of
   elements; float16 adds its own rounding (≤ 2⁻¹¹ relative).
-* The warp samples at exact float coordinates and rounds to nearest, as
-  OpenCV ≥ 5 ``warpPerspective`` does: within one level of it. OpenCV 4.x
-  quantises sample positions to 1/32 px; against it, smooth images still agree
-  within one level, high-frequency noise within a few.
 
 The NumPy ``reference_*`` functions implement the same formulas step by step
 in float32/int arithmetic; tests compare them with OpenCV on any machine and
@@ -45,7 +35,6 @@ from typing import Any
 import numpy as np
 
 from inference.config import InputConfig
-from inference.processing.crop import _span
 from inference.processing.resize import ResizeMeta, geometry
 
 __all__ = [
@@ -53,37 +42,26 @@ __all__ = [
     "ITEM_FIELDS",
     "MODE_F16",
     "MODE_F32",
-    "MODE_U8",
-    "WARP_FIELDS",
-    "box_roi",
     "get_module",
     "launch_preprocess",
-    "launch_warp",
     "normalisation",
     "pack_items",
-    "pack_warp_items",
     "reference_preprocess",
     "reference_resize",
-    "reference_roi_resize",
-    "reference_warp",
     "source_channels",
 ]
 
 # Item table of vp_preprocess, int64 per field:
 # source pointer, row pitch in bytes, roi x, roi y, roi w, roi h, pad x, pad y, content w, content h.
 ITEM_FIELDS = 10
-# Item table of vp_warp: source pointer, row pitch, source w, source h, crop w, crop h.
-WARP_FIELDS = 6
 
 MODE_F32 = 0
 MODE_F16 = 1
-MODE_U8 = 2
 
 # The _rn intrinsics keep nvcc from fusing multiply-adds, so the kernels round
 # exactly like the NumPy references (float32, one rounding per operation).
 CUDA_SOURCE = r"""
 #define ITEM_FIELDS 10
-#define WARP_FIELDS 6
 
 __device__ __forceinline__ void linear_tap(int d, int dsize, int ssize,
                                            int* s0, int* s1, int* w0, int* w1) {
@@ -148,11 +126,6 @@ extern "C" __global__ void vp_preprocess(const long long* items, void* out,
         const unsigned char* roi = src + (long long)ry * pitch + (long long)rx * 3;
         for (int c = 0; c < 3; ++c) v[c] = sample_linear(roi, pitch, x0, x1, a0, a1, y0, y1, b0, b1, c);
     }
-    if (mode == 2) {
-        unsigned char* o = (unsigned char*)out + (((long long)n * out_h + y) * out_w + x) * 3;
-        o[0] = (unsigned char)v[0]; o[1] = (unsigned char)v[1]; o[2] = (unsigned char)v[2];
-        return;
-    }
     int map[3] = {m0, m1, m2};
     long long plane = (long long)out_h * out_w;
     long long base = (long long)n * 3 * plane + (long long)y * out_w + x;
@@ -164,45 +137,6 @@ extern "C" __global__ void vp_preprocess(const long long* items, void* out,
     }
 }
 
-extern "C" __global__ void vp_warp(const long long* items, const float* hinv,
-                                   unsigned char* out, int out_h, int out_w, int fill) {
-    int x = blockIdx.x * blockDim.x + threadIdx.x;
-    int y = blockIdx.y * blockDim.y + threadIdx.y;
-    int k = blockIdx.z;
-    if (x >= out_w || y >= out_h) return;
-    const long long* it = items + (long long)k * WARP_FIELDS;
-    unsigned char* o = out + (((long long)k * out_h + y) * out_w + x) * 3;
-    int cw = (int)it[4], chh = (int)it[5];
-    if (x >= cw || y >= chh) { o[0] = o[1] = o[2] = (unsigned char)fill; return; }
-    const unsigned char* src = (const unsigned char*)it[0];
-    long long pitch = it[1];
-    int sw = (int)it[2], sh = (int)it[3];
-    const float* m = hinv + (long long)k * 9;
-    float fx = (float)x, fy = (float)y;
-    float xs = __fadd_rn(__fadd_rn(__fmul_rn(m[0], fx), __fmul_rn(m[1], fy)), m[2]);
-    float ys = __fadd_rn(__fadd_rn(__fmul_rn(m[3], fx), __fmul_rn(m[4], fy)), m[5]);
-    float ws = __fadd_rn(__fadd_rn(__fmul_rn(m[6], fx), __fmul_rn(m[7], fy)), m[8]);
-    float X = 0.0f, Y = 0.0f;
-    if (ws != 0.0f) { X = __fdiv_rn(xs, ws); Y = __fdiv_rn(ys, ws); }
-    // Beyond one pixel outside, replicated borders make every position equal;
-    // clamping keeps the float->int conversion defined (and maps NaN to the edge).
-    X = fminf(fmaxf(X, -1.0f), (float)sw);
-    Y = fminf(fmaxf(Y, -1.0f), (float)sh);
-    float flx = floorf(X), fly = floorf(Y);
-    int ix = (int)flx, iy = (int)fly;
-    float ax = __fsub_rn(X, flx), ay = __fsub_rn(Y, fly);
-    float bx = __fsub_rn(1.0f, ax), by = __fsub_rn(1.0f, ay);
-    int x0 = min(max(ix, 0), sw - 1), x1 = min(max(ix + 1, 0), sw - 1);
-    int y0 = min(max(iy, 0), sh - 1), y1 = min(max(iy + 1, 0), sh - 1);
-    const unsigned char* r0 = src + (long long)y0 * pitch;
-    const unsigned char* r1 = src + (long long)y1 * pitch;
-    for (int c = 0; c < 3; ++c) {
-        float top = __fadd_rn(__fmul_rn((float)r0[x0 * 3 + c], bx), __fmul_rn((float)r0[x1 * 3 + c], ax));
-        float bot = __fadd_rn(__fmul_rn((float)r1[x0 * 3 + c], bx), __fmul_rn((float)r1[x1 * 3 + c], ax));
-        float v = __fadd_rn(__fmul_rn(top, by), __fmul_rn(bot, ay));
-        o[c] = (unsigned char)min(max(__float2int_rn(v), 0), 255);
-    }
-}
 """
 
 _BLOCK = (32, 8, 1)
@@ -226,18 +160,6 @@ def source_channels(config: InputConfig) -> tuple[int, int, int]:
     return (0, 1, 2) if config.color == "rgb" else (2, 1, 0)
 
 
-def box_roi(
-    box: Sequence[float] | np.ndarray, width: int, height: int, pad: float = 0
-) -> tuple[int, int, int, int]:
-    """``(x, y, w, h)`` of the pixels :func:`~inference.processing.crop.crop_box` would cut."""
-    x1, y1, x2, y2 = (float(v) for v in box)
-    x1, x2 = min(x1, x2) - pad, max(x1, x2) + pad
-    y1, y2 = min(y1, y2) - pad, max(y1, y2) + pad
-    left, right = _span(x1, x2, width)
-    top, bottom = _span(y1, y2, height)
-    return left, top, right - left, bottom - top
-
-
 def pack_items(
     sources: Sequence[tuple[int, int]],
     rois: Sequence[tuple[int, int, int, int]],
@@ -249,19 +171,6 @@ def pack_items(
     table = np.empty((n, ITEM_FIELDS), dtype=np.int64) if out is None else out[:n]
     for i, ((ptr, pitch), (rx, ry, rw, rh), m) in enumerate(zip(sources, rois, metas, strict=True)):
         table[i] = (ptr, pitch, rx, ry, rw, rh, m.pad_x, m.pad_y, m.content_w, m.content_h)
-    return table
-
-
-def pack_warp_items(
-    sources: Sequence[tuple[int, int, int, int]],
-    sizes: Sequence[tuple[int, int]],
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    """The ``vp_warp`` item table from ``(pointer, pitch, src_w, src_h)`` and ``(crop_w, crop_h)``."""
-    n = len(sources)
-    table = np.empty((n, WARP_FIELDS), dtype=np.int64) if out is None else out[:n]
-    for i, ((ptr, pitch, sw, sh), (cw, ch)) in enumerate(zip(sources, sizes, strict=True)):
-        table[i] = (ptr, pitch, sw, sh, cw, ch)
     return table
 
 
@@ -333,62 +242,6 @@ def reference_preprocess(
     return metas
 
 
-def reference_roi_resize(
-    frames: Sequence[np.ndarray],
-    boxes: Sequence[Sequence[float]] | np.ndarray,
-    frame_index: Sequence[int],
-    width: int,
-    height: int,
-    pad: float = 0,
-) -> np.ndarray:
-    """What the ``u8`` mode writes for crops: each box cut like ``crop_box`` and stretched to width×height."""
-    out = np.empty((len(frame_index), height, width, 3), dtype=np.uint8)
-    for k, (box, fi) in enumerate(zip(boxes, frame_index, strict=True)):
-        frame = frames[fi]
-        x, y, w, h = box_roi(box, frame.shape[1], frame.shape[0], pad)
-        out[k] = reference_resize(frame[y : y + h, x : x + w], width, height)
-    return out
-
-
-def reference_warp(
-    frames: Sequence[np.ndarray],
-    hinv: np.ndarray,
-    sizes: Sequence[tuple[int, int]],
-    frame_index: Sequence[int],
-    out: np.ndarray,
-    fill: int = 0,
-) -> np.ndarray:
-    """What ``vp_warp`` writes: crop k is ``sizes[k] = (w, h)`` pixels sampled through ``hinv[k]``."""
-    f32 = np.float32
-    out[...] = fill
-    for k, ((cw, ch), fi) in enumerate(zip(sizes, frame_index, strict=True)):
-        src = frames[fi]
-        sh, sw = src.shape[:2]
-        m = np.asarray(hinv[k], dtype=f32).reshape(9)
-        ys, xs = np.mgrid[0:ch, 0:cw].astype(f32)
-        xn = (m[0] * xs + m[1] * ys) + m[2]
-        yn = (m[3] * xs + m[4] * ys) + m[5]
-        wn = (m[6] * xs + m[7] * ys) + m[8]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            zero = wn == 0
-            big_x = np.where(zero, f32(0), xn / np.where(zero, f32(1), wn))
-            big_y = np.where(zero, f32(0), yn / np.where(zero, f32(1), wn))
-        big_x = np.clip(np.nan_to_num(big_x, nan=-1.0), -1, sw).astype(f32)
-        big_y = np.clip(np.nan_to_num(big_y, nan=-1.0), -1, sh).astype(f32)
-        flx, fly = np.floor(big_x), np.floor(big_y)
-        ix, iy = flx.astype(np.int64), fly.astype(np.int64)
-        ax, ay = (big_x - flx)[..., None], (big_y - fly)[..., None]
-        bx, by = f32(1) - ax, f32(1) - ay
-        x0, x1 = np.clip(ix, 0, sw - 1), np.clip(ix + 1, 0, sw - 1)
-        y0, y1 = np.clip(iy, 0, sh - 1), np.clip(iy + 1, 0, sh - 1)
-        s = src.astype(f32)
-        top = s[y0, x0] * bx + s[y0, x1] * ax
-        bot = s[y1, x0] * bx + s[y1, x1] * ax
-        v = top * by + bot * ay
-        out[k, :ch, :cw] = np.clip(np.rint(v), 0, 255).astype(np.uint8)
-    return out
-
-
 # -- kernel launches (need CuPy and a GPU) ------------------------------------------
 
 _modules: dict[int, Any] = {}
@@ -425,28 +278,14 @@ def launch_preprocess(
 ) -> None:
     """Launch ``vp_preprocess`` for the first ``count`` rows of the device item table ``items``.
 
-    ``out`` is ``N×3×H×W`` (float32 / float16) or, for ``MODE_U8``, ``N×H×W×3``
-    uint8, C-contiguous on the device; ``norm`` a float32 device array of 9.
+    ``out`` is ``N×3×H×W`` (float32 / float16), C-contiguous on the current
+    device; ``norm`` a float32 device array of 9.
     """
     if count == 0:
         return
-    if mode == MODE_U8:
-        out_h, out_w = int(out.shape[1]), int(out.shape[2])
-    else:
-        out_h, out_w = int(out.shape[2]), int(out.shape[3])
+    out_h, out_w = int(out.shape[2]), int(out.shape[3])
     kernel = get_module().get_function("vp_preprocess")
     i32 = np.int32
     args = (items, out, i32(out_h), i32(out_w), i32(mode), norm, *(i32(c) for c in channels), i32(fill))
     with stream:
         kernel(_grid(out_w, out_h, count), _BLOCK, args)
-
-
-def launch_warp(items: Any, hinv: Any, count: int, out: Any, fill: int, stream: Any) -> None:
-    """Launch ``vp_warp`` for ``count`` crops into ``out`` (``K×H×W×3`` uint8 on the device)."""
-    if count == 0:
-        return
-    out_h, out_w = int(out.shape[1]), int(out.shape[2])
-    kernel = get_module().get_function("vp_warp")
-    i32 = np.int32
-    with stream:
-        kernel(_grid(out_w, out_h, count), _BLOCK, (items, hinv, out, i32(out_h), i32(out_w), i32(fill)))

@@ -9,17 +9,15 @@ post-processing maps boxes back to source pixels identically::
     metas = pre(images, out)          # out: a (N, 3, 640, 640) CuPy array
 
 ``images`` may be CuPy arrays, anything with ``__cuda_array_interface__`` or
-a CUDA ``__dlpack__`` (used in place), :class:`~inference.gpu.memory.DeviceFrame`
-objects (the preprocessor's stream waits on their upload event) or NumPy
-arrays (gathered into pinned staging and copied in one transfer). The whole
-batch is one kernel launch on ``stream``; the call returns before the GPU is
-done, and :attr:`GpuPreprocessor.done` is an event recorded after the launch.
+a CUDA ``__dlpack__`` (read in place, no copy, after the work queued on the
+calling thread's current stream), or NumPy arrays: those are
+gathered into one pinned staging buffer on the host and copied to the device in
+one transfer per batch. The whole batch is one kernel launch on ``stream``; the
+call returns before the GPU is done, and :attr:`GpuPreprocessor.done` is an
+event recorded after the launch.
 
-:meth:`GpuPreprocessor.crops` is the cascade variant: axis-aligned boxes from
-one or more device frames, cut exactly like
-:func:`~inference.processing.crop.crop_box`, straight into a batch tensor.
-:func:`roi_resize` cuts boxes into fixed-size uint8 crops, and
-:func:`warp_crops` rectifies rotated quadrilaterals into uint8 crops.
+Everything runs on GPU ``device`` (its buffers, its launches), whichever device
+the calling thread has current, so instances on different GPUs never mix.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from inference.device import current_stream, is_device_array, record_event, requ
 from inference.gpu import kernels
 from inference.processing.resize import ResizeMeta, geometry
 
-__all__ = ["GpuPreprocessor", "device_image", "roi_resize", "warp_crops"]
+__all__ = ["GpuPreprocessor", "device_image"]
 
 
 def device_image(x: Any, index: int = 0) -> tuple[int, int, int, int]:
@@ -83,23 +81,25 @@ class _HostStaging:
 class GpuPreprocessor:
     """Resizes and normalises a batch of images into a device tensor with one kernel launch."""
 
-    def __init__(self, config: InputConfig, *, max_batch: int = 64, stream: Any = None) -> None:
-        c, h, w = config.shape
-        if c != 3:
-            raise ValueError(f"input.shape {config.shape}: only 3-channel model inputs are supported")
+    def __init__(
+        self, config: InputConfig, *, max_batch: int = 64, stream: Any = None, device: int | None = None
+    ) -> None:
+        c, h, w = config.shape  # C is 3: InputConfig refuses anything else
         cp = require_cupy()
         self._cp = cp
+        self.device = cp.cuda.Device(device) if device is not None else cp.cuda.Device()
         self.config = config
         self.channels, self.height, self.width = c, h, w
         self.max_batch = max(1, max_batch)
         self.stream = stream
         self._channels = kernels.source_channels(config)
         self._fill = int(config.pad_value)
-        self._norm = cp.asarray(kernels.normalisation(config))
         from inference.gpu.memory import pinned_array
 
+        with self.device:
+            self._norm = cp.asarray(kernels.normalisation(config))
+            self._items = cp.empty((self.max_batch, kernels.ITEM_FIELDS), dtype=cp.int64)
         self._items_host = pinned_array((self.max_batch, kernels.ITEM_FIELDS), np.int64)
-        self._items = cp.empty((self.max_batch, kernels.ITEM_FIELDS), dtype=cp.int64)
         self._staging = _HostStaging(cp)
         self.done: Any = None
         self._items_copied: Any = None
@@ -115,41 +115,18 @@ class GpuPreprocessor:
         return geometry(self.config.resize, src_w, src_h, self.width, self.height)
 
     def __call__(self, images: Sequence[Any], out: Any) -> list[ResizeMeta]:
-        """Write ``images`` into ``out[:len(images)]``; return each image's :class:`ResizeMeta`."""
-        self._check_out(out, len(images))
-        stream = self._stream()
-        sources = self._sources(images, stream)
-        rois = [(0, 0, w, h) for _, _, w, h in sources]
-        metas = [self.geometry(w, h) for _, _, w, h in sources]
-        self._launch([(p, pitch) for p, pitch, _, _ in sources], rois, metas, out, stream)
-        return metas
+        """Write ``images`` into ``out[:len(images)]``; return each image's :class:`ResizeMeta`.
 
-    def crops(
-        self,
-        frames: Sequence[Any],
-        boxes: Sequence[Sequence[float]] | np.ndarray,
-        frame_index: Sequence[int],
-        out: Any,
-        pad: float = 0,
-    ) -> list[ResizeMeta]:
-        """Crop ``boxes`` (``x1, y1, x2, y2`` in source pixels of ``frames[frame_index[k]]``) into ``out``.
-
-        Each crop is the region ``crop_box(frame, box, pad)`` would cut; the
-        metas map model pixels back to crop pixels (add the box's corner for
-        frame pixels).
+        Host images must be H×W×3 uint8 (a model checks each one when it is submitted).
         """
-        self._check_out(out, len(frame_index))
-        stream = self._stream()
-        sources = self._sources(frames, stream)
-        items, rois, metas = [], [], []
-        for box, fi in zip(boxes, frame_index, strict=True):
-            ptr, pitch, w, h = sources[fi]
-            roi = kernels.box_roi(box, w, h, pad)
-            items.append((ptr, pitch))
-            rois.append(roi)
-            metas.append(self.geometry(roi[2], roi[3]))
-        self._launch(items, rois, metas, out, stream)
-        return metas
+        with self.device:
+            self._check_out(out, len(images))
+            stream = self._stream()
+            sources = self._sources(images, stream)
+            rois = [(0, 0, w, h) for _, _, w, h in sources]
+            metas = [self.geometry(w, h) for _, _, w, h in sources]
+            self._launch([(p, pitch) for p, pitch, _, _ in sources], rois, metas, out, stream)
+            return metas
 
     # -- internals ------------------------------------------------------------
 
@@ -183,21 +160,19 @@ class GpuPreprocessor:
         found: list[tuple[int, int, int, int] | None] = []
         for i, image in enumerate(images):
             if isinstance(image, np.ndarray):
-                from inference.processing.resize import check_image
-
-                check_image(image, i)
                 host.append((i, image))
                 found.append(None)
                 continue
-            wait = getattr(image, "wait", None)
-            if callable(wait):
-                wait(stream)  # a DeviceFrame: order after its upload, on the device
             if not hasattr(image, "__cuda_array_interface__"):
                 if not is_device_array(image):
                     raise ValueError(f"image {i}: expected a NumPy or CUDA array, got {type(image).__name__}")
                 image = self._cp.from_dlpack(image)
                 self._keep.append(image)
             found.append(device_image(image, i))
+        if len(host) < len(found):
+            # Device images were written on the caller's current stream: order this stream after
+            # it on the device (an event wait; the host does not block).
+            stream.wait_event(record_event(current_stream()))
         if host:
             found = self._stage(host, found, stream)
         return [f for f in found if f is not None]
@@ -249,96 +224,3 @@ class GpuPreprocessor:
         mode = kernels.MODE_F16 if np.dtype(out.dtype) == np.dtype(np.float16) else kernels.MODE_F32
         kernels.launch_preprocess(self._items, n, out, mode, self._norm, self._channels, self._fill, stream)
         self.done = record_event(stream)
-
-
-def _check_crop_slots(out: Any, k: int) -> None:
-    """``out`` must be ``(K, H, W, 3)`` uint8 with room for ``k`` crops."""
-    if out.ndim != 4 or out.shape[3] != 3 or np.dtype(out.dtype) != np.dtype(np.uint8):
-        raise ValueError(f"out must be (K, H, W, 3) uint8, got {out.shape} {out.dtype}")
-    if k > out.shape[0]:
-        raise ValueError(f"{k} crops do not fit {out.shape[0]} slots")
-
-
-def _frame_views(frames: Sequence[Any], stream: Any) -> list[tuple[int, int, int, int]]:
-    """Device views of ``frames``; frames still being uploaded are waited for on ``stream``."""
-    views = []
-    for i, frame in enumerate(frames):
-        wait = getattr(frame, "wait", None)
-        if callable(wait):
-            wait(stream)  # an event wait on the stream, not a host sync
-        views.append(device_image(frame, i))
-    return views
-
-
-def warp_crops(
-    frames: Sequence[Any],
-    hinv: np.ndarray,
-    sizes: Sequence[tuple[int, int]],
-    frame_index: Sequence[int],
-    out: Any,
-    *,
-    fill: int = 0,
-    stream: Any = None,
-) -> Any:
-    """Rectify crops with inverse homographies (output pixel → source pixel) into ``out``.
-
-    ``frames`` are H×W×3 uint8 device images, ``hinv`` is ``(K, 3, 3)``,
-    ``sizes[k] = (w, h)`` the crop's size inside ``out`` (``K×H×W×3`` uint8 on the
-    device; the rest of each slot is ``fill``). For a text quadrilateral ``q``
-    and crop size ``(w, h)``::
-
-        M = cv2.getPerspectiveTransform(q, [[0, 0], [w, 0], [w, h], [0, h]])
-        hinv[k] = np.linalg.inv(M)
-
-    Returns the event recorded after the launch.
-    """
-    cp = require_cupy()
-    stream = stream if stream is not None else current_stream()
-    k = len(frame_index)
-    _check_crop_slots(out, k)
-    for w, h in sizes:
-        if not (1 <= w <= out.shape[2] and 1 <= h <= out.shape[1]):
-            raise ValueError(f"crop size {(w, h)} does not fit slots of {out.shape[2]}×{out.shape[1]}")
-    views = _frame_views(frames, stream)
-    sources = [(views[fi][0], views[fi][1], views[fi][2], views[fi][3]) for fi in frame_index]
-    table = kernels.pack_warp_items(sources, sizes)
-    with stream:
-        items = cp.asarray(table)
-        matrices = cp.asarray(np.ascontiguousarray(np.asarray(hinv, dtype=np.float32).reshape(k, 9)))
-    kernels.launch_warp(items, matrices, k, out, fill, stream)
-    return record_event(stream)
-
-
-def roi_resize(
-    frames: Sequence[Any],
-    boxes: Sequence[Sequence[float]] | np.ndarray,
-    frame_index: Sequence[int],
-    out: Any,
-    *,
-    pad: float = 0,
-    stream: Any = None,
-) -> Any:
-    """Cut ``boxes`` like ``crop_box`` and stretch each to ``out``'s ``K×H×W×3`` uint8 slots.
-
-    Equivalent to ``cv2.resize(crop_box(frame, box, pad), (W, H))`` per box, one
-    launch for all. Returns the event recorded after the launch.
-    """
-    cp = require_cupy()
-    stream = stream if stream is not None else current_stream()
-    k = len(frame_index)
-    _check_crop_slots(out, k)
-    out_h, out_w = int(out.shape[1]), int(out.shape[2])
-    views = _frame_views(frames, stream)
-    sources, rois, metas = [], [], []
-    for box, fi in zip(boxes, frame_index, strict=True):
-        ptr, pitch, w, h = views[fi]
-        roi = kernels.box_roi(box, w, h, pad)
-        sources.append((ptr, pitch))
-        rois.append(roi)
-        metas.append(geometry("stretch", roi[2], roi[3], out_w, out_h))
-    table = kernels.pack_items(sources, rois, metas)
-    with stream:
-        items = cp.asarray(table)
-        norm = cp.zeros(9, dtype=cp.float32)
-    kernels.launch_preprocess(items, k, out, kernels.MODE_U8, norm, (0, 1, 2), 0, stream)
-    return record_event(stream)

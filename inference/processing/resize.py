@@ -167,9 +167,7 @@ class ImagePreprocessor:
     """
 
     def __init__(self, config: InputConfig) -> None:
-        c, h, w = config.shape
-        if c != 3:
-            raise ValueError(f"input.shape {config.shape}: only 3-channel model inputs are supported")
+        c, h, w = config.shape  # C is 3: InputConfig refuses anything else
         self.config = config
         self.channels, self.height, self.width = c, h, w
         # Model channel c reads source (RGB) channel _src[c].
@@ -187,7 +185,11 @@ class ImagePreprocessor:
         return self._geometry(src_w, src_h, self.width, self.height)
 
     def __call__(self, images: Sequence[np.ndarray], out: np.ndarray) -> list[ResizeMeta]:
-        """Write ``images`` into ``out[:len(images)]``; return each image's :class:`ResizeMeta`."""
+        """Write ``images`` into ``out[:len(images)]``; return each image's :class:`ResizeMeta`.
+
+        Images must be H×W×3 uint8 (see :func:`check_image`); a model checks each
+        one when it is submitted, so a bad image fails its own request, not a batch.
+        """
         expected = (self.channels, self.height, self.width)
         if out.ndim != 4 or tuple(out.shape[1:]) != expected:
             raise ValueError(
@@ -197,8 +199,6 @@ class ImagePreprocessor:
             raise ValueError(f"{len(images)} images do not fit a batch tensor of {out.shape[0]}")
         if out.dtype not in _CV_DEPTH:
             raise ValueError(f"batch tensor dtype {out.dtype} is not float32 or float16")
-        for i, image in enumerate(images):
-            check_image(image, i)
         return [self.write(image, out[i]) for i, image in enumerate(images)]
 
     def write(self, image: np.ndarray, item: np.ndarray) -> ResizeMeta:

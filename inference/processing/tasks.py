@@ -1,4 +1,4 @@
-"""Concrete :class:`~inference.tasks.Task` implementations and the factory that picks one.
+"""Concrete :class:`~inference.processing.base.Task` implementations and the factory that picks one.
 
 ``task.kind`` in a model config selects the class:
 
@@ -14,6 +14,11 @@ text_recognize    :class:`TextRecognizeTask` ``Recognition``
 Every task preprocesses with :class:`~inference.processing.resize.ImagePreprocessor`
 and returns that image's :class:`~inference.processing.resize.ResizeMeta` as
 its meta. A model with several outputs is read through its first output.
+
+A task trusts its input spec: the backend checked it against ``input.*`` while
+loading. Problems a task finds itself (a dictionary missing from the model's
+metadata, outputs that do not fit ``task.kind``) are
+:class:`~inference.config.ModelConfigError` at the key to change.
 """
 
 from __future__ import annotations
@@ -26,19 +31,19 @@ import numpy as np
 
 from inference.backends.base import TensorSpec
 from inference.config import ModelConfig
+from inference.processing.base import Task
 from inference.processing.classify import classify
 from inference.processing.ctc import CTCDecoder, parse_dictionary
 from inference.processing.db import DBParams, db_boxes
 from inference.processing.resize import ImagePreprocessor
 from inference.processing.yolo import decode_yolo, resolve_layout
 from inference.results import Detection, Recognition, Result
-from inference.tasks import Task
 
 __all__ = ["ClassifyTask", "TextDetectTask", "TextRecognizeTask", "YoloTask", "create_task"]
 
 
 class _ImageTask(Task):
-    """Shared preprocessing, input checks and output access."""
+    """Shared preprocessing and output access."""
 
     def __init__(
         self,
@@ -48,11 +53,7 @@ class _ImageTask(Task):
         labels: Sequence[str],
     ) -> None:
         super().__init__(config, input_spec, metadata, labels)
-        _check_input_spec(config, input_spec)
-        try:
-            self.preprocessor = ImagePreprocessor(config.input)
-        except ValueError as exc:
-            raise ValueError(f"model {config.name!r}: {exc}") from None
+        self.preprocessor = ImagePreprocessor(config.input)
 
     def preprocess(self, images: Sequence[np.ndarray], out: np.ndarray) -> list[Any]:
         return list(self.preprocessor(images, out))
@@ -60,14 +61,15 @@ class _ImageTask(Task):
     def _output(self, outputs: Mapping[str, np.ndarray], ndim: int, n: int) -> np.ndarray:
         """The first output; it must have ``ndim`` dims and hold at least ``n`` items."""
         if not outputs:
-            raise ValueError(f"model {self.config.name!r} returned no outputs")
+            raise self.config.error("task.kind", "the model returned no outputs")
         arr = np.asarray(next(iter(outputs.values())))
         if self.config.max_batch_size == 0 and arr.ndim == ndim - 1:
             arr = arr[None]  # a model without a batch dimension runs one image at a time
         if arr.ndim != ndim or arr.shape[0] < n:
-            raise ValueError(
-                f"model {self.config.name!r}: output of shape {list(arr.shape)} does not fit "
-                f"{type(self).__name__} (expected {ndim} dims with a batch of {n})"
+            raise self.config.error(
+                "task.kind",
+                f"output of shape {list(arr.shape)} does not fit {self.config.task.kind} "
+                f"(expected {ndim} dims with a batch of {n})",
             )
         return arr
 
@@ -93,7 +95,7 @@ class YoloTask(_ImageTask):
             try:
                 layout = resolve_layout(out.shape, self.config.task.layout, len(self.labels) or None)
             except ValueError as exc:
-                raise ValueError(f"model {self.config.name!r}: {exc}") from None
+                raise self.config.error("task.layout", str(exc)) from None
             self._layouts[key] = layout
         t = self.config.task
         decoded = decode_yolo(
@@ -125,15 +127,13 @@ class ClassifyTask(_ImageTask):
 
     def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
         if not outputs:
-            raise ValueError(f"model {self.config.name!r} returned no outputs")
+            raise self.config.error("task.kind", "the model returned no outputs")
         out = np.asarray(next(iter(outputs.values())))
         if self.config.max_batch_size == 0 and out.ndim == 1:
             out = out[None]
         n = len(metas)
         if out.ndim < 2 or out.shape[0] < n:
-            raise ValueError(
-                f"model {self.config.name!r}: output of shape {list(out.shape)} is not [N, classes]"
-            )
+            raise self.config.error("task.kind", f"output of shape {list(out.shape)} is not [N, classes]")
         return list(classify(out[:n], self.labels, self.config.task.top_k))
 
 
@@ -171,9 +171,8 @@ class TextDetectTask(_ImageTask):
         _, h, w = self.item_shape
         if out.shape[1] != 1 or out.shape[2:] != (h, w):
             # The letterbox geometry is in input pixels, so the map must be at input resolution.
-            raise ValueError(
-                f"model {self.config.name!r}: expected a [N, 1, {h}, {w}] probability map, "
-                f"got {list(out.shape)}"
+            raise self.config.error(
+                "task.kind", f"expected a [N, 1, {h}, {w}] probability map, got {list(out.shape)}"
             )
         results: list[Result] = []
         for i, meta in enumerate(metas):
@@ -202,10 +201,11 @@ class TextRecognizeTask(_ImageTask):
         text = self.metadata.get(key)
         if not text:
             present = ", ".join(sorted(self.metadata)) or "none"
-            raise ValueError(
-                f"model {config.name!r}: its metadata has no {key!r} entry holding the recogniser's "
-                f"dictionary (one character per line); keys present: {present} "
-                "(hint: set task.dictionary_key to the key the model uses)"
+            raise config.error(
+                "task.dictionary_key",
+                f"the model's metadata has no {key!r} entry holding the recogniser's dictionary "
+                f"(one character per line); keys present: {present}",
+                "set task.dictionary_key to the key the model uses",
             )
         self.dictionary = parse_dictionary(text)
         self._decoder: CTCDecoder | None = None
@@ -218,8 +218,8 @@ class TextRecognizeTask(_ImageTask):
             try:
                 decoder = CTCDecoder.from_dictionary(self.dictionary, out.shape[2])
             except ValueError as exc:
-                raise ValueError(
-                    f"model {self.config.name!r} (dictionary {self.config.task.dictionary_key!r}): {exc}"
+                raise self.config.error(
+                    "task.dictionary_key", f"dictionary {self.config.task.dictionary_key!r}: {exc}"
                 ) from None
             self._decoder = decoder
         return [Recognition(text, score) for text, score in decoder.decode(out)]
@@ -239,33 +239,17 @@ def create_task(
     metadata: Mapping[str, str],
     labels: Sequence[str],
 ) -> Task:
-    """The task for ``config.task.kind``; raises ``ValueError`` naming the model on bad setups."""
+    """The task for ``config.task.kind``.
+
+    A setup it cannot serve is a :class:`~inference.config.ModelConfigError`.
+    """
     try:
         cls = _TASKS[config.task.kind]
     except KeyError:
-        raise ValueError(
-            f"model {config.name!r}: unknown task kind {config.task.kind!r}; expected one of {sorted(_TASKS)}"
+        raise config.error(
+            "task.kind", f"unknown task kind {config.task.kind!r}; expected one of {sorted(_TASKS)}"
         ) from None
     return cls(config, input_spec, metadata, labels)
-
-
-def _check_input_spec(config: ModelConfig, spec: TensorSpec) -> None:
-    """The model's static input dims must agree with ``input.shape``."""
-    item = tuple(config.input.shape)
-    dims = tuple(spec.shape)
-    if config.max_batch_size > 0:
-        dims = dims[1:]
-    if len(dims) != len(item):
-        raise ValueError(
-            f"model {config.name!r}: input {spec.name!r} has shape {list(spec.shape)}, which does not "
-            f"match input.shape {list(item)} (with max_batch_size {config.max_batch_size})"
-        )
-    clash = [(w, h) for w, h in zip(item, dims, strict=True) if isinstance(h, int) and h != w]
-    if clash:
-        raise ValueError(
-            f"model {config.name!r}: input.shape {list(item)} disagrees with the model's input "
-            f"{spec.name!r} of shape {list(spec.shape)}"
-        )
 
 
 def _labels_from_metadata(metadata: Mapping[str, str]) -> list[str]:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from inference.backends.base import Backend, TensorSpec
+from inference.batch_policy import BatchPolicy
 from inference.batcher import (
     BatcherStats,
     DynamicBatcher,
@@ -27,7 +28,6 @@ from inference.batcher import (
     InferenceRejected,
     InferenceTimeout,
 )
-from inference.batching import BatchPolicy
 from inference.config import (
     DynamicBatching,
     InputConfig,
@@ -38,8 +38,8 @@ from inference.config import (
     TaskConfig,
 )
 from inference.model import Model, ModelState, ModelUnavailable
+from inference.processing.base import Task
 from inference.results import Classification, Result
-from inference.tasks import Task
 
 WAIT = 5.0  # seconds; only ever reached when something is broken
 
@@ -85,8 +85,9 @@ class FakeBackend(Backend):
         fail: set[int],
         batched: bool,
     ) -> None:
-        shape: tuple[int | None, ...] = (None, 1, 1, 1) if batched else (1, 1, 1)
-        self.inputs = [TensorSpec("x", shape, "float32")]
+        shape: tuple[int | None, ...] = (None, 3, 1, 1) if batched else (3, 1, 1)
+        self.input = TensorSpec("x", shape, "float32")
+        self.inputs = [self.input]
         self.outputs = [TensorSpec("y", shape[:1], "float32")]
         self.metadata = {"kind": "fake"}
         self.instance = instance
@@ -103,7 +104,8 @@ class FakeBackend(Backend):
         x = inputs["x"]
         self.ranks.add(x.ndim)
         self.pointers.add(x.__array_interface__["data"][0])
-        ids = [int(v) for v in x.reshape(-1)]
+        first = x[:, 0, 0, 0] if x.ndim == 4 else x[0, 0]  # each item's id (the task's first byte)
+        ids = [int(v) for v in first.reshape(-1)]
         self.log.append((self.instance, ids))
         self.started.put(ids)
         if self.hold.intersection(ids):
@@ -111,7 +113,7 @@ class FakeBackend(Backend):
         if self.fail.intersection(ids):
             raise ValueError("bad input 13")
         # One value per item; an unbatched model's output has no batch axis either.
-        return {"y": x.reshape(-1).copy() if x.ndim == 4 else x.reshape(()).copy()}
+        return {"y": first.copy() if x.ndim == 4 else first.reshape(()).copy()}
 
     def close(self) -> None:
         self.closed = True
@@ -149,7 +151,7 @@ class Harness:
         self.config = ModelConfig(
             name="m",
             model_file=ModelFile(path="m.onnx"),
-            input=InputConfig(shape=[1, 1, 1], mean=[0.0], std=[1.0]),
+            input=InputConfig(shape=[3, 1, 1]),
             task=TaskConfig(kind="classify"),
             max_batch_size=max_batch_size,
             dynamic_batching=DynamicBatching(**batching),
@@ -470,10 +472,13 @@ async def test_async_callers_get_their_own_results_and_no_batch_tensor_is_alloca
         pools = [inst.pool for inst in h.model.instances]
         assert [p.allocations for p in pools] == [1, 1]
         assert [p.in_use for p in pools] == [0, 0]
-        # Every batch ran in the instance's one pooled tensor.
+        # Every batch an instance ran was in that instance's one pooled tensor.
         for backend, pool in zip(h.backends, pools, strict=True):
-            assert backend.pointers <= {pool._handles[0].array.__array_interface__["data"][0]}
-        assert sum(len(b.pointers) for b in h.backends) >= 1
+            with pool.acquire() as buf:
+                pooled = buf.array.__array_interface__["data"][0]
+            ran = any(instance == backend.instance for instance, _ in h.log)
+            assert backend.pointers == ({pooled} if ran else set())
+        assert sum(len(batch) for _, batch in h.log) == 800
         assert h.model.stats.succeeded == 800
     finally:
         h.stop()
@@ -501,7 +506,7 @@ def test_a_model_whose_backend_fails_to_load_is_unavailable(tmp_path: Path) -> N
     cfg = ModelConfig(
         name="m",
         model_file=ModelFile(path="m.onnx"),
-        input=InputConfig(shape=[1, 1, 1], mean=[0.0], std=[1.0]),
+        input=InputConfig(shape=[3, 1, 1]),
         task=TaskConfig(kind="classify"),
     )
 

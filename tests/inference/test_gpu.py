@@ -5,12 +5,12 @@ Tolerances (one "level" is one uint8 step after normalisation, ``|scale / std|``
 * resize (reference or kernel) vs ``cv2.resize`` INTER_LINEAR: max 1 level, ≥ 98 % of pixels identical;
 * normalised tensors vs :class:`ImagePreprocessor`: float32 max ``level + 1e-6``, float16
   ``level + 2⁻¹⁰·max|x|`` (one fp16 step), ≥ 98 % of elements identical;
-* warp vs ``cv2.warpPerspective`` (INTER_LINEAR, replicated border) on smooth images: max 1 level;
 * kernel vs its NumPy reference: max 1 level (the arithmetic is the same; only the
   hardware's float division may round differently).
 
-Tests marked ``gpu`` need CuPy and a CUDA device (TensorRT for the engine tests) and are
-skipped with the reason otherwise; the rest run anywhere.
+Tests marked ``gpu`` need CuPy and a CUDA device (TensorRT for the engine tests, two
+devices for the multi-GPU test) and are skipped with the reason otherwise; the rest run
+anywhere.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import pytest
 from inference.config import InputConfig
 from inference.device import as_device_array, get_array_module, gpu_available, is_device_array, to_host
 from inference.gpu import kernels
-from inference.processing.crop import crop_box
 from inference.processing.resize import ImagePreprocessor
 from tests.conftest import ROOT
 
@@ -101,58 +100,6 @@ def test_reference_resize_matches_cv2(src: tuple[int, int], dst: tuple[int, int]
     assert np.mean(diff == 0) >= 0.98
 
 
-def test_reference_roi_resize_matches_crop_box_and_cv2() -> None:
-    rng = np.random.default_rng(2)
-    frames = [
-        rng.integers(0, 256, (360, 640, 3), dtype=np.uint8),
-        rng.integers(0, 256, (97, 131, 3), dtype=np.uint8),
-    ]
-    boxes = [
-        (10.2, 20.7, 200.5, 61.1),
-        (-5, -5, 30, 12),
-        (600, 300, 700, 400),
-        (50, 50, 50, 50),
-        (3, 4, 120, 90),
-    ]
-    index = [0, 0, 0, 0, 1]
-    got = kernels.reference_roi_resize(frames, boxes, index, 96, 32, pad=1.5)
-    for k, (box, fi) in enumerate(zip(boxes, index, strict=True)):
-        crop = crop_box(frames[fi], box, pad=1.5)
-        _, _, w, h = kernels.box_roi(box, frames[fi].shape[1], frames[fi].shape[0], pad=1.5)
-        assert crop.shape[:2] == (h, w)
-        want = cv2.resize(crop, (96, 32), interpolation=cv2.INTER_LINEAR).astype(int)
-        assert np.abs(got[k].astype(int) - want).max() <= 1
-
-
-def _quad_crops() -> tuple[list[np.ndarray], np.ndarray, list[tuple[int, int]], list[int]]:
-    rng = np.random.default_rng(3)
-    frame = cv2.GaussianBlur(rng.integers(0, 256, (360, 640, 3), dtype=np.uint8), (0, 0), 1.5)
-    quads = [
-        [[100, 80], [400, 120], [395, 170], [95, 130]],
-        [[300, 200], [500, 180], [505, 230], [302, 250]],
-        [[-20, -15], [150, 10], [148, 60], [0, 40]],  # partly outside: replicated border
-        [[600, 300], [660, 310], [650, 380], [590, 370]],
-    ]
-    sizes = [(200, 48), (160, 40), (120, 36), (48, 48)]
-    hinv = []
-    for q, (w, h) in zip(quads, sizes, strict=True):
-        m = cv2.getPerspectiveTransform(np.float32(q), np.float32([[0, 0], [w, 0], [w, h], [0, h]]))
-        hinv.append(np.linalg.inv(m))
-    return [frame], np.asarray(hinv), sizes, [0, 0, 0, 0]
-
-
-def test_reference_warp_matches_cv2() -> None:
-    frames, hinv, sizes, index = _quad_crops()
-    out = kernels.reference_warp(frames, hinv, sizes, index, np.empty((4, 48, 200, 3), np.uint8), fill=7)
-    for k, (w, h) in enumerate(sizes):
-        want = cv2.warpPerspective(
-            frames[0], hinv[k], (w, h),
-            flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP, borderMode=cv2.BORDER_REPLICATE,
-        )  # fmt: skip
-        assert np.abs(out[k, :h, :w].astype(int) - want).max() <= 1
-        assert (out[k, h:] == 7).all() and (out[k, :, w:] == 7).all()
-
-
 # The kernel source itself, compiled as C++ and run on the CPU: catches indexing,
 # item-table and channel-order mistakes without a GPU.
 _HOST_PRELUDE = r"""
@@ -191,17 +138,11 @@ static void vp_grid(int w, int h, int n, void (*body)()) {
 static const long long* g_items; static const float* g_f; static void* g_out;
 static int g_h, g_w, g_mode, g_m0, g_m1, g_m2, g_fill;
 static void pre_body() { vp_preprocess(g_items, g_out, g_h, g_w, g_mode, g_f, g_m0, g_m1, g_m2, g_fill); }
-static void warp_body() { vp_warp(g_items, g_f, (unsigned char*)g_out, g_h, g_w, g_fill); }
 extern "C" void host_preprocess(const long long* items, int n, void* out, int h, int w, int mode,
                                 const float* norm, int m0, int m1, int m2, int fill) {
     g_items = items; g_out = out; g_h = h; g_w = w; g_mode = mode; g_f = norm;
     g_m0 = m0; g_m1 = m1; g_m2 = m2; g_fill = fill;
     vp_grid(w, h, n, pre_body);
-}
-extern "C" void host_warp(const long long* items, const float* hinv, int n, unsigned char* out,
-                          int h, int w, int fill) {
-    g_items = items; g_f = hinv; g_out = out; g_h = h; g_w = w; g_fill = fill;
-    vp_grid(w, h, n, warp_body);
 }
 """
 
@@ -257,32 +198,6 @@ def test_cuda_source_run_on_cpu_matches_reference(
     cpu = np.empty_like(got)
     ImagePreprocessor(config)(images, cpu)
     _assert_close(got, cpu, config)
-
-
-def test_cuda_source_u8_mode_and_warp_run_on_cpu(host_kernels: Any) -> None:
-    frames, hinv, sizes, index = _quad_crops()
-    frame = frames[0]
-    boxes = [(10.2, 20.7, 200.5, 61.1), (-5, -5, 30, 12), (600, 300, 700, 400)]
-    rois = [kernels.box_roi(b, frame.shape[1], frame.shape[0]) for b in boxes]
-    metas = [kernels.geometry("stretch", r[2], r[3], 96, 32) for r in rois]
-    table = kernels.pack_items([(frame.ctypes.data, frame.strides[0])] * 3, rois, metas)
-    got = np.zeros((3, 32, 96, 3), np.uint8)
-    zero = np.zeros(9, np.float32)
-    host_kernels.host_preprocess(
-        ctypes.c_void_p(table.ctypes.data), 3, ctypes.c_void_p(got.ctypes.data), 32, 96, kernels.MODE_U8,
-        ctypes.c_void_p(zero.ctypes.data), 0, 1, 2, 0,
-    )  # fmt: skip
-    np.testing.assert_array_equal(got, kernels.reference_roi_resize([frame], boxes, [0, 0, 0], 96, 32))
-
-    wtable = kernels.pack_warp_items([(frame.ctypes.data, frame.strides[0], 640, 360)] * 4, sizes)
-    mats = np.ascontiguousarray(hinv.astype(np.float32).reshape(4, 9))
-    out = np.zeros((4, 48, 200, 3), np.uint8)
-    host_kernels.host_warp(
-        ctypes.c_void_p(wtable.ctypes.data), ctypes.c_void_p(mats.ctypes.data), 4,
-        ctypes.c_void_p(out.ctypes.data), 48, 200, 9,
-    )  # fmt: skip
-    want = kernels.reference_warp(frames, hinv, sizes, index, np.empty_like(out), fill=9)
-    assert np.abs(out.astype(int) - want).max() <= 1
 
 
 # -- CPU: device seam, imports, backend errors, plan-cache key ------------------------
@@ -478,76 +393,36 @@ def test_fused_kernel_matches_image_preprocessor(
     assert np.abs(got.astype(np.float64) - ref).max() <= _level(config) + 1e-3
 
 
-@pytest.mark.gpu
-@needs_gpu
-def test_crops_match_crop_box_then_image_preprocessor(cp: Any) -> None:
-    from inference.gpu.preprocess import GpuPreprocessor
+def _gpu_count() -> int:
+    if not GPU_OK:
+        return 0
+    import cupy
 
-    config = _config("keep_height", "bgr")
-    rng = np.random.default_rng(6)
-    frames = [
-        rng.integers(0, 256, (360, 640, 3), dtype=np.uint8),
-        rng.integers(0, 256, (97, 131, 3), dtype=np.uint8),
-    ]
-    boxes = [(10.2, 20.7, 200.5, 61.1), (-5, -5, 30, 12), (600, 300, 700, 400), (3, 4, 120, 90)]
-    index = [0, 0, 0, 1]
-    out = cp.empty((4, *config.shape), dtype=cp.float32)
-    metas = GpuPreprocessor(config, max_batch=4).crops(
-        [cp.asarray(f) for f in frames], boxes, index, out, pad=1
-    )
-    want = np.empty((4, *config.shape), np.float32)
-    crops = [crop_box(frames[fi], b, pad=1) for b, fi in zip(boxes, index, strict=True)]
-    assert metas == ImagePreprocessor(config)(crops, want)
-    _assert_close(out.get(), want, config, min_equal=0.95)
+    return int(cupy.cuda.runtime.getDeviceCount())
 
 
 @pytest.mark.gpu
-@needs_gpu
-def test_roi_resize_and_warp_match_opencv(cp: Any) -> None:
-    from inference.gpu.preprocess import roi_resize, warp_crops
+@pytest.mark.skipif(_gpu_count() < 2, reason=f"needs two CUDA devices (found {_gpu_count()})")
+def test_an_instance_on_the_second_gpu_keeps_its_pool_and_preprocessing_there(cp: Any) -> None:
+    from inference.config import ModelConfig, ModelFile, TaskConfig
+    from inference.gpu import device_batch_pool, gpu_preprocessor
 
-    frames, hinv, sizes, index = _quad_crops()
-    dev = [cp.asarray(f) for f in frames]
-    boxes = [(10.2, 20.7, 200.5, 61.1), (-5, -5, 30, 12), (600, 300, 700, 400)]
-    out = cp.zeros((3, 32, 96, 3), cp.uint8)
-    roi_resize(dev, boxes, [0, 0, 0], out).synchronize()
-    for k, box in enumerate(boxes):
-        want = cv2.resize(crop_box(frames[0], box), (96, 32), interpolation=cv2.INTER_LINEAR)
-        assert np.abs(out[k].get().astype(int) - want).max() <= 1
-    warped = cp.zeros((4, 48, 200, 3), cp.uint8)
-    warp_crops(dev, hinv, sizes, index, warped, fill=0).synchronize()
-    for k, (w, h) in enumerate(sizes):
-        want = cv2.warpPerspective(
-            frames[0], hinv[k], (w, h),
-            flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP, borderMode=cv2.BORDER_REPLICATE,
-        )  # fmt: skip
-        assert np.abs(warped[k, :h, :w].get().astype(int) - want).max() <= 1
-
-
-@pytest.mark.gpu
-@needs_gpu
-def test_pinned_upload_and_device_frames_feed_the_kernel(cp: Any) -> None:
-    from inference.gpu.preprocess import GpuPreprocessor
-    from pipeline.stages.hwdecode import PinnedUploader
-
-    config = _config("letterbox")
-    uploader = PinnedUploader(720, 1280, slots=2, frames=4)
-    pre = GpuPreprocessor(config, max_batch=4, stream=cp.cuda.Stream(non_blocking=True))
-    images = _images(7)[:4]
-    out = cp.empty((4, *config.shape), cp.float32)
-    pool_allocs = uploader.frames.allocations
-    for _ in range(20):
-        frames = [uploader.upload(im) for im in images]
-        pre(frames, out)
-        pre.stream.synchronize()
-        for f in frames:
-            f.release()
-    uploader.close()
-    want = np.empty((4, *config.shape), np.float32)
-    ImagePreprocessor(config)(images, want)
-    _assert_close(out.get(), want, config)
-    assert uploader.frames.allocations == pool_allocs
-    assert uploader.frames.in_use == 0 and uploader.staging.in_use == 0
+    config = ModelConfig(
+        name="m", model_file=ModelFile(path="m.onnx"), input=_config("letterbox"),
+        task=TaskConfig(kind="yolo"), max_batch_size=4,
+    )  # fmt: skip
+    images = _images(8)[:4]
+    with cp.cuda.Device(0):  # the worker thread's current device is not the instance's
+        pool = device_batch_pool(config, device=1)
+        pre = gpu_preprocessor(config, device=1)
+        with pool.acquire() as buf:
+            assert buf.array.device.id == 1
+            metas = pre(images, buf.array)
+            pre.done.synchronize()
+            got = buf.array[:4].get()
+    want = np.empty_like(got)
+    assert metas == ImagePreprocessor(config.input)(images, want)
+    _assert_close(got, want, config.input)
 
 
 @pytest.fixture

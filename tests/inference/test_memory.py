@@ -72,7 +72,7 @@ def test_acquire_blocks_until_a_buffer_comes_back() -> None:
 
     t = threading.Thread(target=consumer)
     t.start()
-    waiting.wait(5.0)
+    assert waiting.wait(5.0)
     # The consumer cannot finish while the only buffer is held.
     t.join(0.05)
     assert t.is_alive()
@@ -83,18 +83,28 @@ def test_acquire_blocks_until_a_buffer_comes_back() -> None:
     assert pool.allocations == 1
 
 
-def test_pluggable_array_module() -> None:
-    class FakeXp:
-        created = 0
+class CountingXp:
+    """An array module that counts the arrays it creates."""
 
-        @staticmethod
-        def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-            FakeXp.created += 1
-            return np.zeros(shape, dtype=dtype)
+    def __init__(self) -> None:
+        self.created = 0
 
-    pool = BufferPool((3,), np.float32, count=3, xp=FakeXp)  # type: ignore[arg-type]
-    assert FakeXp.created == 3
-    assert pool.xp is FakeXp
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        self.created += 1
+        return np.zeros(shape, dtype=dtype)
+
+
+def test_allocations_counts_the_arrays_the_array_module_created() -> None:
+    xp = CountingXp()
+    pool = BufferPool((3,), np.float32, count=3, xp=xp)  # type: ignore[arg-type]
+    assert pool.xp is xp
+    assert (xp.created, pool.allocations) == (3, 3)
+    for _ in range(100):
+        with pool.acquire() as a, pool.acquire() as b:
+            a.retain().release()
+            assert b.array.shape == (3,)
+    # Steady state: nothing was created after the pool was sized.
+    assert (xp.created, pool.allocations, pool.capacity) == (3, 3, 3)
 
 
 def test_count_must_be_positive() -> None:

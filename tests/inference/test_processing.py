@@ -12,15 +12,16 @@ from onnx import TensorProto, helper
 
 from inference.backends.base import TensorSpec
 from inference.config import InputConfig, ModelConfig
-from inference.processing import YoloTask, create_task
 from inference.processing.classify import classify, is_probability, softmax, top_k
 from inference.processing.nms import batched_nms, nms
 from inference.processing.resize import (
     ImagePreprocessor,
+    check_image,
     geometry,
     keep_height_geometry,
     letterbox_geometry,
 )
+from inference.processing.tasks import YoloTask, create_task
 from inference.processing.yolo import decode_yolo, resolve_layout
 from inference.results import Classification, Detection
 from inference.schema import build
@@ -181,13 +182,21 @@ def test_batch_resized_colour_and_normalised_padding() -> None:
     assert np.all(out[2:] == 9.0)  # rows past the images are untouched
 
 
-def test_preprocess_rejects_bad_images_and_batch_tensors() -> None:
+def test_check_image_names_the_bad_image() -> None:
+    check_image(np.zeros((4, 4, 3), np.uint8))
+    with pytest.raises(
+        ValueError, match=r"^image 1: expected a non-empty H×W×3 uint8 RGB array, got \(4, 4\) uint8$"
+    ):
+        check_image(np.zeros((4, 4), np.uint8), 1)
+    with pytest.raises(ValueError, match=r"^image 0: .* got \(4, 4, 3\) float32$"):
+        check_image(np.zeros((4, 4, 3), np.float32))
+    with pytest.raises(ValueError, match=r"got \(0, 4, 3\) uint8$"):
+        check_image(np.zeros((0, 4, 3), np.uint8))
+
+
+def test_preprocess_rejects_batch_tensors_that_do_not_fit() -> None:
     pre = ImagePreprocessor(raw_input([3, 8, 8]))
     out = np.zeros((2, 3, 8, 8), np.float32)
-    with pytest.raises(ValueError, match=r"image 1: expected a non-empty H×W×3 uint8"):
-        pre([np.zeros((4, 4, 3), np.uint8), np.zeros((4, 4), np.uint8)], out)
-    with pytest.raises(ValueError, match=r"image 0"):
-        pre([np.zeros((4, 4, 3), np.float32)], out)
     with pytest.raises(ValueError, match=r"expected \(N, 3, 8, 8\)"):
         pre([np.zeros((4, 4, 3), np.uint8)], np.zeros((2, 3, 8, 9), np.float32))
     with pytest.raises(ValueError, match="do not fit"):
@@ -420,12 +429,6 @@ def test_yolo_labels_from_ultralytics_metadata_and_ambiguous_layout_names_model(
     assert task.labels == ["person", "car"]
     with pytest.raises(ValueError, match=r"'det9'.*\[1, 9, 9\]"):
         task.postprocess({"out": np.zeros((1, 9, 9), np.float32)}, [IDENTITY])
-
-
-def test_task_rejects_input_shape_that_disagrees_with_model() -> None:
-    cfg = model_config(name="det1")
-    with pytest.raises(ValueError, match=r"'det1'.*\[3, 640, 640\]"):
-        create_task(cfg, TensorSpec("images", (None, 3, 320, 320), "float32"), {}, [])
 
 
 # --------------------------------------------------------------------------- classify

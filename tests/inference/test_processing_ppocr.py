@@ -15,16 +15,11 @@ from rapidocr_onnxruntime.ch_ppocr_rec.utils import CTCLabelDecode
 
 from inference.backends.base import TensorSpec
 from inference.config import ModelConfig
-from inference.processing import (
-    ClassifyTask,
-    TextDetectTask,
-    TextRecognizeTask,
-    create_task,
-    crop_upright,
-)
+from inference.processing.base import Task
+from inference.processing.crop import crop_upright
+from inference.processing.tasks import ClassifyTask, TextDetectTask, TextRecognizeTask, create_task
 from inference.results import Classification, Detection, Recognition
 from inference.schema import build
-from inference.tasks import Task
 
 MODELS = Path(rapidocr_onnxruntime.__file__).parent / "models"
 NORM: dict[str, Any] = {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "color": "bgr"}

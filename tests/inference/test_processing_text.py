@@ -10,10 +10,11 @@ from rapidocr_onnxruntime.ch_ppocr_rec.utils import CTCLabelDecode
 
 from inference.backends.base import TensorSpec
 from inference.config import ModelConfig
-from inference.processing import TextDetectTask, create_task, crop_box, crop_upright
+from inference.processing.crop import crop_box, crop_upright
 from inference.processing.ctc import CTCDecoder, parse_dictionary
 from inference.processing.db import DBParams, db_boxes, order_corners
 from inference.processing.resize import letterbox_geometry, stretch_geometry
+from inference.processing.tasks import TextDetectTask, create_task
 from inference.results import Detection, Recognition
 from inference.schema import build
 

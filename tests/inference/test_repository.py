@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,22 @@ from onnx import TensorProto, helper
 
 from inference.backends import BackendError, create_backend
 from inference.backends.base import TensorSpec
+from inference.backends.inputs import InputMismatchError
 from inference.backends.onnxruntime import OnnxRuntimeBackend, choose_providers
-from inference.config import BackendOptions, InputConfig, InstanceGroup, ModelConfig, ModelFile, TaskConfig
+from inference.config import (
+    BackendOptions,
+    InputConfig,
+    InstanceGroup,
+    ModelConfig,
+    ModelConfigError,
+    ModelFile,
+    TaskConfig,
+)
 from inference.model import ModelState, ModelUnavailable
+from inference.processing.base import Task
 from inference.repository import ModelNotFoundError, ModelRepository, describe_repository
 from inference.results import Classification, Result
 from inference.schema import ConfigError
-from inference.tasks import Task
 
 WAIT = 10.0
 
@@ -187,7 +197,9 @@ async def test_reload_swaps_then_lets_requests_on_the_old_model_finish(tmp_path:
     queued = old.submit(rgb(0, 50, 0))  # waits in the old model's queue
     assert await asyncio.to_thread(started.wait, WAIT)
     reload = asyncio.create_task(repo.reload("cls"))
+    deadline = time.monotonic() + WAIT
     while repo.get("cls") is old:
+        assert time.monotonic() < deadline, "the reload never swapped the new copy in"
         await asyncio.sleep(0.005)
     new = repo.get("cls")
     assert new.state is ModelState.READY
@@ -284,8 +296,9 @@ async def test_wrong_type_is_reported_with_its_line(tmp_path: Path) -> None:
 async def test_missing_model_file_is_reported_at_model_file(tmp_path: Path) -> None:
     text = CONFIG.format(name="cls").replace("model.onnx", "missing.onnx")
     path, reason = await load_error(tmp_path, text)
-    assert reason.startswith(
-        f"{path}:2: model_file.path: cls: model file not found: {tmp_path / 'cls' / 'missing.onnx'}"
+    assert reason == (
+        f"{path}:2: model_file.path: model file not found: {tmp_path / 'cls' / 'missing.onnx'} "
+        f"(hint: relative paths start at {tmp_path / 'cls'})"
     )
 
 
@@ -293,7 +306,7 @@ async def test_wrong_input_shape_is_reported_at_input_shape(tmp_path: Path) -> N
     text = CONFIG.format(name="cls").replace("[3, 8, 8]", "[3, 16, 8]")
     path, reason = await load_error(tmp_path, text)
     assert reason == (
-        f"{path}:4: input.shape: cls: model.onnx: input tensor 'x' expects items of shape [3, 8, 8] (C, H, W), "
+        f"{path}:4: input.shape: model.onnx: input tensor 'x' expects items of shape [3, 8, 8] (C, H, W), "
         f"but config.yaml has input.shape: [3, 16, 8] (wrong: H); set input.shape: [3, 8, 8]"
     )
 
@@ -307,7 +320,7 @@ async def test_schema_level_input_shape_errors_have_lines(tmp_path: Path) -> Non
 async def test_batch_axis_mismatch_says_what_to_change(tmp_path: Path) -> None:
     path, reason = await load_error(tmp_path, CONFIG.format(name="cls"), shape=(3, 8, 8))
     assert reason == (
-        f"{path}:3: max_batch_size: cls: model.onnx: input tensor 'x' has no batch axis (shape [3, 8, 8]), "
+        f"{path}:3: max_batch_size: model.onnx: input tensor 'x' has no batch axis (shape [3, 8, 8]), "
         "but max_batch_size is 4; set max_batch_size: 0"
     )
 
@@ -367,8 +380,8 @@ async def test_a_package_that_is_not_installed_is_named(tmp_path: Path) -> None:
     path = write_config(tmp_path, "ppocr_cls", text)
     st = await repo_at(tmp_path).load("ppocr_cls")
     assert st.reason == (
-        f"{path}:2: model_file.package: ppocr_cls: model_file.package 'no_such_pkg_xyz' is not installed "
-        "(install it, or point model_file.path at a local file)"
+        f"{path}:2: model_file.package: package 'no_such_pkg_xyz' is not installed "
+        "(hint: install it, or point model_file.path at a local file)"
     )
 
 
@@ -400,27 +413,33 @@ def test_backend_runs_and_reports_tensors(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("onnx_kw", "cfg_kw", "message"),
+    ("onnx_kw", "cfg_kw", "key", "message"),
     [
-        ({"name": "images"}, {"input": InputConfig(shape=[3, 8, 8], name="x")},
-         "has no input tensor 'x' (it has: images); set input.name"),
-        ({"dtype": TensorProto.FLOAT16}, {},
+        ({"name": "images"}, {"input": InputConfig(shape=[3, 8, 8], name="x")}, "input.name",
+         "the model has no input tensor 'x' (it has: images); set input.name to one of those"),
+        ({"dtype": TensorProto.FLOAT16}, {}, "input.dtype",
          "input tensor 'x' is float16, config.yaml says input.dtype: float32; set input.dtype: float16"),
-        ({"dtype": TensorProto.UINT8}, {}, "is uint8, but images are fed as float tensors"),
-        ({"shape": ("N", 3, 8, 8)}, {"max_batch_size": 0}, "has a batch axis (shape [dynamic, 3, 8, 8]), but max_batch_size is 0"),
-        ({"shape": (1, 3, 8, 8)}, {}, "fixed batch size of 1, but max_batch_size is 4 and batches vary in size; set max_batch_size: 1 or export"),
-        ({"extra_input": True}, {}, "needs 2 inputs (x, scale)"),
-        ({"shape": ("N", 1, "h", "w")}, {}, "expects items of shape [1, dynamic, dynamic] (C, H, W), but config.yaml has input.shape: [3, 8, 8] (wrong: C); set input.shape: [1, 8, 8]"),
+        ({"dtype": TensorProto.UINT8}, {}, "input.dtype",
+         "input tensor 'x' is uint8, but images are fed as float tensors; export the model with a float32 or float16 input"),
+        ({"shape": ("N", 3, 8, 8)}, {"max_batch_size": 0}, "max_batch_size",
+         "input tensor 'x' has a batch axis (shape [dynamic, 3, 8, 8]), but max_batch_size is 0; set max_batch_size to 1 or more"),
+        ({"shape": (1, 3, 8, 8)}, {}, "max_batch_size",
+         "input tensor 'x' has a fixed batch size of 1, but max_batch_size is 4 and batches vary in size; set max_batch_size: 1 or export the model with a dynamic batch axis"),
+        ({"extra_input": True}, {}, "model_file",
+         "the model needs 2 inputs (x, scale) but is fed only the image tensor 'x'; export it with a single image input"),
+        ({"shape": ("N", 1, "h", "w")}, {}, "input.shape",
+         "input tensor 'x' expects items of shape [1, dynamic, dynamic] (C, H, W), but config.yaml has input.shape: [3, 8, 8] (wrong: C); set input.shape: [1, 8, 8]"),
     ],
 )  # fmt: skip
 def test_backend_input_checks(
-    tmp_path: Path, onnx_kw: dict[str, Any], cfg_kw: dict[str, Any], message: str
+    tmp_path: Path, onnx_kw: dict[str, Any], cfg_kw: dict[str, Any], key: str, message: str
 ) -> None:
     path = make_onnx(tmp_path / "model.onnx", **onnx_kw)
-    with pytest.raises(BackendError) as err:
+    with pytest.raises(InputMismatchError) as err:
         create_backend(config(**cfg_kw), path, 0)
-    assert message in str(err.value)
-    assert "model.onnx" in str(err.value)
+    # A config built in code has no file: the error names the model instead.
+    assert (err.value.file, err.value.line, err.value.key, err.value.model) == ("model 'm'", None, key, "m")
+    assert str(err.value) == f"model 'm': {key}: model.onnx: {message}"
 
 
 def test_fixed_batch_of_one_is_fine_with_max_batch_size_one(tmp_path: Path) -> None:
@@ -452,10 +471,12 @@ def test_execution_provider_choice() -> None:
     ]
     assert choose_providers(mixed, 2, gpu)[0] == ("CUDAExecutionProvider", {"device_id": 1})
     assert choose_providers(mixed, 3, gpu)[0] == ("CUDAExecutionProvider", {"device_id": 0})
-    with pytest.raises(BackendError, match="KIND_GPU needs ONNX Runtime with CUDA"):
+    with pytest.raises(ModelConfigError, match="KIND_GPU needs ONNX Runtime with CUDA") as err:
         choose_providers(mixed, 1, cpu_only)
-    with pytest.raises(BackendError, match="'CUDAExecutionProvider' is not available"):
+    assert err.value.key == "instance_group"
+    with pytest.raises(ModelConfigError, match="'CUDAExecutionProvider' is not available") as err:
         choose_providers(config(backend_options=BackendOptions(execution_providers=["cuda"])), 0, cpu_only)
+    assert err.value.key == "backend_options.execution_providers"
 
 
 def test_tensorrt_backend_without_tensorrt(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference.batching import (
+from inference.batch_policy import (
     BatchPolicy,
     LevelPolicy,
     PendingQueue,
@@ -172,14 +172,13 @@ def test_policy_from_config_reads_triton_fields() -> None:
     assert p.has_timeouts is True
 
 
-def test_policy_rejects_a_queue_policy_for_a_missing_level() -> None:
-    cfg = model_config(
-        dynamic_batching=DynamicBatching(
-            priority_levels=2, default_priority_level=1, priority_queue_policy={"3": QueuePolicy()}
-        ),
-    )
+def test_a_queue_policy_for_a_missing_level_is_refused_when_the_config_is_built() -> None:
     with pytest.raises(ValueError, match=r"key '3' is not a priority level in 1\.\.2"):
-        BatchPolicy.from_config(cfg)
+        DynamicBatching(
+            priority_levels=2, default_priority_level=1, priority_queue_policy={"3": QueuePolicy()}
+        )
+    with pytest.raises(ValueError, match=r"key 'one' is not a priority level in 1\.\.1"):
+        DynamicBatching(priority_queue_policy={"one": QueuePolicy()})
 
 
 def test_priority_levels_outside_the_range_use_the_default() -> None:

@@ -1,4 +1,4 @@
-"""Dynamic-batching rules: when to send how many queued requests, and the queue they come from.
+"""The batch policy: when to send how many queued requests, and the queue they come from.
 
 This module owns the decisions only; it has no threads and no clock of its own
 (every function takes ``now``), so each rule can be checked in isolation. The
@@ -95,22 +95,14 @@ class BatchPolicy:
     def from_config(cls, config: ModelConfig) -> BatchPolicy:
         """Translate ``max_batch_size`` and ``dynamic_batching`` into a policy.
 
-        ``priority_queue_policy`` keys must be level numbers in ``1..priority_levels``.
+        The config was checked when it was built (``priority_queue_policy`` keys
+        are level numbers in ``1..priority_levels``).
         """
         db = config.dynamic_batching
         n_levels = max(1, db.priority_levels)
-        overrides: dict[int, QueuePolicy] = {}
-        for key, policy in db.priority_queue_policy.items():
-            try:
-                level = int(key)
-            except ValueError:
-                level = 0
-            if not 1 <= level <= n_levels:
-                raise ValueError(
-                    f"dynamic_batching.priority_queue_policy key {key!r} is not a priority level "
-                    f"in 1..{n_levels} (set priority_levels to cover it)"
-                )
-            overrides[level] = policy
+        overrides: dict[int, QueuePolicy] = {
+            int(key): policy for key, policy in db.priority_queue_policy.items()
+        }
         levels = tuple(
             LevelPolicy.from_config(overrides.get(level, db.default_queue_policy))
             for level in range(1, n_levels + 1)

@@ -1,5 +1,6 @@
-"""Pre/post-processing per model kind (``task.kind`` in the model config).
+"""The :class:`Task` base: a model kind's batched pre/post-processing contract.
 
+The concrete tasks for each ``task.kind`` live in :mod:`inference.processing.tasks`.
 A task turns a list of images into one batch tensor and a batch of raw outputs
 into one result per image. It is called from a model instance's worker thread
 with a whole batch at a time::
