@@ -57,7 +57,8 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
                 package = package[:-1]
             package = package[: len(package) - (node.level - 1)]
             base = ".".join([*package, base] if base else package)
-        names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        # "from pkg import mod" depends on mod; "from pkg import name" on pkg itself.
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
     out: set[str] = set()
     for name in names:
         # The module the name is (or, for "from pkg.mod import func", the one it lives in).
