@@ -15,8 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from inference.errors import VidpipeError
 
-class NatsServerError(RuntimeError):
+
+class NatsServerError(VidpipeError, RuntimeError):
     """The embedded server could not start."""
 
 
