@@ -57,6 +57,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 from aiohttp import web
@@ -297,7 +298,9 @@ class ApiServer:
         if fetch_site in ("cross-site", "same-site"):
             return _error(403, f"cross-site request refused (Sec-Fetch-Site: {fetch_site})")
         origin = request.headers.get("Origin")
-        if origin is not None and origin.lower() != f"{request.scheme}://{request.host}".lower():
+        # Host and port only: behind a TLS proxy the page's origin is https:// while this
+        # server sees http://. "null" (sandboxed frames, file:// pages) has neither.
+        if origin is not None and urlsplit(origin).netloc.lower() != request.host.lower():
             return _error(403, f"cross-site request refused (Origin {origin!r} is not this server)")
         return await handler(request)
 
