@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import enum
+import importlib
+import importlib.machinery
 import importlib.util
 import logging
 import time
@@ -84,26 +86,46 @@ class ModelUnavailable(InferenceRejected):
         super().__init__(model, UNAVAILABLE, f"the model is {state.value}" + (f": {why}" if why else ""))
 
 
+def package_dirs(name: str) -> list[Path] | None:
+    """The folders of an installed package (or a module's folder), found without importing it.
+
+    ``importlib.util.find_spec("a.b")`` imports ``a`` to find ``b``, which runs
+    ``a/__init__.py``: a model config naming a package must not execute its code.
+    Each dotted part is looked up in its parent's folders instead. None: not found.
+    """
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return None
+    spec: importlib.machinery.ModuleSpec | None
+    try:
+        # A top-level name: find_spec consults the import hooks but runs nothing.
+        spec = importlib.util.find_spec(parts[0])
+        for part in parts[1:]:
+            if spec is None or not spec.submodule_search_locations:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(part, list(spec.submodule_search_locations))
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return [Path(p) for p in spec.submodule_search_locations]
+    if spec.origin and spec.has_location:
+        return [Path(spec.origin).parent]
+    return []
+
+
 def resolve_model_file(config: ModelConfig, model_dir: Path, version_dir: Path | None = None) -> Path:
     """The model file's absolute path; relative paths are taken from the version folder or model folder."""
     mf = config.model_file
     if mf.package:
-        try:
-            spec = importlib.util.find_spec(mf.package)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None:
+        roots = package_dirs(mf.package)
+        if roots is None:
             raise config.error(
                 "model_file.package",
                 f"package {mf.package!r} is not installed",
                 "install it, or point model_file.path at a local file",
             )
-        if spec.submodule_search_locations:
-            roots = [Path(p) for p in spec.submodule_search_locations]
-        elif spec.origin:
-            roots = [Path(spec.origin).parent]
-        else:
-            roots = []
         for root in roots:
             candidate = root / mf.path
             if candidate.is_file():

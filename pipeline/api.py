@@ -4,7 +4,11 @@
 
     http:
       listen: 127.0.0.1:8080     # host:port; port 0 picks a free one
-      token: null                # bearer token; required when host is not loopback
+      token: null                # bearer token; required (16+ characters) off loopback
+      max_connections: 256       # open connections at once (at most half the open-file limit)
+      header_timeout: 10.0       # seconds to send a request's headers
+      keepalive_timeout: 15.0    # seconds an idle keep-alive connection stays open
+      file_roots: []             # folders POST /v1/sources may open files in; none by default
 
 ``vidpipe run CONFIG --http HOST:PORT`` serves it too (the token may come from
 ``VIDPIPE_HTTP_TOKEN``). Endpoints (docs/api.md has examples):
@@ -25,7 +29,15 @@
 
 With a token configured, every request but ``/healthz``, ``/readyz`` and the
 dashboard's static files (which hold no data; the page sends the token on every
-API call it makes) needs ``Authorization: Bearer <token>``.
+API call it makes) needs ``Authorization: Bearer <token>``; ``/readyz`` then shows
+callers without it counts only, no source ids or reasons.
+
+Requests that change state (every method but GET and HEAD) are refused with 403
+when they come from another site (an ``Origin`` other than the server's own, or
+``Sec-Fetch-Site: cross-site`` / ``same-site``), token or not, and their bodies
+must carry their own content type (``application/json``, ``application/sdp`` for
+WHIP offers): a web page cannot send either without a CORS preflight, which this
+server never grants. docs/security.md has the whole picture.
 """
 
 from __future__ import annotations
@@ -39,11 +51,13 @@ import hmac
 import ipaddress
 import json
 import logging
+import resource
 import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 from aiohttp import web
@@ -54,16 +68,23 @@ from inference.schema import ConfigError, build
 from pipeline.config import HttpConfig, SourceConfig, _unique_ids
 from pipeline.frames import Frame
 from pipeline.health import readiness_problems
-from pipeline.runtime import Runtime
+from pipeline.http_guard import GuardedSite
+from pipeline.runtime import Runtime, SourceLimitError
 from pipeline.snapshot import render_snapshot
-from pipeline.sources.base import SourceError
+from pipeline.sources.base import SourceError, SourceState
 from pipeline.sources.schemes import resolve_url
 from pipeline.sources.whip import MAX_SDP_BYTES, WhipError, WhipSource
-from pipeline.stats import ModelReport, SourceReport
+from pipeline.stats import ModelReport, PipelineReport, SourceReport
 
 log = logging.getLogger("vidpipe.api")
 
 MAX_BODY_BYTES = 1024 * 1024
+# A reload body holds at most {"force": true}.
+MAX_RELOAD_BODY_BYTES = 64 * 1024
+# Off loopback the token is all that stands between the network and the API.
+MIN_TOKEN_CHARS = 16
+# Methods that change nothing; every other one is refused from another site.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 WEB_DIR = Path(__file__).resolve().parent / "web"
 # Routes anyone may call: probes must work without secrets, and the dashboard's
 # static files hold no data (the page sends the token with every API call).
@@ -125,12 +146,31 @@ def check_http_config(config: HttpConfig) -> tuple[str, int]:
     host, port = parse_listen(config.listen)
     if config.token is not None and not config.token.strip():
         raise ApiConfigError("http.token is empty; set a real token or remove the key", key="http.token")
-    if not is_loopback(host) and not config.token:
-        raise ApiConfigError(
-            f"http.listen {config.listen} is reachable from other machines, so the API needs a token: "
-            "set http.token (or VIDPIPE_HTTP_TOKEN), or listen on 127.0.0.1"
-        )
+    if not is_loopback(host):
+        if not config.token:
+            raise ApiConfigError(
+                f"http.listen {config.listen} is reachable from other machines, so the API needs a "
+                "token: set http.token (or VIDPIPE_HTTP_TOKEN), or listen on 127.0.0.1"
+            )
+        if len(config.token) < MIN_TOKEN_CHARS:
+            raise ApiConfigError(
+                f"http.token is {len(config.token)} characters; off loopback it must have at least "
+                f"{MIN_TOKEN_CHARS} (e.g. python3 -c 'import secrets; print(secrets.token_urlsafe(24))')",
+                key="http.token",
+            )
     return host, port
+
+
+def connection_cap(configured: int) -> int:
+    """``http.max_connections``, lowered to half of this process's open-file limit.
+
+    The other half is for sources, NATS, models and the accept itself: an HTTP
+    client must never be able to take the process's last descriptor.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    return max(1, min(configured, soft // 2))
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -150,7 +190,12 @@ class ApiServer:
         self._sampler: asyncio.Task[None] | None = None
         self._rates: dict[str, collections.deque[tuple[float, int]]] = {}
         self._snapshots: dict[str, tuple[Frame, bytes]] = {}
-        self.app = web.Application(client_max_size=max_body, middlewares=[self._errors, self._auth])
+        # One reload per model at a time: a second request waits for the first one's answer.
+        self._reloads: dict[str, asyncio.Task[tuple[int, dict[str, Any]]]] = {}
+        self.site: GuardedSite | None = None
+        self.app = web.Application(
+            client_max_size=max_body, middlewares=[self._errors, self._cross_site, self._auth]
+        )
         self.app.on_response_prepare.append(self._security_headers)
         r = self.app.router
         r.add_get("/healthz", self.healthz)
@@ -185,10 +230,28 @@ class ApiServer:
             sock.close()
             raise ApiConfigError(f"http.listen {self.config.listen}: cannot bind: {exc.strerror}") from None
         self.port = int(sock.getsockname()[1])
+        cap = connection_cap(self.config.max_connections)
+        if cap < self.config.max_connections:
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            log.warning(
+                "http.max_connections %d lowered to %d: half of this process's open-file limit (%d)",
+                self.config.max_connections,
+                cap,
+                soft,
+            )
         # No access log: the dashboard polls every second; failures are logged below.
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # aiohttp keeps an idle keep-alive connection for an hour unless told otherwise.
+        self._runner = web.AppRunner(
+            self.app,
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=self.config.keepalive_timeout,
+        )
         await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
+        self.site = GuardedSite(
+            self._runner, sock, max_connections=cap, header_timeout=self.config.header_timeout
+        )
+        await self.site.start()
         self._sampler = asyncio.create_task(self._sample_rates(), name="api-rates")
         log.info("HTTP API on %s%s", self.url, " (bearer token required)" if self._token else "")
 
@@ -227,6 +290,21 @@ class ApiServer:
             return _error(500, "internal error; see the server log")
 
     @web.middleware
+    async def _cross_site(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Refuse state changes a page on another site asks a browser to make, token or not."""
+        if request.method in SAFE_METHODS:
+            return await handler(request)
+        fetch_site = request.headers.get("Sec-Fetch-Site", "").lower()
+        if fetch_site in ("cross-site", "same-site"):
+            return _error(403, f"cross-site request refused (Sec-Fetch-Site: {fetch_site})")
+        origin = request.headers.get("Origin")
+        # Host and port only: behind a TLS proxy the page's origin is https:// while this
+        # server sees http://. "null" (sandboxed frames, file:// pages) has neither.
+        if origin is not None and urlsplit(origin).netloc.lower() != request.host.lower():
+            return _error(403, f"cross-site request refused (Origin {origin!r} is not this server)")
+        return await handler(request)
+
+    @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in PROBE_PATHS:
             return await handler(request)
@@ -239,13 +317,19 @@ class ApiServer:
             return await handler(request)
         if request.path in OPEN_PATHS or request.path.startswith(OPEN_PREFIXES):
             return await handler(request)
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        # compare_digest: the time taken does not reveal how much of the token matched.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
+        if not self._authorized(request):
             return _error(
                 401, "missing or wrong bearer token", {"WWW-Authenticate": 'Bearer realm="vidpipe"'}
             )
         return await handler(request)
+
+    def _authorized(self, request: web.Request) -> bool:
+        """The request carries the configured token (always True without one)."""
+        if self._token is None:
+            return True
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        # compare_digest: the time taken does not reveal how much of the token matched.
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token)
 
     async def _security_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers.setdefault("X-Content-Type-Options", "nosniff")
@@ -261,7 +345,12 @@ class ApiServer:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        reasons = readiness_problems(self.runtime.report())
+        report = self.runtime.report()
+        reasons = readiness_problems(report)
+        if self._token is not None and not self._authorized(request):
+            # A probe needs the verdict; source ids and reasons are for those with the token.
+            counts = {"ready": not reasons, **_readiness_counts(report)}
+            return web.json_response(counts, status=503 if reasons else 200)
         if reasons:
             return web.json_response({"ready": False, "reasons": reasons}, status=503)
         return web.json_response({"ready": True, "reasons": []})
@@ -282,9 +371,9 @@ class ApiServer:
             return _error(415, f"Content-Type must be application/json, got {request.content_type!r}")
         body = await request.read()  # over client_max_size: 413 via the error middleware
         try:
-            data = json.loads(body, parse_constant=_reject_constant)
-        except (ValueError, RecursionError) as exc:
-            return _error(400, f"body: not valid JSON ({exc})")
+            data = _parse_json(body)
+        except ValueError as exc:
+            return _error(400, f"body: {exc}")
         try:
             config = build(data, SourceConfig, "request", path="sources")
         except ConfigError as exc:
@@ -294,6 +383,15 @@ class ApiServer:
         if problem:
             return _error(400, problem)
         config = dataclasses.replace(config, url=resolve_url(config.url, Path(self.runtime.config.base_dir)))
+        if config.scheme == "file":
+            # Decided on the path alone, before anything looks at the file: a caller learns
+            # nothing about which paths exist outside the roots.
+            path = Path(config.url).resolve()
+            base = Path(self.runtime.config.base_dir)
+            roots = [(base / root).resolve() for root in self.config.file_roots]
+            if not any(path.is_relative_to(root) for root in roots):
+                return _error(403, _FILE_ROOTS_REFUSAL)
+            config = dataclasses.replace(config, url=str(path))
         sources = self.runtime.sources
         if config.id is None:
             # The same derivation as the YAML loader, unique among the running sources.
@@ -303,6 +401,8 @@ class ApiServer:
             return _error(409, f"sources.id: source {sid!r} already exists; DELETE it first")
         try:
             run = self.runtime.add_source(config)
+        except SourceLimitError as exc:
+            return _error(429, str(exc))
         except SourceError as exc:
             return _error(400, f"sources.url: {exc}")
         except ValueError as exc:
@@ -399,16 +499,50 @@ class ApiServer:
         one keeps serving and the answer (422) says why.
         """
         name = request.match_info["name"]
+        if request.content_type != "application/json":
+            return _error(415, f"Content-Type must be application/json, got {request.content_type!r}")
+        if request.content_length is not None and request.content_length > MAX_RELOAD_BODY_BYTES:
+            return _error(413, f"reload body larger than {MAX_RELOAD_BODY_BYTES} bytes")
+        raw = await request.content.read(MAX_RELOAD_BODY_BYTES + 1)
+        if len(raw) > MAX_RELOAD_BODY_BYTES:
+            return _error(413, f"reload body larger than {MAX_RELOAD_BODY_BYTES} bytes")
+        try:
+            data = _parse_json(raw) if raw.strip() else {}
+        except ValueError as exc:
+            return _error(400, f"body: {exc}")
+        if not isinstance(data, dict) or set(data) - {"force"}:
+            return _error(400, 'body: expected {} or {"force": true}')
+        force = data.get("force", False)
+        if not isinstance(force, bool):
+            return _error(400, f"force: expected true or false, got {force!r}")
+        force = force or request.query.get("force") in ("1", "true")
         repo = self.runtime.models
         if repo is None or name not in repo.names():
             return _error(404, f"no model {name!r} in the repository")
+        if name not in self.runtime.config.models_used() and not force:
+            # Loading a model nobody uses costs memory and time for nothing; ask for it explicitly.
+            return _error(
+                409,
+                f'model {name!r} is not used by this pipeline; send {{"force": true}} to reload it anyway',
+            )
+        task = self._reloads.get(name)
+        if task is None:
+            task = self._reloads[name] = asyncio.create_task(self._reload(name), name=f"reload-{name}")
+            task.add_done_callback(lambda _: self._reloads.pop(name, None))
+        # shield: a client that hangs up must not cancel the reload others wait for.
+        status, body = await asyncio.shield(task)
+        return web.json_response(body, status=status)
+
+    async def _reload(self, name: str) -> tuple[int, dict[str, Any]]:
+        repo = self.runtime.models
+        assert repo is not None
         status = await repo.reload(name)
         body = _jsonable(status)
         if status.state is not ModelState.READY or status.reason:
             body["error"] = status.reason or f"model {name} is {status.state.value}"
-            return web.json_response(body, status=422)
+            return 422, body
         log.info("model %s reloaded", name)
-        return web.json_response(body)
+        return 200, body
 
     # -- WHIP --------------------------------------------------------------------------------
 
@@ -469,6 +603,31 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            # Parsers disagree on which duplicate wins; refuse rather than guess.
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _parse_json(body: bytes) -> Any:
+    """An API request body; ValueError says what is wrong with it."""
+    try:
+        return json.loads(body, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise ValueError("not valid JSON (nested too deeply)") from None
+    except ValueError as exc:
+        if str(exc).startswith("duplicate key"):
+            raise
+        raise ValueError(f"not valid JSON ({exc})") from None
+
+
+_FILE_ROOTS_REFUSAL = "sources.url: files can be added over the API only from the folders in http.file_roots"
+
+
 def _api_limits(config: SourceConfig) -> str | None:
     if len(config.url) > MAX_URL_CHARS:
         return f"sources.url: longer than {MAX_URL_CHARS} characters"
@@ -484,6 +643,18 @@ def _api_limits(config: SourceConfig) -> str | None:
         if value is not None and not value <= API_LIMITS[key]:
             return f"sources.{key}: must be at most {API_LIMITS[key]:g}, got {value:g}"
     return None
+
+
+def _readiness_counts(report: PipelineReport) -> dict[str, Any]:
+    """What /readyz tells a caller without the token: numbers, no names."""
+    needed = set(report.models_needed)
+    return {
+        "sources": len(report.sources),
+        "sources_up": sum(src.state is SourceState.UP for src in report.sources),
+        "models": len(needed),
+        "models_ready": sum(m.state is ModelState.READY for m in report.models if m.name in needed),
+        "nats_connected": report.nats_connected,
+    }
 
 
 def _source_json(src: SourceReport) -> dict[str, Any]:

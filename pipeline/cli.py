@@ -169,7 +169,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     env_token = os.environ.get("VIDPIPE_HTTP_TOKEN")
     if args.http:
         token = env_token or (cfg.http.token if cfg.http else None)
-        cfg = dataclasses.replace(cfg, http=HttpConfig(listen=args.http, token=token))
+        # --http moves the server; the file's other http settings (limits, roots) stay.
+        http = cfg.http or HttpConfig()
+        cfg = dataclasses.replace(cfg, http=dataclasses.replace(http, listen=args.http, token=token))
     elif cfg.http is not None and env_token:
         cfg = dataclasses.replace(cfg, http=dataclasses.replace(cfg.http, token=env_token))
     if cfg.http is not None:

@@ -95,6 +95,7 @@ class RuntimeConfig:
         default=4, metadata=spec(ge=1, le=256, help="frames of one source processed at once")
     )
     drain_timeout: float = field(default=10.0, metadata=spec(gt=0))
+    max_sources: int = field(default=64, metadata=spec(ge=1, le=4096, help="sources running at once"))
     device: Literal["cpu", "gpu", "auto"] = field(
         default="cpu",
         metadata=spec(help="gpu needs an NVIDIA GPU with CuPy; auto uses one when present"),
@@ -106,7 +107,22 @@ class HttpConfig:
     """The HTTP server (metrics, health, API, WHIP). Binds loopback unless told otherwise."""
 
     listen: str = "127.0.0.1:8080"
-    token: str | None = field(default=None, metadata=spec(help="bearer token; required off loopback"))
+    token: str | None = field(
+        default=None, metadata=spec(help="bearer token; required off loopback, 16 characters at least")
+    )
+    max_connections: int = field(
+        default=256, metadata=spec(ge=1, le=65536, help="open connections at once; more are closed at once")
+    )
+    header_timeout: float = field(
+        default=10.0, metadata=spec(gt=0, le=3600, help="seconds a client has to send a request's headers")
+    )
+    keepalive_timeout: float = field(
+        default=15.0, metadata=spec(gt=0, le=3600, help="seconds an idle keep-alive connection stays open")
+    )
+    file_roots: list[str] = field(
+        default_factory=list,
+        metadata=spec(help="folders whose files POST /v1/sources may open; none by default"),
+    )
 
 
 @dataclass(frozen=True)
@@ -177,6 +193,15 @@ def _check_graph(cfg: PipelineConfig, raw: Any, file: str) -> None:
                 f"sources[{i}].id", line, f"duplicate source id {sid!r}", "give each source a unique id"
             )
         ids[sid] = i
+    limit = cfg.runtime.max_sources
+    if len(cfg.sources) > limit:
+        line = line_of(raw_sources, limit) if raw_sources is not None else None
+        raise err(
+            "sources",
+            line or cfg.line("runtime.max_sources") or line_of(raw),
+            f"{len(cfg.sources)} sources, more than runtime.max_sources ({limit})",
+            "run fewer sources per process, or raise runtime.max_sources",
+        )
 
     raw_stages = raw.get("stages") if isinstance(raw, dict) else None
     kinds = stage_kinds()

@@ -12,19 +12,26 @@ aiohttp on its own keeps an idle connection for an hour and has no deadline for
 the request line and headers, so a few thousand silent sockets (or one client
 trickling a header byte a second) hold descriptors until the process can accept
 nothing, ``/healthz`` included. :class:`GuardedSite` serves the same aiohttp
-runner through :class:`ConnectionGuard`, which wraps each connection's protocol:
+runner from its own accept loop (:class:`GuardedListener`) through
+:class:`ConnectionGuard`, which wraps each connection's protocol:
 
 * over ``max_connections`` a new connection is closed as soon as it is accepted,
-  so the process never runs out of descriptors because of HTTP clients;
+  before any transport is made, so its descriptor is free again at once and the
+  process never runs out of descriptors because of HTTP clients;
 * a connection that has not sent a complete request head (``\\r\\n\\r\\n``) within
   ``header_timeout`` of connecting, or of its previous request head, is closed;
+* if ``accept()`` fails for want of descriptors anyway (other parts of the process
+  hold them), accepting pauses for a second; asyncio's own accept loop instead logs
+  and reschedules itself once per pending connection, a flood of log lines;
 * refusals are counted and logged at most once per ``log_interval`` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +52,8 @@ class ConnectionStats:
     accepted: int = 0
     refused: int = 0
     timed_out: int = 0
+    # accept() failed for want of descriptors or memory (accepting paused each time).
+    exhausted: int = 0
     _last_log: float = field(default=0.0, repr=False)
     _unlogged: int = field(default=0, repr=False)
 
@@ -63,17 +72,9 @@ class ConnectionGuard(asyncio.Protocol):
         self._tail = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # The listener counted this connection in ``open`` when it accepted it.
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        stats = self._site.stats
-        if stats.open >= self._site.max_connections:
-            stats.refused += 1
-            self._site.report_refusal()
-            # abort(): no lingering close, the descriptor is free at once.
-            transport.abort()
-            return
-        stats.open += 1
-        stats.accepted += 1
         self._admitted = True
         self._inner.connection_made(transport)
         self._arm()
@@ -131,6 +132,110 @@ class ConnectionGuard(asyncio.Protocol):
             self._inner.resume_writing()
 
 
+# accept() errors that mean "out of descriptors or memory": wait for some to be freed.
+_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# Connections taken per readiness event, so one burst cannot starve the loop.
+_ACCEPT_BATCH = 64
+_ACCEPT_RETRY_DELAY = 1.0
+
+
+class GuardedListener(asyncio.AbstractServer):
+    """The accept loop on the bound socket: admits under the cap, closes the rest at once."""
+
+    def __init__(
+        self, site: GuardedSite, sock: socket.socket, factory: Callable[[], asyncio.Protocol]
+    ) -> None:
+        self._site = site
+        self._sock = sock
+        self._factory = factory
+        self._loop = asyncio.get_running_loop()
+        self._serving = False
+        self._retry: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        self._sock.setblocking(False)
+        self._serving = True
+        self._loop.add_reader(self._sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        stats = self._site.stats
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as exc:
+                if exc.errno not in _EXHAUSTED:
+                    raise
+                stats.exhausted += 1
+                self._site.report_refusal(f"accept failed: {exc.strerror}")
+                # The listening socket stays readable; stop watching it for a while
+                # instead of spinning on the same error.
+                self._loop.remove_reader(self._sock.fileno())
+                self._retry = self._loop.call_later(_ACCEPT_RETRY_DELAY, self._resume)
+                return
+            if stats.open >= self._site.max_connections:
+                # Closed before any transport exists: the descriptor is free now.
+                conn.close()
+                stats.refused += 1
+                self._site.report_refusal()
+                continue
+            stats.open += 1
+            stats.accepted += 1
+            task = self._loop.create_task(self._serve(conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        protocol = ConnectionGuard(self._site, self._factory())
+        try:
+            await self._loop.connect_accepted_socket(lambda: protocol, sock=conn)
+        except (OSError, RuntimeError):
+            # Never connected (peer gone, loop closing): connection_lost will not come.
+            if not protocol._admitted:
+                self._site.stats.open -= 1
+            conn.close()
+
+    def _resume(self) -> None:
+        self._retry = None
+        if self._serving:
+            self._loop.add_reader(self._sock.fileno(), self._accept)
+
+    # -- asyncio.AbstractServer, as aiohttp's site uses it ---------------------------------
+
+    def close(self) -> None:
+        if not self._serving:
+            return
+        self._serving = False
+        if self._retry is not None:
+            self._retry.cancel()
+        else:
+            self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def is_serving(self) -> bool:
+        return self._serving
+
+    async def start_serving(self) -> None:
+        if not self._serving:
+            self.start()
+
+    async def serve_forever(self) -> None:
+        while self._serving:
+            await asyncio.sleep(3600)
+
+    async def wait_closed(self) -> None:
+        return None
+
+    @property
+    def sockets(self) -> tuple[socket.socket, ...]:
+        return (self._sock,) if self._serving else ()
+
+
 class GuardedSite(web.SockSite):
     """An aiohttp site on a bound socket whose connections go through :class:`ConnectionGuard`."""
 
@@ -152,24 +257,25 @@ class GuardedSite(web.SockSite):
         self._clock = clock
 
     async def start(self) -> None:
-        # What SockSite.start does, with each connection's protocol wrapped.
+        # What SockSite.start does, with this module's accept loop instead of asyncio's.
         await web.BaseSite.start(self)
         server = self._runner.server
         assert server is not None
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: ConnectionGuard(self, server()), sock=self._sock, backlog=self._backlog
-        )
+        self._sock.listen(self._backlog)
+        listener = GuardedListener(self, self._sock, server)
+        listener.start()
+        self._server = listener
 
-    def report_refusal(self) -> None:
+    def report_refusal(self, why: str = "") -> None:
         """One log line per ``log_interval`` at most, however many connections are refused."""
         stats = self.stats
         now = self._clock()
         stats._unlogged += 1
         if now - stats._last_log >= self.log_interval:
             log.warning(
-                "HTTP: refused %d connection(s): %d open, the limit is http.max_connections=%d",
+                "HTTP: refused %d connection(s)%s: %d open, the limit is http.max_connections=%d",
                 stats._unlogged,
+                f" ({why})" if why else "",
                 stats.open,
                 self.max_connections,
             )
@@ -177,4 +283,4 @@ class GuardedSite(web.SockSite):
             stats._unlogged = 0
 
 
-__all__ = ["ConnectionGuard", "ConnectionStats", "GuardedSite"]
+__all__ = ["ConnectionGuard", "ConnectionStats", "GuardedListener", "GuardedSite"]

@@ -66,6 +66,19 @@ class PipelineStartError(VidpipeError):
         super().__init__(f"{where}{key + ': ' if key else ''}{problem}")
 
 
+class SourceLimitError(VidpipeError):
+    """``runtime.max_sources`` sources are running; the new one was not started."""
+
+    key = "runtime.max_sources"
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(
+            f"runtime.max_sources: {limit} source(s) already, the limit of this process; "
+            "remove one first or raise runtime.max_sources"
+        )
+
+
 def check_device(config: PipelineConfig) -> None:
     """``runtime.device: gpu`` needs a usable GPU; ``auto`` says which it takes."""
     wanted = config.runtime.device
@@ -294,13 +307,19 @@ class Runtime:
     # -- sources ---------------------------------------------------------------------------
 
     def add_source(self, config: SourceConfig) -> SourceRun:
-        """Start a source; raises ValueError if its id is taken."""
+        """Start a source; raises ValueError if its id is taken, SourceLimitError when full.
+
+        Every source holds a thread, a frame pool and its queue; ended sources count
+        too (they keep their last frame and counters) until they are removed.
+        """
         sid = config.source_id
         existing = self.sources.get(sid)
         if existing is not None:
             if existing.intake is not None and not existing.intake.done():
                 raise ValueError(f"source {sid!r} already exists")
             self._forget(existing)  # an ended run with the same id makes room
+        if len(self.sources) >= self.config.runtime.max_sources:
+            raise SourceLimitError(self.config.runtime.max_sources)
         loop = asyncio.get_running_loop()
         policy: OverflowPolicy = "drop_oldest" if config.live else "block"
         pipeline = self.config.pipeline
@@ -564,4 +583,4 @@ class Runtime:
         )
 
 
-__all__ = ["PipelineStartError", "Runtime", "SourceError", "SourceRun"]
+__all__ = ["PipelineStartError", "Runtime", "SourceError", "SourceLimitError", "SourceRun"]

@@ -238,8 +238,14 @@ async def test_refuses_to_listen_publicly_without_a_token(tmp_path: Path) -> Non
         ApiServer(object(), HttpConfig(listen="127.0.0.1"))
     with pytest.raises(ApiConfigError, match=r"http.token is empty"):
         ApiServer(object(), HttpConfig(listen="0.0.0.0:8080", token=" "))
-    # Constructing with a token is fine (nothing binds until start()).
-    ApiServer(object(), HttpConfig(listen="0.0.0.0:8080", token="t"))
+    with pytest.raises(
+        ApiConfigError, match=r"http.token is 15 characters; off loopback it must have at least 16"
+    ):
+        ApiServer(object(), HttpConfig(listen="0.0.0.0:8080", token="t" * 15))
+    # Constructing with a long enough token is fine (nothing binds until start()).
+    ApiServer(object(), HttpConfig(listen="0.0.0.0:8080", token="t" * 16))
+    # On loopback a short token is the operator's business.
+    ApiServer(object(), HttpConfig(listen="127.0.0.1:8080", token="t"))
 
     path = tmp_path / "p.yaml"
     path.write_text("pipeline: p\nsources:\n  - url: test://?fps=5\n")

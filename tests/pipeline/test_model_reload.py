@@ -34,7 +34,7 @@ async def test_reload_swaps_a_model_without_stopping_the_stream(
 
         # The square scores exactly 1.0 and a score must beat the threshold: nothing passes now.
         config.write_text(config.read_text().replace("confidence: 0.5", "confidence: 1.0"))
-        status, body = await stack.json("POST", "/v1/models/squares/reload")
+        status, body = await stack.json("POST", "/v1/models/squares/reload", json={})
         assert status == 200, body
         assert (body["name"], body["state"], body["reason"]) == ("squares", "ready", "")
         seen = len(collector.messages)
@@ -43,7 +43,7 @@ async def test_reload_swaps_a_model_without_stopping_the_stream(
 
         # A broken config is refused with its FILE:LINE reason; the loaded copy keeps serving.
         config.write_text(config.read_text().replace("max_batch_size: 8", "max_batch_size: lots"))
-        status, body = await stack.json("POST", "/v1/models/squares/reload")
+        status, body = await stack.json("POST", "/v1/models/squares/reload", json={})
         assert status == 422
         assert body["state"] == "ready"
         assert body["error"].startswith("reload failed, still serving the previous load: ")
@@ -58,7 +58,7 @@ async def test_reload_swaps_a_model_without_stopping_the_stream(
         assert frames == sorted(frames) and len(set(frames)) == len(frames)
         assert stack.runtime.metrics.frames_dropped.labels("hot", "cam", "stage_error")._value.get() == 0
 
-        status, body = await stack.json("POST", "/v1/models/nope/reload")
+        status, body = await stack.json("POST", "/v1/models/nope/reload", json={})
         assert (status, body) == (404, {"error": "no model 'nope' in the repository"})
     finally:
         await stack.close()
