@@ -183,6 +183,7 @@ class Runtime:
                 f"{self.config.file}: models: repository folder {root} not found; check the path"
             )
         self.models = ModelRepository(Path(root), observer=self.metrics)
+        self.metrics.model_info.status = self.models.status
         for name in names:
             if name not in self.models.names():
                 raise PipelineStartError(
