@@ -60,8 +60,9 @@ class _Shared:
     users: int = 0
 
 
+# Instances of one model (and a reload of unchanged files) share one compiled model.
 _cache: dict[tuple[Any, ...], _Shared] = {}
-_cache_lock = threading.Lock()
+_cache_lock = threading.RLock()
 _core: Any = None
 
 
@@ -78,9 +79,10 @@ def _openvino(config: ModelConfig) -> Any:
 
 def _the_core(ov: Any) -> Any:
     global _core
-    if _core is None:
-        _core = ov.Core()
-    return _core
+    with _cache_lock:  # models load on worker threads
+        if _core is None:
+            _core = ov.Core()
+        return _core
 
 
 def _dims(partial_shape: Any) -> list[int | None]:
