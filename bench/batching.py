@@ -2,6 +2,9 @@
 
     python bench/batching.py [--streams 8] [--seconds 10] [--rounds 3] [--quick]
 
+Two runtimes run in the same process and the same rounds: ONNX Runtime and
+OpenVINO (the shipped configs' backend), each with its own naive loop.
+
 Everything runs on one synthetic clip (320×320 H.264, five text lines per frame,
 drawn by samples/make_clip.py), looped by every stream. The models are the real
 PP-OCR ONNX files from the rapidocr-onnxruntime wheel, served from a model
@@ -16,6 +19,9 @@ Detector (frames/s):
   ``InferenceSession.run`` at batch 1 with default session options, one session
   shared by all threads (the usual way: create the session once, call it from
   anywhere) → the same DB post-processing vidpipe uses → ``json.dumps``.
+* ``naive ov``: the same loop on OpenVINO as its docs show it:
+  ``core.compile_model("model.onnx", "CPU")`` with default properties, once, and
+  an infer request per thread.
 * ``vidpipe``: the full runtime (``pipeline.runtime.Runtime``): file sources
   looping with ``realtime: false``, one ``infer`` stage on ppocr_det, core
   publishing to an embedded nats-server. ``q``/``f`` name the source
@@ -25,12 +31,24 @@ Detector (frames/s):
 * ``ceiling``: ONNX Runtime alone on pre-made 320×320 inputs, no decode, no
   pipeline: batch 1/2/4/8 × intra-op threads 1/2 on one session, plus two
   1-thread sessions called from two threads. The best median is the ceiling.
+* ``ov ceiling``: OpenVINO alone at the shipped precision (``auto``) on pre-made
+  inputs: static batch 1 on 1 or 2 streams, and the bounded batch axis at batch 2.
+  The **ideal** for the OpenVINO pipeline is what that model rate and the
+  per-frame decode + preprocess + DB cost (measured single-threaded, spread over
+  every core) allow together with zero pipeline overhead:
+  ``1 / (1 / ov_ceiling + work_per_frame / cores)``.
 
 Crops (crops/s): 16 text-line crops per frame and stream, cut beforehand, through
 the orientation classifier (ppocr_cls, 48×192): ``naive`` is a thread per stream
 calling one shared default session once per crop; ``vidpipe`` is an asyncio task
 per stream awaiting ``Model.infer`` on all 16 crops at once (``asyncio.gather``,
 as the pipeline's cascade stage does), so the dynamic batcher forms the batches.
+``crops naive ov`` is the per-crop loop on a default OpenVINO compile.
+
+Demo (frames/s): the OCR demo's graph (configs/ocr.yaml: detector 640×640 →
+orientation → recogniser → tracker) on one looping 640×360 clip of the demo's
+plates, with the shipped model configs (OpenVINO) and with the same configs on
+ONNX Runtime as they were tuned for it (two 1-thread instances).
 
 Latency is per frame: from the decoded image being ready (vidpipe: the source's
 ``capture_ts``, taken when the decode thread hands the frame over) to its
@@ -40,6 +58,10 @@ once per round, the order rotates each round, and medians are reported. The last
 line is::
 
     det_limit_fraction=<vidpipe/ceiling> det_speedup_vs_naive=<vidpipe/naive> crops_speedup_vs_naive=<x>
+    ov_det_vs_naive_ort=<vidpipe shipped/naive> ov_det_limit_fraction=<vidpipe shipped/ideal>
+    ov_crops_vs_naive_ort=<x> demo_speedup=<demo on OpenVINO / demo on ONNX Runtime>
+
+(all on one line; the ORT numbers compare ONNX Runtime configs with the ORT loop).
 """
 
 from __future__ import annotations
@@ -64,6 +86,7 @@ import av
 import cv2
 import numpy as np
 import onnxruntime as ort
+import openvino as ov
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -89,7 +112,7 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.frames import Frame  # noqa: E402
 from pipeline.nats_server import EmbeddedNats  # noqa: E402
 from pipeline.runtime import Runtime  # noqa: E402
-from samples.make_clip import Plate, plates_at, text_box, write_clip  # noqa: E402
+from samples.make_clip import DEFAULT_PLATES, Plate, plates_at, text_box, write_clip  # noqa: E402
 
 DET_SIZE = 320
 CLIP_FPS = 15
@@ -108,36 +131,70 @@ PLATES = (
 )
 
 # Model-config variants, applied to copies of samples/models/<name>/config.yaml.
-# "shipped" is the shipped config unchanged (apart from the detector's input size).
+# "shipped" is the shipped config unchanged (apart from the detector's input size): OpenVINO.
+# The others are ONNX Runtime tunings (``backend: onnxruntime`` replaces the shipped backend).
 _CPU1 = {"intra_op_threads": 1, "inter_op_threads": 1}
+_ORT = {"backend": "onnxruntime"}
 DET_CONFIGS: dict[str, dict[str, Any]] = {
     "shipped": {},
-    "1x2-b1": {"max_batch_size": 1, "dynamic_batching": {"preferred_batch_size": []}},
-    "2x1": {"instance_group": [{"count": 2, "kind": "KIND_CPU"}], "backend_options": _CPU1},
+    "1x2-b1": {
+        **_ORT,
+        "max_batch_size": 1,
+        "dynamic_batching": {"preferred_batch_size": []},
+        "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
+        "backend_options": {"intra_op_threads": 2},
+    },
+    "2x1": {
+        **_ORT,
+        "max_batch_size": 2,
+        "instance_group": [{"count": 2, "kind": "KIND_CPU"}],
+        "backend_options": _CPU1,
+    },
     "2x1-b1": {
+        **_ORT,
         "max_batch_size": 1,
         "dynamic_batching": {"preferred_batch_size": []},
         "instance_group": [{"count": 2, "kind": "KIND_CPU"}],
         "backend_options": _CPU1,
     },
     "2x1-b2-d0": {
+        **_ORT,
         "max_batch_size": 2,
         "dynamic_batching": {"preferred_batch_size": [], "max_queue_delay_microseconds": 0},
         "instance_group": [{"count": 2, "kind": "KIND_CPU"}],
         "backend_options": _CPU1,
     },
 }
+_ORT_1X2 = {
+    **_ORT,
+    "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
+    "backend_options": {"intra_op_threads": 2},
+}
 CLS_CONFIGS: dict[str, dict[str, Any]] = {
     "shipped": {},
-    "2x1": {"instance_group": [{"count": 2, "kind": "KIND_CPU"}], "backend_options": _CPU1},
-    "1x2-d0": {"dynamic_batching": {"max_queue_delay_microseconds": 0}},
-    "1x2-b64": {"max_batch_size": 64, "dynamic_batching": {"preferred_batch_size": [32, 64]}},
+    "ort": {**_ORT, "instance_group": [{"count": 2, "kind": "KIND_CPU"}], "backend_options": _CPU1},
+    "1x2-d0": {**_ORT_1X2, "dynamic_batching": {"max_queue_delay_microseconds": 0}},
+    "1x2-b64": {**_ORT_1X2, "max_batch_size": 64, "dynamic_batching": {"preferred_batch_size": [32, 64]}},
+}
+# The OCR demo on ONNX Runtime: the shipped configs as they were tuned for it.
+DEMO_ORT: dict[str, dict[str, Any]] = {
+    "ppocr_det": {**_ORT, "max_batch_size": 2, "backend_options": _CPU1},
+    "ppocr_cls": {**_ORT, "backend_options": _CPU1},
+    "ppocr_rec": {
+        **_ORT,
+        "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
+        "backend_options": {"intra_op_threads": 2, "inter_op_threads": 1},
+    },
 }
 
 # Runtime variants as CONFIG:QxF (source queue_size x runtime.max_in_flight); the first is the
-# headline. "shipped:8x4" is vidpipe as shipped: its model config and the runtime defaults.
+# ONNX Runtime headline. "shipped:8x4" is vidpipe as shipped (OpenVINO): its model config and
+# the runtime defaults; it is always run.
 DEFAULT_DET = "2x1-b1:1x1,shipped:8x4"
-DEFAULT_CLS = "shipped"
+SHIPPED_DET = ("shipped", 8, 4)
+# The first is the ONNX Runtime headline; "shipped" (OpenVINO) is always run.
+DEFAULT_CLS = "ort,shipped"
+DEMO_FRAMES = 120
 
 log = logging.getLogger("bench.batching")
 
@@ -153,6 +210,7 @@ class Setup:
     det_input: np.ndarray  # (8, 3, 320, 320) pre-made detector batch for the ceiling
     crop_frames: list[list[np.ndarray]]  # CROP_FRAMES lists of CROPS_PER_FRAME crops
     cls_input: np.ndarray  # (32, 3, 48, 192) pre-made classifier batch for its ceiling
+    demo_clip: Path  # 640×360, the demo's plates, for the OCR demo graph
     det_model_path: Path
     cls_model_path: Path
     det_params: DBParams
@@ -227,6 +285,7 @@ def prepare(tmp: Path, streams: int) -> Setup:
         det_input=det_input,
         crop_frames=crop_frames,
         cls_input=cls_input,
+        demo_clip=write_clip(tmp / "demo.mp4", DEMO_FRAMES, 15, plates=DEFAULT_PLATES),
         det_model_path=model_path(repo, "ppocr_det"),
         cls_model_path=model_path(repo, "ppocr_cls"),
         det_params=params,
@@ -512,6 +571,85 @@ def cls_ceiling(setup: Setup, session: ort.InferenceSession, batch: int, seconds
     return window
 
 
+# -- OpenVINO: naive loop and ceiling --------------------------------------------------------------
+
+
+def ov_default(path: Path) -> Any:
+    """The model compiled the way OpenVINO's docs start: the ONNX file as it is, default properties."""
+    return ov.Core().compile_model(str(path), "CPU")
+
+
+def det_naive_ov(setup: Setup, compiled: Any, seconds: float, warmup: float) -> Window:
+    params = setup.det_params
+
+    def stream(i: int, stop: threading.Event, samples: list[tuple[float, float]]) -> None:
+        request = compiled.create_infer_request()  # a request is not shared between threads
+        for image in loop_decode(setup.clip, stop, skip=i * 17):
+            ready = time.time()
+            x, meta = naive_det_preprocess(image)
+            prob = request.infer({0: x})[0]
+            boxes_json(db_boxes(prob[0, 0], meta, params))
+            done = time.time()
+            samples.append((done, done - ready))
+
+    return run_threads(setup, stream, seconds, warmup)
+
+
+@dataclass(frozen=True)
+class OvCeilingConfig:
+    streams: int
+    batch: int
+    static: bool = True
+
+    @property
+    def name(self) -> str:
+        shape = "static" if self.static else "[1..2]"
+        return f"ov ceiling streams={self.streams} b={self.batch} {shape}"
+
+
+OV_CEILING_CONFIGS = [OvCeilingConfig(1, 1), OvCeilingConfig(2, 1), OvCeilingConfig(2, 2, static=False)]
+
+
+def ov_compile(path: Path, cfg: OvCeilingConfig) -> Any:
+    """The detector compiled at the shipped precision (auto) for one ceiling configuration."""
+    core = ov.Core()
+    model = core.read_model(str(path))
+    batch = cfg.batch if cfg.static else ov.Dimension(1, 2)
+    model.reshape({"x": ov.PartialShape([batch, 3, DET_SIZE, DET_SIZE])})
+    return core.compile_model(model, "CPU", {"NUM_STREAMS": str(cfg.streams)})
+
+
+def det_ceiling_ov(setup: Setup, compiled: dict[OvCeilingConfig, Any], cfg: OvCeilingConfig,
+                   seconds: float) -> Window:  # fmt: skip
+    """OpenVINO alone: one caller per stream, each on its own request, on pre-made inputs."""
+    x = np.ascontiguousarray(setup.det_input[: cfg.batch])
+    stop = threading.Event()
+    samples: list[tuple[float, float]] = []
+
+    def caller(request: Any) -> None:
+        request.infer({0: x})
+        while not stop.is_set():
+            t0 = time.time()
+            request.infer({0: x}, share_inputs=True)
+            t1 = time.time()
+            samples.append((t1, t1 - t0))
+
+    requests = [compiled[cfg].create_infer_request() for _ in range(cfg.streams)]
+    threads = [threading.Thread(target=caller, args=(r,), daemon=True) for r in requests]
+    for t in threads:
+        t.start()
+    window = Window(samples=samples, units_per_sample=cfg.batch)
+    meter = CpuMeter()
+    time.sleep(min(0.5, seconds / 3))
+    meter.begin(window)
+    time.sleep(seconds)
+    meter.finish(window)
+    stop.set()
+    for t in threads:
+        t.join()
+    return window
+
+
 # -- crops --------------------------------------------------------------------------------------
 
 
@@ -538,6 +676,28 @@ def crops_naive(setup: Setup, session: ort.InferenceSession, seconds: float, war
             out = []
             for crop in crops:
                 (probs,) = session.run(None, {"x": naive_cls_preprocess(crop)})
+                c = int(np.argmax(probs[0]))
+                out.append({"label": labels[c], "score": round(float(probs[0, c]), 4)})
+            json.dumps(out)
+            done = time.time()
+            samples.append((done, done - ready))
+
+    return run_threads(setup, stream, seconds, warmup, units=CROPS_PER_FRAME)
+
+
+def crops_naive_ov(setup: Setup, compiled: Any, seconds: float, warmup: float) -> Window:
+    labels = ("0", "180")
+
+    def stream(i: int, stop: threading.Event, samples: list[tuple[float, float]]) -> None:
+        request = compiled.create_infer_request()
+        k = i * 7
+        while not stop.is_set():
+            crops = setup.crop_frames[k % len(setup.crop_frames)]
+            k += 1
+            ready = time.time()
+            out = []
+            for crop in crops:
+                probs = request.infer({0: naive_cls_preprocess(crop)})[0]
                 c = int(np.argmax(probs[0]))
                 out.append({"label": labels[c], "score": round(float(probs[0, c]), 4)})
             json.dumps(out)
@@ -574,6 +734,52 @@ def crops_vidpipe(setup: Setup, model: Model, seconds: float, warmup: float) -> 
         window.extra = stats_delta(s0, model.stats, window.seconds, model.config.instance_count)
         stop.set()
         await asyncio.gather(*tasks)
+        return window
+
+    return asyncio.run(main())
+
+
+# -- the OCR demo -------------------------------------------------------------------------------
+
+
+def demo_repo(tmp: Path, runtime_name: str) -> Path:
+    """The OCR demo's three models: as shipped (OpenVINO), or on ONNX Runtime as tuned for it."""
+    repo = tmp / "repos" / f"demo-{runtime_name}"
+    for name in ("ppocr_det", "ppocr_cls", "ppocr_rec"):
+        write_model_config(repo, name, DEMO_ORT[name] if runtime_name == "ort" else {})
+    return repo
+
+
+def demo_run(setup: Setup, runtime_name: str, seconds: float, warmup: float) -> Window:
+    """configs/ocr.yaml's graph on one looping clip of the demo's plates, frames/s published."""
+    # Edited as text: a YAML round trip would turn the stages' ``on:`` keys into booleans.
+    text = (ROOT / "configs" / "ocr.yaml").read_text()
+    text = text.replace("models: ../samples/models", f"models: {demo_repo(setup.tmp, runtime_name)}")
+    text = text.replace(
+        "    url: ../samples/generated/demo.mp4\n",
+        f"    url: {setup.demo_clip}\n    loop: true\n    realtime: false\n",
+    )
+    path = setup.tmp / f"ocr-{runtime_name}.yaml"
+    path.write_text(text + "\nnats: {publish: core}\n")
+    cfg = load_config(path)
+    samples: list[tuple[float, float]] = []
+
+    def on_published(frame: Frame) -> None:
+        now = time.time()
+        samples.append((now, now - frame.capture_ts))
+
+    async def main() -> Window:
+        runtime = Runtime(cfg, nats_url=setup.nats_url, on_published=on_published)
+        await runtime.start()
+        try:
+            window = Window(samples=samples)
+            meter = CpuMeter()
+            await asyncio.sleep(warmup)
+            meter.begin(window)
+            await asyncio.sleep(seconds)
+            meter.finish(window)
+        finally:
+            await runtime.stop()
         return window
 
     return asyncio.run(main())
@@ -652,8 +858,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def det_variants(spec: str) -> list[tuple[str, int, int]]:
-    """``CONFIG:QxF,...`` → ``[(config, queue_size, max_in_flight), ...]``."""
+def det_variants(spec: str, with_shipped: bool = False) -> list[tuple[str, int, int]]:
+    """``CONFIG:QxF,...`` → ``[(config, queue_size, max_in_flight), ...]`` (+ the shipped one)."""
     out = []
     for item in (i for i in spec.split(",") if i):
         name, _, knobs = item.partition(":")
@@ -661,6 +867,8 @@ def det_variants(spec: str) -> list[tuple[str, int, int]]:
         if name not in DET_CONFIGS:
             raise SystemExit(f"unknown det config {name!r}; choose from {', '.join(DET_CONFIGS)}")
         out.append((name, int(q), int(f)))
+    if with_shipped and SHIPPED_DET not in out:
+        out.append(SHIPPED_DET)
     return out
 
 
@@ -674,7 +882,8 @@ def build_variants(args: argparse.Namespace, setup: Setup, state: dict[str, Any]
     cls_names = [c for c in args.cls.split(",") if c]
     blocks: list[list[Variant]] = []
     blocks.append([Variant("det naive", "det", lambda: det_naive(setup, state["det_naive"], s, w))])
-    for det, q, f in det_variants(args.det):
+    blocks.append([Variant("det naive ov", "det", lambda: det_naive_ov(setup, state["det_naive_ov"], s, w))])
+    for det, q, f in det_variants(args.det, with_shipped=True):
         run = partial(det_runtime, setup, det, q, f, s, w)
         blocks.append([Variant(det_variant_name(det, q, f), "det", run)])
     if args.layer:
@@ -686,6 +895,12 @@ def build_variants(args: argparse.Namespace, setup: Setup, state: dict[str, Any]
         [
             Variant(c.name, "ceiling", partial(det_ceiling, setup, state["ceiling"], c, sweep_s))
             for c in configs
+        ]
+    )
+    blocks.append(
+        [
+            Variant(c.name, "ov-ceiling", partial(det_ceiling_ov, setup, state["ov_ceiling"], c, sweep_s))
+            for c in OV_CEILING_CONFIGS
         ]
     )
     # The classifier's own curve bounds what batching crops can gain: batched vs one by one.
@@ -701,9 +916,15 @@ def build_variants(args: argparse.Namespace, setup: Setup, state: dict[str, Any]
         ]
     )
     blocks.append([Variant("crops naive", "crops", lambda: crops_naive(setup, state["cls_naive"], s, w))])
-    for cls in cls_names:
+    blocks.append(
+        [Variant("crops naive ov", "crops", lambda: crops_naive_ov(setup, state["cls_naive_ov"], s, w))]
+    )
+    for cls in [*cls_names, *(["shipped"] if "shipped" not in cls_names else [])]:
         run = partial(crops_vidpipe, setup, state["cls"][cls][1], s, w)
         blocks.append([Variant(f"crops vidpipe [{cls}]", "crops", run)])
+    for runtime_name in ("ov", "ort"):
+        run = partial(demo_run, setup, runtime_name, s, max(w, 3.0))
+        blocks.append([Variant(f"demo ocr [{runtime_name}]", "demo", run)])
     return blocks
 
 
@@ -713,7 +934,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     load_before = describe_load()
     print(f"date: {utc_now()}")
-    print(f"cpu: {cpu_name()}; cores: {os.cpu_count()}; onnxruntime {ort.__version__}")
+    print(
+        f"cpu: {cpu_name()}; cores: {os.cpu_count()}; onnxruntime {ort.__version__}; "
+        f"openvino {ov.__version__}"
+    )
     print(f"load average before: {load_before}")
     print(
         f"streams={args.streams} seconds={args.seconds} rounds={args.rounds} warmup={args.warmup} "
@@ -724,7 +948,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tmp = Path(tmp_name)
         setup = prepare(tmp, args.streams)
         setup.nats_url = nats.url
-        d = setup.diagnostics
+        d = args.diagnostics = setup.diagnostics
         print(
             "per frame, one thread: "
             f"decode {d['decode_ms']:.2f} ms, vidpipe preprocess {d['vidpipe_preprocess_ms']:.2f} ms, "
@@ -744,8 +968,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
             "cls": {},
             "cls_sessions": {t: make_session(setup.cls_model_path, t) for t in (1, 2)},
+            "det_naive_ov": ov_default(setup.det_model_path),
+            "cls_naive_ov": ov_default(setup.cls_model_path),
+            "ov_ceiling": {c: ov_compile(setup.det_model_path, c) for c in OV_CEILING_CONFIGS},
         }
-        for cls in [c for c in args.cls.split(",") if c]:
+        cls_names = [c for c in args.cls.split(",") if c]
+        for cls in [*cls_names, *(["shipped"] if "shipped" not in cls_names else [])]:
             state["cls"][cls] = asyncio.run(load_model(build_repo(tmp, cls=cls), "ppocr_cls"))
         try:
             results = run_rounds(args, setup, state)
@@ -853,10 +1081,32 @@ def report(
         f"p99: vidpipe {fmt(b.p99)} ms vs naive {fmt(a.p99)} ms "
         f"({'no worse' if b.p99 <= a.p99 else 'WORSE'} than naive)"
     )
+    # OpenVINO as shipped against the ONNX Runtime loop, and against its own ideal.
+    ov_det = by_name[det_variant_name(*SHIPPED_DET)]
+    ov_ceiling = max((s for s in results if s.group == "ov-ceiling"), key=lambda s: s.rate)
+    d = args.diagnostics
+    work_s = (d["decode_ms"] + d["vidpipe_preprocess_ms"] + d["db_postprocess_ms"]) / 1e3
+    cores = os.cpu_count() or 1
+    ideal = 1.0 / (1.0 / ov_ceiling.rate + work_s / cores)
+    ov_crops = by_name["crops vidpipe [shipped]"]
+    demo_ov, demo_ort = by_name["demo ocr [ov]"], by_name["demo ocr [ort]"]
+    print(
+        f"OpenVINO: shipped det pipeline {ov_det.rate:.1f} frames/s; model alone {ov_ceiling.rate:.1f} "
+        f"frames/s ({ov_ceiling.name}); decode + preprocess + DB {work_s * 1e3:.2f} ms/frame on one "
+        f"core, {cores} cores: ideal {ideal:.1f} frames/s"
+    )
+    print(
+        f"OpenVINO naive loops: det {by_name['det naive ov'].rate:.1f} frames/s, crops "
+        f"{by_name['crops naive ov'].rate:.0f} crops/s; OCR demo {demo_ov.rate:.1f} frames/s on OpenVINO, "
+        f"{demo_ort.rate:.1f} on ONNX Runtime"
+    )
     print(f"load average after: {load_after}; run took {elapsed:.0f} s")
     print(
         f"det_limit_fraction={b.rate / ceiling.rate:.2f} det_speedup_vs_naive={b.rate / a.rate:.2f} "
-        f"crops_speedup_vs_naive={x_vid.rate / x_naive.rate:.2f}"
+        f"crops_speedup_vs_naive={x_vid.rate / x_naive.rate:.2f} "
+        f"ov_det_vs_naive_ort={ov_det.rate / a.rate:.2f} ov_det_limit_fraction={ov_det.rate / ideal:.2f} "
+        f"ov_crops_vs_naive_ort={ov_crops.rate / x_naive.rate:.2f} "
+        f"demo_speedup={demo_ov.rate / demo_ort.rate:.2f}"
     )
 
 

@@ -4,7 +4,7 @@ The batching fields follow Triton's model configuration so that a Triton
 user's intuition carries over::
 
     name: ppocr_cls
-    backend: onnxruntime            # onnxruntime | tensorrt
+    backend: onnxruntime            # onnxruntime | openvino | tensorrt
     model_file: {package: rapidocr_onnxruntime, path: models/ch_ppocr_mobile_v2.0_cls_infer.onnx}
     max_batch_size: 32              # 0 = the model has no batch dimension
     input: {shape: [3, 48, 192], mean: [0.5, 0.5, 0.5], std: [0.5, 0.5, 0.5]}
@@ -151,6 +151,18 @@ class BackendOptions:
     fp16: bool = False
     cuda_graphs: bool = False
     workspace_mb: int = field(default=1024, metadata=spec(ge=16))
+    # OpenVINO (inference/backends/openvino.py)
+    device: Literal["CPU", "GPU", "AUTO"] = field(
+        default="CPU", metadata=spec(help="OpenVINO device: CPU, GPU (Intel) or AUTO")
+    )
+    precision: Literal["auto", "f32", "bf16", "f16"] = field(
+        default="auto", metadata=spec(help="OpenVINO inference precision; auto = the device's own choice")
+    )
+    streams: int = field(default=0, metadata=spec(ge=0, help="OpenVINO streams; 0 = one per instance"))
+    threads: int = field(default=0, metadata=spec(ge=0, help="OpenVINO threads in all; 0 = its default"))
+    cache_dir: str | None = field(
+        default=None, metadata=spec(help="folder for OpenVINO's compiled-model cache (CACHE_DIR)")
+    )
 
 
 class ModelConfigError(ConfigError):
@@ -179,7 +191,7 @@ class ModelConfig:
     model_file: ModelFile
     input: InputConfig
     task: TaskConfig
-    backend: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
+    backend: Literal["onnxruntime", "openvino", "tensorrt"] = "onnxruntime"
     max_batch_size: int = field(default=8, metadata=spec(ge=0, le=4096))
     labels: list[str] = field(default_factory=list)
     labels_file: str | None = None

@@ -260,6 +260,11 @@ class Model:
         return dict(self.instances[0].backend.metadata) if self.instances else {}
 
     @property
+    def precision(self) -> str:
+        """The precision the backend computes in (``bf16``, ``f32``, ``native``); "" until loaded."""
+        return self.instances[0].backend.precision if self.instances else ""
+
+    @property
     def batch_shape(self) -> tuple[int, int, int, int]:
         """Shape of each pooled batch tensor: ``(max(1, max_batch_size), C, H, W)``."""
         c, h, w = self.config.input.shape

@@ -72,6 +72,7 @@ class ModelStatus:
     outputs: tuple[TensorSpec, ...]
     instance_count: int
     max_batch_size: int
+    precision: str = ""  # what the backend computes in (bf16, f32, native); "" until loaded
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +317,7 @@ class ModelRepository:
                 outputs=tuple(model.outputs),
                 instance_count=cfg.instance_count,
                 max_batch_size=cfg.max_batch_size,
+                precision=model.precision,
             )
         if name in self._failed:
             return ModelStatus(name, None, ModelState.UNAVAILABLE, self._failed[name][1], "", (), (), 0, 0)
@@ -336,7 +338,7 @@ def describe_repository(root: Path, *, backend_factory: BackendFactory = create_
     their reasons follow the table.
     """
     root = Path(root)
-    header = ("NAME", "VERSION", "STATE", "BACKEND", "INPUTS", "OUTPUTS", "BATCH")
+    header = ("NAME", "VERSION", "STATE", "BACKEND", "PRECISION", "INPUTS", "OUTPUTS", "BATCH")
     rows: list[tuple[str, ...]] = []
     problems: list[str] = []
     repo = ModelRepository(root)
@@ -344,7 +346,7 @@ def describe_repository(root: Path, *, backend_factory: BackendFactory = create_
         try:
             src = read_source(root, name)
         except ConfigError as exc:
-            rows.append((name, "-", "unavailable", "-", "-", "-", "-"))
+            rows.append((name, "-", "unavailable", "-", "-", "-", "-", "-"))
             problems.append(f"{name}: {exc.render()}")
             continue
         cfg = src.config
@@ -356,13 +358,12 @@ def describe_repository(root: Path, *, backend_factory: BackendFactory = create_
             path = resolve_model_file(cfg, src.model_dir, src.version_dir)
             backend = backend_factory(cfg, path, 0)
         except Exception as exc:
-            rows.append((name, version, "unavailable", cfg.backend, "-", "-", batch))
+            rows.append((name, version, "unavailable", cfg.backend, "-", "-", "-", batch))
             problems.append(f"{name}: {src.describe(exc)}")
             continue
         try:
-            rows.append(
-                (name, version, "ready", cfg.backend, _specs(backend.inputs), _specs(backend.outputs), batch)
-            )
+            inputs, outputs = _specs(backend.inputs), _specs(backend.outputs)
+            rows.append((name, version, "ready", cfg.backend, backend.precision, inputs, outputs, batch))
         finally:
             backend.close()
     if not rows:

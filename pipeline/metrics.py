@@ -8,12 +8,15 @@ several pipelines in one process do not collide.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from inference.repository import ModelStatus
 
 log = logging.getLogger("vidpipe.metrics")
 
@@ -119,6 +122,8 @@ class Metrics:
         self.pool_buffers = Gauge(
             "vidpipe_pool_buffers", "Buffers in a memory pool, by state", ["pool", "state"], registry=r
         )
+        self.model_info = ModelInfoCollector()
+        r.register(self.model_info)
         gpu = GpuCollector.create()
         if gpu is not None:
             r.register(gpu)
@@ -174,6 +179,28 @@ def _children(metric: Any, names: tuple[str, ...]) -> set[tuple[str, ...]]:
             if all(n in sample.labels for n in names):
                 out.add(tuple(sample.labels[n] for n in names))
     return out
+
+
+class ModelInfoCollector(Collector):
+    """``vidpipe_model_info{model,backend,precision}`` = 1 per ready model, read at scrape time.
+
+    The precision is the one the backend reports in use (``bf16`` where OpenVINO
+    chose it for the CPU), so a dashboard can tell which numbers ran where.
+    """
+
+    def __init__(self) -> None:
+        self.status: Callable[[], Iterable[ModelStatus]] | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "vidpipe_model_info",
+            "1 per ready model: its backend and the precision it computes in",
+            labels=["model", "backend", "precision"],
+        )
+        for s in self.status() if self.status is not None else ():
+            if s.state.value == "ready":
+                family.add_metric([s.name, s.backend, s.precision], 1.0)
+        yield family
 
 
 def exported_metric_names() -> set[str]:

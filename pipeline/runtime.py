@@ -235,6 +235,7 @@ class Runtime:
                 key="models", file=cfg.file, line=cfg.line("models"),
             )  # fmt: skip
         self.models = ModelRepository(Path(root), observer=_Observers(self.metrics, self._model_stats))
+        self.metrics.model_info.status = self.models.status
         for name in names:
             i = next(i for i, s in enumerate(cfg.stages) if name in s.models())
             key = f"stages[{i}].model"

@@ -41,6 +41,9 @@ class Backend(ABC):
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     metadata: dict[str, str]
+    # The precision the runtime computes in (f32, bf16, f16) where it decides one;
+    # "native": the model file's own types.
+    precision: str = "native"
 
     @abstractmethod
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -506,13 +506,23 @@ def test_describe_repository(tmp_path: Path) -> None:
     )
     text = describe_repository(tmp_path)
     lines = text.splitlines()
-    assert lines[0].split() == ["NAME", "VERSION", "STATE", "BACKEND", "INPUTS", "OUTPUTS", "BATCH"]
-    assert lines[1].split() == ["broken", "-", "unavailable", "-", "-", "-", "-"]
+    assert lines[0].split() == [
+        "NAME",
+        "VERSION",
+        "STATE",
+        "BACKEND",
+        "PRECISION",
+        "INPUTS",
+        "OUTPUTS",
+        "BATCH",
+    ]
+    assert lines[1].split() == ["broken", "-", "unavailable", "-", "-", "-", "-", "-"]
     assert lines[2].split() == [
         "cls",
         "2",
         "ready",
         "onnxruntime",
+        "native",
         "x:float32[?,3,8,8]",
         "y:float32[?,3]",
         "4",

@@ -385,6 +385,9 @@ async def test_models_batching_and_annotated_snapshot(
         assert status == 200
         squares = next(m for m in models if m["name"] == "squares")
         assert squares["state"] == "ready" and squares["max_batch_size"] >= 1
+        # The precision the backend computes in (OpenVINO's choice for this CPU).
+        assert squares["backend"] == "openvino" and squares["precision"] in ("bf16", "f32")
+        assert squares["precision"] == stack.runtime.models.get("squares").precision
         run = stack.runtime.sources["sq"]
         await until(lambda: run.last_frame is not None and bool(run.last_frame.objects), what="a detection")
         assert await stack.json("GET", "/readyz") == (200, {"ready": True, "reasons": []})

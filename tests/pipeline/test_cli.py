@@ -13,12 +13,24 @@ def test_models_list_shows_each_model_its_io_and_state(sample_models: Path) -> N
     proc = run_cli("models", "list", str(sample_models))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].split() == ["NAME", "VERSION", "STATE", "BACKEND", "INPUTS", "OUTPUTS", "BATCH"]
+    assert lines[0].split() == [
+        "NAME",
+        "VERSION",
+        "STATE",
+        "BACKEND",
+        "PRECISION",
+        "INPUTS",
+        "OUTPUTS",
+        "BATCH",
+    ]
     rows = {line.split()[0]: line for line in lines[1:]}
     assert sorted(rows) == ["ppocr_cls", "ppocr_det", "ppocr_rec", "squares"]
     assert "images:float32[?,3,320,320]" in rows["squares"] and "output0:float32[?,5,1]" in rows["squares"]
     assert all(" ready " in row for row in rows.values())
-    assert "softmax_11.tmp_0:float32[?,?,6625]" in rows["ppocr_rec"]
+    # OpenVINO compiles for the configured input, so the recogniser's sequence length is known.
+    assert "softmax_11.tmp_0:float32[?,40,6625]" in rows["ppocr_rec"]
+    # The shipped configs run on OpenVINO at its own precision for this CPU.
+    assert all(row.split()[3:5] in (["openvino", "bf16"], ["openvino", "f32"]) for row in rows.values())
 
 
 def test_models_list_of_a_missing_folder_is_a_usage_error(tmp_path: Path) -> None:

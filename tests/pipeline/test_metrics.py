@@ -49,6 +49,8 @@ async def test_counters_and_histograms_match_the_frames(
     await cam.intake
     text = runtime.metrics.render().decode()
     pool = cam.source.frame_pool
+    assert runtime.models is not None
+    precision = runtime.models.get("squares").precision
     await runtime.stop()
     s = samples(text)
 
@@ -70,6 +72,8 @@ async def test_counters_and_histograms_match_the_frames(
     assert value(s, "vidpipe_inference_compute_seconds_count", model="squares") == batches
     assert value(s, "vidpipe_inference_queue_seconds_count", model="squares") == 24
     assert value(s, "vidpipe_model_ready", model="squares") == 1
+    assert precision in ("bf16", "f32")
+    assert value(s, "vidpipe_model_info", model="squares", backend="openvino", precision=precision) == 1
     # Credentials and URLs never become labels.
     assert "hunter2" not in text and "rtsp://" not in text
     # No GPU here: no GPU series rather than zeros.

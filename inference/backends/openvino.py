@@ -1,0 +1,289 @@
+"""The OpenVINO backend: one compiled model per model, one infer request per instance.
+
+OpenVINO reads ONNX files and its own IR (``model.xml`` with ``model.bin`` next
+to it). The model is compiled once for the device and shared by all instances
+of the model; each instance runs batches on its own ``InferRequest``, and the
+compiled model gets one stream per instance so the requests run side by side::
+
+    backend: openvino
+    model_file: {path: model.xml}       # or model.onnx
+    max_batch_size: 8                   # batch axis [1..8]; 0 or 1 compile a static shape
+    input: {shape: [3, 640, 640]}
+    instance_group: [{count: 2, kind: KIND_CPU}]   # two infer requests, two streams
+    backend_options:
+      device: CPU                       # CPU | GPU (Intel GPU) | AUTO
+      precision: auto                   # auto = the device's choice (bf16 on CPUs with
+                                        # AVX512-BF16/AMX, else f32) | f32 | bf16 | f16
+      streams: 0                        # 0 = one per instance
+      threads: 0                        # threads over all streams; 0 = OpenVINO's default
+      cache_dir: /var/cache/vidpipe/ov  # compiled models are cached here (OpenVINO CACHE_DIR)
+
+The precision in use is read back from the compiled model
+(``INFERENCE_PRECISION_HINT``) and shown by ``vidpipe models list``,
+``/v1/models`` and the ``vidpipe_model_info`` metric. Problems carry the config
+key to change (``key``), so the repository reports them as
+``config.yaml:LINE: backend_options.precision: ...``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from inference.backends.base import Backend, BackendError, TensorSpec
+from inference.backends.inputs import check_input
+from inference.config import ModelConfig, ModelConfigError
+
+SUFFIXES = (".onnx", ".xml")
+# The device capability each explicit precision needs (OPTIMIZATION_CAPABILITIES).
+_CAPABILITY = {"f32": "FP32", "bf16": "BF16", "f16": "FP16"}
+
+
+class OpenVinoOptionError(ModelConfigError):
+    """The model or ``backend_options`` cannot work on this machine; ``path`` is the config key to change."""
+
+
+def _option_error(config: ModelConfig, key: str, problem: str, hint: str) -> ModelConfigError:
+    """An :class:`OpenVinoOptionError` at ``key``'s line in the model's ``config.yaml``."""
+    return config.error(key, problem, hint, kind=OpenVinoOptionError)
+
+
+@dataclass
+class _Shared:
+    compiled: Any  # openvino.CompiledModel
+    metadata: dict[str, str]
+    input: TensorSpec  # the image input, checked against the config once, at compile
+    users: int = 0
+
+
+# Instances of one model (and a reload of unchanged files) share one compiled model.
+_cache: dict[tuple[Any, ...], _Shared] = {}
+_cache_lock = threading.RLock()
+_core: Any = None
+
+
+def _openvino(config: ModelConfig) -> Any:
+    try:
+        import openvino
+    except ImportError as exc:  # pragma: no cover - a dependency of the package
+        raise BackendError(
+            f"{config.name}: the `openvino` package is not installed (pip install openvino, "
+            f"or use backend: onnxruntime)"
+        ) from exc
+    return openvino
+
+
+def _the_core(ov: Any) -> Any:
+    global _core
+    with _cache_lock:  # models load on worker threads
+        if _core is None:
+            _core = ov.Core()
+        return _core
+
+
+def _dims(partial_shape: Any) -> list[int | None]:
+    return [d.get_length() if d.is_static else None for d in partial_shape]
+
+
+def _dtype(port: Any) -> str:
+    try:
+        return str(np.dtype(port.get_element_type().to_dtype()))
+    except Exception:  # a type NumPy has no name for (e.g. bf16 on an IR input)
+        return str(port.get_element_type().get_type_name())
+
+
+def _metadata(model: Any) -> dict[str, str]:
+    """The ONNX file's metadata_props (OpenVINO keeps them under rt_info "framework", also in IR)."""
+    info = model.get_rt_info()
+    if "framework" not in info:
+        return {}
+    out = {}
+    for key, value in info["framework"].items():
+        out[str(key)] = value.astype(str) if hasattr(value, "astype") else str(value)
+    return out
+
+
+def _device(config: ModelConfig, ov_core: Any, instance: int) -> str:
+    group, _ = config.placement(instance)
+    device = config.backend_options.device
+    if group.kind == "KIND_GPU" and device == "CPU":
+        raise _option_error(
+            config,
+            "backend_options.device",
+            "instance_group kind KIND_GPU but backend_options.device is CPU",
+            "set device: GPU or AUTO, or kind: KIND_CPU",
+        )
+    if group.kind == "KIND_CPU" and device != "CPU":
+        raise _option_error(
+            config,
+            "backend_options.device",
+            f"instance_group kind KIND_CPU but backend_options.device is {device}",
+            "set device: CPU, or kind: KIND_AUTO",
+        )
+    available = list(ov_core.available_devices)
+    if device != "AUTO" and not any(d == device or d.startswith(device + ".") for d in available):
+        raise _option_error(
+            config,
+            "backend_options.device",
+            f"OpenVINO device {device} is not present on this machine",
+            f"available: {', '.join(available) or 'none'}; set backend_options.device: CPU or AUTO",
+        )
+    return device
+
+
+def _compile_options(config: ModelConfig, ov_core: Any, device: str) -> dict[str, str]:
+    opts = config.backend_options
+    properties: dict[str, str] = {}
+    if opts.precision != "auto":
+        if device != "AUTO":
+            caps = [str(c) for c in ov_core.get_property(device, "OPTIMIZATION_CAPABILITIES")]
+            if _CAPABILITY[opts.precision] not in caps:
+                raise _option_error(
+                    config,
+                    "backend_options.precision",
+                    f"precision {opts.precision} is not supported by the {device} device",
+                    f"it offers {', '.join(caps)}; set backend_options.precision: auto or f32",
+                )
+        properties["INFERENCE_PRECISION_HINT"] = opts.precision
+    if device != "AUTO":
+        # Instances run their requests concurrently: one stream each unless told otherwise.
+        properties["NUM_STREAMS"] = str(opts.streams or config.instance_count)
+        if opts.threads:
+            properties["INFERENCE_NUM_THREADS"] = str(opts.threads)
+    elif opts.streams or opts.threads:
+        raise _option_error(
+            config,
+            "backend_options.device",
+            "device AUTO picks streams and threads itself",
+            "remove backend_options.streams and threads, or name the device",
+        )
+    if opts.cache_dir:
+        properties["CACHE_DIR"] = str(Path(opts.cache_dir).expanduser())
+    return properties
+
+
+def _check_files(config: ModelConfig, model_path: Path) -> None:
+    if not model_path.is_file():
+        raise BackendError(
+            f"{config.name}: model file not found: {model_path} (check model_file in config.yaml)"
+        )
+    if model_path.suffix.lower() not in SUFFIXES:
+        raise _option_error(
+            config,
+            "model_file.path",
+            f"OpenVINO reads ONNX (.onnx) and IR (.xml + .bin) files, not {model_path.name}",
+            "export the model to ONNX or IR",
+        )
+    if model_path.suffix.lower() == ".xml" and not model_path.with_suffix(".bin").is_file():
+        raise _option_error(
+            config,
+            "model_file.path",
+            f"IR model {model_path.name} has no weights file "
+            f"{model_path.with_suffix('.bin').name} next to it",
+            "copy it there",
+        )
+
+
+def _load(config: ModelConfig, model_path: Path, ov: Any, device: str) -> _Shared:
+    ov_core = _the_core(ov)
+    properties = _compile_options(config, ov_core, device)
+    try:
+        model = ov_core.read_model(str(model_path))
+    except Exception as exc:
+        raise _option_error(
+            config, "model_file.path", f"OpenVINO cannot read {model_path}: {exc}", "re-export the model"
+        ) from exc
+    inputs = [
+        TensorSpec(p.get_any_name(), tuple(_dims(p.get_partial_shape())), _dtype(p)) for p in model.inputs
+    ]
+    port = check_input(config, model_path, inputs)
+    # The config's item shape is fixed; only the batch axis may vary, and only up to
+    # max_batch_size, so the device compiles for the shapes the batcher sends.
+    c, h, w = config.input.shape
+    if config.max_batch_size > 1:
+        shape = ov.PartialShape([ov.Dimension(1, config.max_batch_size), c, h, w])
+    elif config.max_batch_size == 1:
+        shape = ov.PartialShape([1, c, h, w])  # static: OpenVINO's fastest kernels
+    else:
+        shape = ov.PartialShape([c, h, w])
+    try:
+        model.reshape({port.name: shape})
+        compiled = ov_core.compile_model(model, device, properties)
+    except Exception as exc:
+        raise BackendError(
+            f"{config.name}: OpenVINO cannot compile {model_path.name} for {device} with input {shape}: {exc}"
+        ) from exc
+    return _Shared(compiled, _metadata(model), port)
+
+
+def _key(config: ModelConfig, model_path: Path, device: str) -> tuple[Any, ...]:
+    # A changed file (or a changed config) compiles afresh; a reload of the same files shares.
+    ir = model_path.suffix.lower() == ".xml"
+    files = [model_path, model_path.with_suffix(".bin")] if ir else [model_path]
+    stamps = tuple((os.fspath(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+    return (stamps, device, repr(config))
+
+
+def precision_of(compiled: Any) -> str:
+    """The precision a compiled model computes in (``bf16``, ``f32``, ...), as the device reports it."""
+    try:
+        return str(compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name())
+    except Exception:  # AUTO before it has picked a device, or a device without the property
+        return "unknown"
+
+
+class OpenVinoBackend(Backend):
+    """One infer request of the model's shared compiled model; called from a single worker thread."""
+
+    def __init__(self, config: ModelConfig, model_path: Path, instance: int = 0) -> None:
+        ov = _openvino(config)
+        self.config = config
+        self.model_path = Path(model_path)
+        self.instance = instance
+        _check_files(config, self.model_path)
+        self.device = _device(config, _the_core(ov), instance)
+        self._key = _key(config, self.model_path, self.device)
+        with _cache_lock:
+            shared = _cache.get(self._key)
+            if shared is None:
+                shared = _cache[self._key] = _load(config, self.model_path, ov, self.device)
+            shared.users += 1
+        self._shared: _Shared | None = shared
+        compiled = shared.compiled
+        self._request = compiled.create_infer_request()
+        self.inputs = [TensorSpec(p.get_any_name(), tuple(_dims(p.get_partial_shape())), _dtype(p))
+                       for p in compiled.inputs]  # fmt: skip
+        self.outputs = [TensorSpec(p.get_any_name(), tuple(_dims(p.get_partial_shape())), _dtype(p))
+                        for p in compiled.outputs]  # fmt: skip
+        self.metadata = dict(shared.metadata)
+        self.input = shared.input
+        self.precision = precision_of(compiled)
+        self._output_names = [o.name for o in self.outputs]
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            # share_inputs: the pooled batch tensor is read in place; outputs are copies, so the
+            # results outlive the request's next run.
+            results = self._request.infer(dict(inputs), share_inputs=True)
+        except Exception as exc:
+            shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in inputs.items())
+            raise BackendError(
+                f"{self.config.name}: {self.model_path.name} failed on {shapes}: {exc}"
+            ) from exc
+        return {name: results[i] for i, name in enumerate(self._output_names)}
+
+    def close(self) -> None:
+        shared, self._shared = self._shared, None
+        if shared is None:
+            return
+        self.__dict__.pop("_request", None)
+        with _cache_lock:
+            shared.users -= 1
+            if shared.users == 0 and _cache.get(self._key) is shared:
+                del _cache[self._key]

@@ -1,0 +1,360 @@
+"""The OpenVINO backend with the real PP-OCR models and clips encoded by the tests."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import av
+import cv2
+import numpy as np
+import onnxruntime as ort
+import openvino as ov
+import pytest
+import rapidocr_onnxruntime
+import yaml
+
+from inference.backends import create_backend
+from inference.backends.openvino import OpenVinoBackend
+from inference.model import Model
+from inference.processing.crop import crop_upright
+from inference.repository import ModelRepository, describe_repository, read_source
+from inference.results import Classification, Detection, Recognition
+from samples.make_clip import Plate, plates_at, write_clip
+from tests.conftest import ROOT
+
+MODELS = Path(rapidocr_onnxruntime.__file__).parent / "models"
+CPU_CAPS = [str(c) for c in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")]
+# What precision: auto becomes on this CPU.
+AUTO = "bf16" if "BF16" in CPU_CAPS else "f32"
+
+PLATES = (
+    Plate("OPEN24", start=0, end=10, x=40, y=40),
+    Plate("EXIT12", start=5, end=20, x=330, y=150),
+    Plate("GATE7", start=10, end=20, x=60, y=260),
+)
+FRAMES = 20
+
+
+def shipped(repo: Path, name: str, **changes: Any) -> Path:
+    """Copy samples/models/NAME/config.yaml into ``repo`` with top-level keys replaced."""
+    data = yaml.safe_load((ROOT / "samples" / "models" / name / "config.yaml").read_text())
+    data.update(changes)
+    folder = repo / name
+    folder.mkdir(parents=True, exist_ok=True)
+    if name == "squares":
+        (folder / "model.onnx").write_bytes(
+            (ROOT / "samples" / "models" / "squares" / "model.onnx").read_bytes()
+        )
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def decode(clip: Path) -> list[np.ndarray]:
+    with av.open(str(clip)) as container:
+        return [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+
+
+def iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+async def load(repo: Path) -> ModelRepository:
+    models = ModelRepository(repo)
+    for status in await models.load_all():
+        assert status.state.value == "ready", status.reason
+    return models
+
+
+@pytest.fixture(scope="module")
+def signs(tmp_path_factory: pytest.TempPathFactory) -> list[np.ndarray]:
+    clip = write_clip(
+        tmp_path_factory.mktemp("ov") / "signs.mp4", FRAMES, fps=10, plates=PLATES, square=False
+    )
+    return decode(clip)
+
+
+# -- the contract ---------------------------------------------------------------------------------
+
+
+async def test_instances_are_infer_requests_of_one_compiled_model(tmp_path: Path) -> None:
+    shipped(tmp_path, "ppocr_cls", instance_group=[{"count": 2, "kind": "KIND_CPU"}])
+    models = await load(tmp_path)
+    try:
+        model = models.get("ppocr_cls")
+        a, b = (inst.backend for inst in model.instances)
+        assert isinstance(a, OpenVinoBackend) and isinstance(b, OpenVinoBackend)
+        compiled = a._shared.compiled if a._shared else None
+        assert compiled is not None and b._shared is not None and b._shared.compiled is compiled
+        assert a._request is not b._request
+        # One stream per instance, so the two requests run side by side.
+        assert int(compiled.get_property("NUM_STREAMS")) == 2
+        # The batch axis is bounded by max_batch_size; the item shape is the config's.
+        assert a.inputs[0].shape == (None, 3, 48, 192)
+        assert compiled.inputs[0].get_partial_shape().to_string() == "[1..32,3,48,192]"
+    finally:
+        await models.close()
+    # The last instance closed releases the compiled model.
+    assert a._shared is None and b._shared is None
+
+
+async def test_a_batch_of_crops_runs_as_one_call_and_matches_onnxruntime(tmp_path: Path) -> None:
+    shipped(tmp_path, "ppocr_cls", backend_options={"precision": "f32"}, instance_group=[{"count": 1}])
+    models = await load(tmp_path)
+    try:
+        model = models.get("ppocr_cls")
+        crops = [np.full((30, 20 + 9 * i, 3), 40 * (i % 6), np.uint8) for i in range(16)]
+        for i, c in enumerate(crops):
+            cv2.putText(c, "AB", (2, 24), cv2.FONT_HERSHEY_SIMPLEX, 0.8, (255, 255, 255), 2)
+            if i % 2:
+                crops[i] = np.ascontiguousarray(c[::-1, ::-1])
+        before = model.stats.batches
+        results = await asyncio.gather(*(model.infer(c) for c in crops))
+        # 16 requests arrive together: the batcher sends them as one preferred batch of 16.
+        assert model.stats.batches - before == 1 and model.stats.batch_sizes.get(16) == 1
+
+        # The same inputs through ONNX Runtime give the same probabilities (f32 both).
+        inst = model.instances[0]
+        batch = np.zeros((16, 3, 48, 192), np.float32)
+        inst.task.preprocess(crops, batch)
+        session = ort.InferenceSession(
+            str(MODELS / "ch_ppocr_mobile_v2.0_cls_infer.onnx"), providers=["CPUExecutionProvider"]
+        )
+        (want,) = session.run(None, {"x": batch})
+        got = inst.backend.run({"x": batch})
+        (probs,) = got.values()
+        assert probs.shape == (16, 2)
+        np.testing.assert_allclose(probs, want, atol=1e-4)
+        labels = [r.label for r in results if isinstance(r, Classification)]
+        assert labels == [("0", "180")[int(np.argmax(p))] for p in want]
+        # A batch of another size runs on the same compiled model (dynamic batch axis).
+        (five,) = inst.backend.run({"x": batch[:5]}).values()
+        np.testing.assert_allclose(five, want[:5], atol=1e-4)
+    finally:
+        await models.close()
+
+
+def test_ir_model_reads_like_its_onnx_file_with_its_metadata(tmp_path: Path) -> None:
+    core = ov.Core()
+    # compress_to_fp16=False: save_model halves the weights by default, which is not what is compared here.
+    model = core.read_model(str(MODELS / "ch_PP-OCRv4_rec_infer.onnx"))
+    ov.save_model(model, str(tmp_path / "rec.xml"), compress_to_fp16=False)
+    shipped(
+        tmp_path / "ir", "ppocr_rec", model_file={"path": "rec.xml"}, backend_options={"precision": "f32"}
+    )
+    for suffix in ("xml", "bin"):
+        (tmp_path / "ir" / "ppocr_rec" / f"rec.{suffix}").write_bytes(
+            (tmp_path / f"rec.{suffix}").read_bytes()
+        )
+    shipped(tmp_path / "onnx", "ppocr_rec", backend_options={"precision": "f32"})
+    ir = read_source(tmp_path / "ir", "ppocr_rec")
+    ox = read_source(tmp_path / "onnx", "ppocr_rec")
+    a = create_backend(ir.config, ir.model_dir / "rec.xml", 0)
+    b = create_backend(ox.config, MODELS / "ch_PP-OCRv4_rec_infer.onnx", 0)
+    try:
+        # The recogniser's dictionary lives in the ONNX metadata; the IR keeps it.
+        assert a.metadata["character"] == b.metadata["character"]
+        assert len(a.metadata["character"].splitlines()) == 6623
+        x = np.random.default_rng(1).uniform(-1, 1, (3, 3, 48, 320)).astype(np.float32)
+        (ya,) = a.run({"x": x}).values()
+        (yb,) = b.run({"x": x}).values()
+        assert ya.shape == (3, 40, 6625)
+        np.testing.assert_allclose(ya, yb, atol=1e-5)
+        assert a.precision == b.precision == "f32"
+    finally:
+        a.close()
+        b.close()
+
+
+# -- precision ------------------------------------------------------------------------------------
+
+
+async def test_precision_in_use_is_reported_by_status_and_listing(tmp_path: Path) -> None:
+    shipped(tmp_path, "ppocr_det")  # precision: auto
+    shipped(tmp_path, "ppocr_cls", backend_options={"precision": "f32"})
+    shipped(tmp_path, "ppocr_rec", backend="onnxruntime", backend_options={"intra_op_threads": 1})
+    models = await load(tmp_path)
+    try:
+        status = {s.name: s for s in models.status()}
+        assert (status["ppocr_det"].backend, status["ppocr_det"].precision) == ("openvino", AUTO)
+        assert (status["ppocr_cls"].backend, status["ppocr_cls"].precision) == ("openvino", "f32")
+        assert (status["ppocr_rec"].backend, status["ppocr_rec"].precision) == ("onnxruntime", "native")
+    finally:
+        await models.close()
+    rows = {line.split()[0]: line.split() for line in describe_repository(tmp_path).splitlines()[1:]}
+    assert rows["ppocr_det"][3:5] == ["openvino", AUTO]
+    assert rows["ppocr_cls"][3:5] == ["openvino", "f32"]
+    assert rows["ppocr_rec"][3:5] == ["onnxruntime", "native"]
+
+
+async def cascade(repo: Path, frames: list[np.ndarray]) -> list[list[tuple[str, tuple[float, ...]]]]:
+    """Per frame: (text, box) of each line, detector -> orientation -> recogniser, as the pipeline does."""
+    models = await load(repo)
+    det, cls, rec = (models.get(n) for n in ("ppocr_det", "ppocr_cls", "ppocr_rec"))
+    out = []
+    try:
+        for frame in frames:
+            found = await det.infer(frame)
+            assert isinstance(found, list)
+            lines = [d for d in found if isinstance(d, Detection) and d.polygon is not None]
+            crops = [crop_upright(frame, d.polygon) for d in lines if d.polygon is not None]
+            turns = await asyncio.gather(*(cls.infer(c) for c in crops))
+            upright = [
+                cv2.rotate(c, cv2.ROTATE_180) if isinstance(t, Classification) and t.label == "180" else c
+                for c, t in zip(crops, turns, strict=True)
+            ]
+            texts = await asyncio.gather(*(rec.infer(c) for c in upright))
+            out.append(
+                sorted(
+                    (t.text, d.box) for d, t in zip(lines, texts, strict=True) if isinstance(t, Recognition)
+                )
+            )
+    finally:
+        await models.close()
+    return out
+
+
+async def test_default_precision_reads_the_same_text_and_boxes_as_f32(
+    tmp_path: Path, signs: list[np.ndarray]
+) -> None:
+    names = ("ppocr_det", "ppocr_cls", "ppocr_rec")
+    for name in names:
+        shipped(tmp_path / "auto", name)
+        shipped(tmp_path / "f32", name, backend_options={"precision": "f32"})
+        shipped(tmp_path / "ort", name, backend="onnxruntime", backend_options={"intra_op_threads": 1})
+    auto = await cascade(tmp_path / "auto", signs)
+    f32 = await cascade(tmp_path / "f32", signs)
+    onnx = await cascade(tmp_path / "ort", signs)
+    for index, (a, f, o) in enumerate(zip(auto, f32, onnx, strict=True)):
+        truth = sorted(text for text, _ in plates_at(index, 640, PLATES))
+        assert [t for t, _ in a] == [t for t, _ in f] == [t for t, _ in o] == truth, (index, a, f, o)
+        for (_, box_a), (_, box_f), (_, box_o) in zip(a, f, o, strict=True):
+            assert iou(box_a, box_f) >= 0.9, (index, box_a, box_f)
+            assert iou(box_f, box_o) >= 0.9, (index, box_f, box_o)
+
+
+async def test_yolo_boxes_at_default_precision_match_f32(tmp_path: Path, demo_clip: Path) -> None:
+    shipped(tmp_path / "auto", "squares")
+    shipped(tmp_path / "f32", "squares", backend_options={"precision": "f32"})
+    frames = decode(demo_clip)
+    boxes: dict[str, list[list[Detection]]] = {}
+    for variant in ("auto", "f32"):
+        models = await load(tmp_path / variant)
+        try:
+            model = models.get("squares")
+            assert model.precision == (AUTO if variant == "auto" else "f32")
+            results = await asyncio.gather(*(model.infer(f) for f in frames))
+            boxes[variant] = [r for r in results if isinstance(r, list)]
+        finally:
+            await models.close()
+    assert len(boxes["auto"]) == len(frames) == 45
+    for index, (a, f) in enumerate(zip(boxes["auto"], boxes["f32"], strict=True)):
+        assert len(a) == len(f) == 1, (index, a, f)  # the clip's one bouncing square, every frame
+        assert a[0].label == f[0].label == "square"
+        assert iou(a[0].box, f[0].box) >= 0.9, (index, a[0].box, f[0].box)
+
+
+# -- options and errors -------------------------------------------------------------------------
+
+
+def test_cache_dir_receives_the_compiled_model(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    path = shipped(tmp_path, "ppocr_cls", backend_options={"cache_dir": str(cache), "threads": 1})
+    src = read_source(tmp_path, "ppocr_cls")
+    backend = create_backend(src.config, MODELS / "ch_ppocr_mobile_v2.0_cls_infer.onnx", 0)
+    backend.close()
+    assert path.is_file() and [p.suffix for p in cache.iterdir()] == [".blob"]
+
+
+async def unavailable_reason(repo: Path, name: str) -> str:
+    models = ModelRepository(repo)
+    status = await models.load(name)
+    assert status.state.value == "unavailable"
+    return status.reason
+
+
+def line_of(path: Path, key: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if line.startswith(key))
+
+
+@pytest.mark.skipif("FP16" in CPU_CAPS, reason="this CPU computes in f16")
+async def test_a_precision_the_cpu_lacks_points_at_the_key(tmp_path: Path) -> None:
+    path = shipped(tmp_path, "ppocr_cls", backend_options={"precision": "f16"})
+    reason = await unavailable_reason(tmp_path, "ppocr_cls")
+    assert reason == (
+        f"{path}:{line_of(path, '  precision:')}: backend_options.precision: precision f16 "
+        f"is not supported by the CPU device (hint: it offers {', '.join(CPU_CAPS)}; set "
+        f"backend_options.precision: auto or f32)"
+    )
+
+
+@pytest.mark.skipif("GPU" in ov.Core().available_devices, reason="this machine has an OpenVINO GPU")
+async def test_a_missing_device_points_at_the_key(tmp_path: Path) -> None:
+    path = shipped(
+        tmp_path,
+        "ppocr_cls",
+        backend_options={"device": "GPU"},
+        instance_group=[{"count": 1, "kind": "KIND_GPU"}],
+    )
+    reason = await unavailable_reason(tmp_path, "ppocr_cls")
+    assert reason.startswith(f"{path}:{line_of(path, '  device:')}: backend_options.device: ")
+    assert "OpenVINO device GPU is not present on this machine (hint: available: CPU" in reason
+
+
+async def test_a_device_that_contradicts_the_instance_kind_is_refused(tmp_path: Path) -> None:
+    path = shipped(tmp_path, "ppocr_cls", backend_options={"device": "AUTO"})  # kind: KIND_CPU
+    reason = await unavailable_reason(tmp_path, "ppocr_cls")
+    assert reason == (
+        f"{path}:{line_of(path, '  device:')}: backend_options.device: instance_group "
+        f"kind KIND_CPU but backend_options.device is AUTO (hint: set device: CPU, or kind: KIND_AUTO)"
+    )
+
+
+async def test_bad_model_files_point_at_model_file(tmp_path: Path) -> None:
+    folder = tmp_path / "ppocr_cls"
+    folder.mkdir()
+    (folder / "model.pt").write_bytes(b"\x80\x02")
+    (folder / "model.xml").write_text("<net/>")
+    path = shipped(tmp_path, "ppocr_cls", model_file={"path": "model.pt"})
+    reason = await unavailable_reason(tmp_path, "ppocr_cls")
+    assert reason == (
+        f"{path}:{line_of(path, '  path:')}: model_file.path: OpenVINO reads ONNX (.onnx) and "
+        f"IR (.xml + .bin) files, not model.pt (hint: export the model to ONNX or IR)"
+    )
+    shipped(tmp_path, "ppocr_cls", model_file={"path": "model.xml"})
+    reason = await unavailable_reason(tmp_path, "ppocr_cls")
+    assert reason.endswith(
+        "model_file.path: IR model model.xml has no weights file model.bin next to it (hint: copy it there)"
+    )
+
+
+async def test_an_input_the_model_does_not_take_says_which_key_to_change(tmp_path: Path) -> None:
+    data = yaml.safe_load((ROOT / "samples" / "models" / "ppocr_cls" / "config.yaml").read_text())
+    path = shipped(tmp_path, "ppocr_cls", input={**data["input"], "name": "images"})
+    reason = await unavailable_reason(tmp_path, "ppocr_cls")
+    assert reason.startswith(f"{path}:{line_of(path, '  name: images')}: input.name: ")
+    assert "the model has no input tensor 'images' (it has: x); set input.name to one of those" in reason
+
+
+def test_max_batch_size_1_compiles_a_static_shape_used_without_the_repository(tmp_path: Path) -> None:
+    data = yaml.safe_load((ROOT / "samples" / "models" / "ppocr_det" / "config.yaml").read_text())
+    shipped(tmp_path, "ppocr_det", max_batch_size=1, input={**data["input"], "shape": [3, 320, 320]})
+    src = read_source(tmp_path, "ppocr_det")
+    model = Model(src.config, src.model_dir)
+    assert model.load().value == "ready", model.reason
+    try:
+        assert model.inputs[0].shape == (1, 3, 320, 320)
+        image = np.full((240, 320, 3), 255, np.uint8)
+        cv2.putText(image, "HELLO", (40, 140), cv2.FONT_HERSHEY_SIMPLEX, 2.0, (0, 0, 0), 5)
+        found = model.submit(image).result(timeout=30)
+        assert isinstance(found, list) and [d.label for d in found] == ["text"]
+        x1, y1, x2, y2 = found[0].box
+        assert 30 <= x1 <= 42 and 180 <= x2 <= 260 and 95 <= y1 <= 115 and 135 <= y2 <= 160, found[0].box
+    finally:
+        model.stop()
