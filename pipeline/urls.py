@@ -12,14 +12,18 @@ to a reader, and the password's tail travels in the request path. So:
   to percent-encode (``%40`` for ``@``, ``%2F`` for ``/``);
 * :func:`protocol_whitelist` is the list of FFmpeg protocols a scheme needs,
   passed as FFmpeg's ``protocol_whitelist`` so a URL (or a redirect, or a
-  playlist inside a file) can reach nothing else.
+  playlist inside a file) can reach nothing else;
+* :data:`FILE_FORMATS` is the list of demuxers a file may be opened with
+  (FFmpeg's ``format_whitelist``): video containers and elementary streams, no
+  playlist or description formats (``hls``, ``dash``, ``concat``, ``sdp``,
+  ``rtsp``...) whose content names other files or hosts to open.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["PROTOCOL_WHITELISTS", "protocol_whitelist", "url_problem"]
+__all__ = ["FILE_FORMATS", "PROTOCOL_WHITELISTS", "protocol_whitelist", "url_problem"]
 
 # C0 controls, DEL and C1 controls.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -33,6 +37,19 @@ PROTOCOL_WHITELISTS: dict[str, str] = {
     "rtsp": "rtsp,rtp,udp,tcp",
     "rtsps": "rtsps,rtsp,rtp,udp,tcp,tls",
 }
+
+
+# Demuxers a file source may use. A file is probed by content, so a file named
+# clip.mp4 that holds an HLS playlist or an SDP description would otherwise make
+# FFmpeg open the URLs written in it; these formats hold pictures only. FFmpeg
+# matches each of a demuxer's names ("mov" covers mov,mp4,m4a,3gp,3g2,mj2).
+FILE_FORMATS = ",".join(
+    (
+        "mov", "matroska", "webm", "mpegts", "mpeg", "avi", "flv", "asf", "nut", "ogg", "mxf",
+        "dv", "ivf", "obu", "h264", "hevc", "vvc", "m4v", "mpegvideo", "mjpeg", "mpjpeg",
+        "yuv4mpegpipe", "gif", "apng", "image2",
+    )
+)  # fmt: skip
 
 
 def protocol_whitelist(scheme: str) -> str:

@@ -35,6 +35,7 @@ import numpy as np
 
 from pipeline.redact import redact_text
 from pipeline.sources.base import SourceError, ThreadedSource
+from pipeline.urls import FILE_FORMATS, protocol_whitelist
 
 log = logging.getLogger("vidpipe.source")
 
@@ -120,33 +121,40 @@ def open_with_hwaccel(
     options: dict[str, str] | None = None,
     timeout: float | tuple[float, float] | None = None,
     decode: DecodeMode = "auto",
+    container_options: dict[str, str] | None = None,
 ) -> tuple[Any, str]:
     """Open ``url`` for decoding; returns ``(container, "cuda" | "software")``.
 
-    ``auto`` tries the CUDA hwaccel and falls back to software with one log
-    line; ``cuda`` raises ``RuntimeError`` instead of falling back; ``cpu``
-    never tries. Errors opening the URL itself propagate unchanged (the
-    caller's message names the source).
+    ``options`` go to the container and its streams, ``container_options`` to the
+    container only (``protocol_whitelist``, ``format_whitelist``). ``auto`` tries
+    the CUDA hwaccel and falls back to software with one log line; ``cuda`` raises
+    ``RuntimeError`` instead of falling back; ``cpu`` never tries. Errors opening
+    the URL itself propagate unchanged (the caller's message names the source).
     """
     import av
 
     global _hw_broken
     options = dict(options or {})
+    kwargs: dict[str, Any] = {
+        "options": options,
+        "container_options": dict(container_options or {}),
+        "timeout": timeout,
+    }
     if decode == "cpu":
-        return av.open(url, options=options, timeout=timeout), "software"
+        return av.open(url, **kwargs), "software"
     supported, reason = hwaccel_support()
     if not supported:
         if decode == "cuda":
             raise RuntimeError(f"decode: cuda is not possible: {reason}")
         log.info("hardware decoding unavailable (%s); decoding in software", reason)
-        return av.open(url, options=options, timeout=timeout), "software"
+        return av.open(url, **kwargs), "software"
     from av.codec.hwaccel import HWAccel
 
     if _hw_broken is not None and decode == "auto":
-        return av.open(url, options=options, timeout=timeout), "software"
+        return av.open(url, **kwargs), "software"
     try:
         accel = HWAccel(device_type="cuda", allow_software_fallback=decode != "cuda")
-        return av.open(url, options=options, timeout=timeout, hwaccel=accel), "cuda"
+        return av.open(url, hwaccel=accel, **kwargs), "cuda"
     except (FileNotFoundError, ConnectionError, TimeoutError):
         raise  # the URL itself is the problem; a software open would fail the same way
     except Exception as exc:
@@ -154,7 +162,7 @@ def open_with_hwaccel(
         # usable GPU fails here (e.g. "Operation not permitted") -- but so does a bad URL,
         # a wrong password or a damaged file. A software open tells the two apart: if it
         # fails too, its error (about the stream) is the one to report.
-        container = av.open(url, options=options, timeout=timeout)
+        container = av.open(url, **kwargs)
         if decode == "cuda":
             container.close()
             raise RuntimeError(f"decode: cuda is not possible: {ffmpeg_reason(exc, url)}") from None
@@ -199,13 +207,25 @@ class AvSource(ThreadedSource):
     def open_timeout(self) -> float | tuple[float, float] | None:
         return None
 
+    def container_options(self) -> dict[str, str]:
+        """What FFmpeg may reach from this URL: the scheme's protocols (and, for files, formats)."""
+        scheme = self.config.scheme
+        options = {"protocol_whitelist": protocol_whitelist(scheme)}
+        if scheme == "file":
+            options["format_whitelist"] = FILE_FORMATS
+        return options
+
     def open(self) -> Any:
         """Open the stream; raises :class:`SourceError` (with ``kind``) when it cannot."""
         import av
 
         try:
             container, self.decoder = open_with_hwaccel(
-                self.url, self.open_options(), self.open_timeout(), self.config.decode
+                self.url,
+                self.open_options(),
+                self.open_timeout(),
+                self.config.decode,
+                self.container_options(),
             )
         except av.FFmpegError as exc:
             kind = ffmpeg_error_kind(exc)

@@ -1,0 +1,244 @@
+"""Hostile sources: URLs, cameras and files that try to hurt the process, against real parts.
+
+Every test feeds one attack through a real door (a config file, ``vidpipe run
+--source`` in a subprocess, ``POST /v1/sources`` on a live HTTP server) to real
+FFmpeg through PyAV, with real loopback sockets standing in for cameras and for
+the hosts an attacker would like vidpipe to reach.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from inference.schema import ConfigError
+from pipeline.config import load_config
+from pipeline.nats_server import EmbeddedNats
+from pipeline.sources.base import SourceState
+from tests.conftest import run_cli
+from tests.pipeline.stack import Stack, until
+from tests.support.raw_rtsp import RawListener, RtspRequest, reply
+
+
+def crlf_url(port: int) -> str:
+    """A URL that, written into an RTSP request as it is, forges a second HTTP request."""
+    return (
+        f"rtsp://127.0.0.1:{port}/x HTTP/1.1\r\nHost: internal\r\n\r\n"
+        "POST /admin/delete HTTP/1.1\r\nHost: internal\r\nContent-Length: 0\r\n\r\n"
+    )
+
+
+def at_in_password(port: int) -> str:
+    """A raw '@' in the password: a reader sees 10.9.9.9, FFmpeg connects to 127.0.0.1."""
+    return f"rtsp://admin:Pa@127.0.0.1:{port}/TAIL@10.9.9.9:554/s"
+
+
+def write_config(tmp_path: Path, source_yaml: str, extra: str = "") -> Path:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(f"pipeline: hostile\nsources:\n  - {source_yaml}\n{extra}")
+    return path
+
+
+def yaml_string(text: str) -> str:
+    """``text`` as a YAML double-quoted scalar (control characters escaped)."""
+    return (
+        '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\r", "\\r").replace("\n", "\\n") + '"'
+    )
+
+
+API_CONFIG = """\
+pipeline: hostile
+sources: []
+nats: {{url: "{nats}"}}
+http: {{listen: "127.0.0.1:0"}}
+"""
+
+
+# -- 1. URLs: refused at every door before FFmpeg sees them --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make_url", "expected"),
+    [
+        (crlf_url, "the URL contains a control character (\\r) at position"),
+        (at_in_password, "the URL has an '@' after the host; if the password contains '@'"),
+    ],
+    ids=["crlf-injection", "raw-at-in-password"],
+)
+def test_config_refuses_hostile_urls_with_file_and_line(
+    tmp_path: Path, make_url: object, expected: str
+) -> None:
+    with RawListener() as camera:
+        url = make_url(camera.port)  # type: ignore[operator]
+        path = write_config(tmp_path, f"{{id: cam, url: {yaml_string(url)}}}")
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        assert str(info.value).startswith(f"{path}:3: sources[0].url: {expected}")
+        assert "Pa@" not in str(info.value) and "TAIL" not in str(info.value)
+        time.sleep(0.3)
+        assert (camera.connections, bytes(camera.received)) == (0, b"")
+
+
+def test_config_refuses_a_file_path_with_a_newline(tmp_path: Path) -> None:
+    path = write_config(tmp_path, '{id: clip, url: "clips/a.mp4\\nERROR forged log line"}')
+    result = run_cli("validate", str(path), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert (
+        f"{path}:3: sources[0].url: the URL contains a control character (\\n) at position 11"
+        in result.stderr
+    )
+    assert "forged log line" not in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_source_flag_refuses_a_crlf_url_with_exit_2(tmp_path: Path) -> None:
+    path = write_config(tmp_path, '{url: "test://?frames=1"}')
+    with RawListener() as camera:
+        result = run_cli("run", str(path), "--source", crlf_url(camera.port), "--duration", "5", timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert "--source: the URL contains a control character (\\r) at position" in result.stderr
+        assert "admin/delete" not in result.stderr
+        assert "Traceback" not in result.stderr
+        assert (camera.connections, bytes(camera.received)) == (0, b"")
+
+
+def test_source_flag_refuses_a_raw_at_in_the_password(tmp_path: Path) -> None:
+    path = write_config(tmp_path, '{url: "test://?frames=1"}')
+    with RawListener() as camera:
+        result = run_cli(
+            "run", str(path), "--source", at_in_password(camera.port), "--duration", "5", timeout=60
+        )
+        assert result.returncode == 2, result.stderr
+        assert "--source: the URL has an '@' after the host" in result.stderr
+        assert "Pa@" not in result.stderr and "TAIL" not in result.stderr
+        assert (camera.connections, bytes(camera.received)) == (0, b"")
+
+
+# -- 2. the hostile listener: what a camera receives from vidpipe ----------------------------
+
+
+def camera_answers(request: RtspRequest) -> bytes:
+    """A camera that knows OPTIONS and has no stream: vidpipe sends its requests and retries."""
+    if request.method == "OPTIONS":
+        return reply(request, "200 OK", "Public: OPTIONS, DESCRIBE, SETUP, PLAY, TEARDOWN")
+    return reply(request, "404 Not Found")
+
+
+def assert_well_formed(requests: list[RtspRequest], port: int) -> None:
+    """Each request is ``METHOD rtsp://127.0.0.1:PORT/... RTSP/1.0`` with Name: value headers."""
+    assert requests, "the camera received no request"
+    prefix = f"rtsp://127.0.0.1:{port}/"
+    for request in requests:
+        method, target, version = request.line.split(" ")
+        assert method in {"OPTIONS", "DESCRIBE", "SETUP", "PLAY", "TEARDOWN", "GET_PARAMETER"}, request.line
+        assert target.startswith(prefix), request.line
+        assert version == "RTSP/1.0", request.line
+        for name, value in request.headers:
+            assert name and name.replace("-", "").isalnum(), (request.line, name)
+            assert value != "\x00malformed" and "\r" not in value and "\n" not in value, (request.line, name)
+        assert request.header("CSeq") is not None, request.line
+
+
+async def test_hostile_listener_sees_nothing_of_a_crlf_url_and_only_well_formed_requests(
+    tmp_path: Path, nats_server: EmbeddedNats
+) -> None:
+    stack = await Stack.start(tmp_path, API_CONFIG.format(nats=nats_server.url), nats_server.url)
+    try:
+        with RawListener(camera_answers) as camera:
+            status, body = await stack.json(
+                "POST", "/v1/sources", json={"id": "evil", "url": crlf_url(camera.port)}
+            )
+            assert status == 400, body
+            assert body["error"].startswith(
+                "sources.url: the URL contains a control character (\\r) at position"
+            )
+            status, body = await stack.json(
+                "POST", "/v1/sources", json={"id": "evil2", "url": at_in_password(camera.port)}
+            )
+            assert status == 400, body
+            assert "percent-encode" in body["error"] and "TAIL" not in body["error"]
+            await asyncio.sleep(0.5)
+            assert (camera.connections, bytes(camera.received)) == (0, b"")
+            assert "evil" not in stack.runtime.sources and "evil2" not in stack.runtime.sources
+
+            # A normal URL with credentials: the camera gets RTSP requests for itself, nothing else.
+            url = f"rtsp://admin:s3cret@127.0.0.1:{camera.port}/live/main?channel=1"
+            status, body = await stack.json(
+                "POST",
+                "/v1/sources",
+                json={
+                    "id": "cam",
+                    "url": url,
+                    "open_timeout": 1,
+                    "reconnect": {"min_delay": 0.2, "max_delay": 0.2},
+                },
+            )
+            assert status == 201, body
+            await until(
+                lambda: stack.runtime.sources["cam"].source.stats.reconnects >= 2, what="two reconnects"
+            )
+            assert_well_formed(list(camera.requests), camera.port)
+            assert {r.target for r in camera.requests} == {
+                f"rtsp://127.0.0.1:{camera.port}/live/main?channel=1"
+            }
+            assert b"s3cret" not in bytes(camera.received)  # never asked for: a 404 is no challenge
+            assert stack.runtime.sources["cam"].source.state in (SourceState.BACKOFF, SourceState.CONNECTING)
+    finally:
+        await stack.close()
+
+
+# -- 1. what FFmpeg may reach from a file ----------------------------------------------------
+
+
+def playlists(target: str) -> dict[str, str]:
+    """Files whose content makes FFmpeg open ``target``, under a video file's name."""
+    return {
+        "hls.m3u8": f"#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:10.0,\n{target}\n#EXT-X-ENDLIST\n",
+        "hls-named.mp4": f"#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:10.0,\n{target}\n#EXT-X-ENDLIST\n",
+        "concat.ffconcat": f"ffconcat version 1.0\nfile '{target}'\n",
+    }
+
+
+def test_a_playlist_file_cannot_open_another_file(tmp_path: Path, demo_clip: Path) -> None:
+    from pipeline.config import SourceConfig
+    from pipeline.sources.base import SourceError
+    from pipeline.sources.file import FileSource
+
+    for name, text in playlists(f"file:{demo_clip}").items():
+        path = tmp_path / name
+        path.write_text(text)
+        source = FileSource(SourceConfig(url=str(path), id="clip"))
+        with pytest.raises(SourceError) as info:
+            source.open().close()
+        assert info.value.problem.startswith(f"cannot open {path}: "), (name, info.value.problem)
+
+
+def test_a_playlist_file_never_connects_to_a_host(tmp_path: Path) -> None:
+    # FFmpeg 8 keeps nested opens of a local file to file,crypto,data by itself; the
+    # whitelists make this hold whatever the FFmpeg build defaults to.
+    from pipeline.config import SourceConfig
+    from pipeline.sources.base import SourceError
+    from pipeline.sources.file import FileSource
+
+    with RawListener() as host:
+        for name, text in playlists(f"http://127.0.0.1:{host.port}/seg.ts").items():
+            path = tmp_path / name
+            path.write_text(text)
+            with pytest.raises(SourceError):
+                FileSource(SourceConfig(url=str(path), id="clip")).open().close()
+        time.sleep(0.3)
+        assert (host.connections, bytes(host.received)) == (0, b"")
+
+
+def test_ordinary_files_still_open(tmp_path: Path, demo_clip: Path) -> None:
+    from pipeline.config import SourceConfig
+    from pipeline.sources.file import FileSource
+
+    container = FileSource(SourceConfig(url=str(demo_clip), id="clip")).open()
+    try:
+        assert container.streams.video[0].codec_context.name == "h264"
+    finally:
+        container.close()
