@@ -57,6 +57,10 @@ class SourceConfig:
     read_timeout: float = field(default=5.0, metadata=spec(gt=0))
     stall_timeout: float = field(default=5.0, metadata=spec(gt=0))
     reconnect: ReconnectConfig = field(default_factory=ReconnectConfig)
+    allow_redirects: bool = field(
+        default=False,
+        metadata=spec(help="RTSP: follow a redirect to another host, credentials and all"),
+    )
     decode: Literal["cpu", "cuda", "auto"] = field(
         default="cpu",
         metadata=spec(help="cuda decodes on the GPU (NVDEC); auto tries it and falls back to cpu"),

@@ -66,6 +66,7 @@ ReconnectReason = Literal[
     "end_of_stream",
     "not_found",
     "unauthorized",
+    "redirect",
     "error",
     "publisher_left",
     "track_ended",
