@@ -26,6 +26,11 @@ from pipeline.sources.schemes import check_url, derive_id, resolve_url, scheme_o
 from pipeline.stages.base import NAME_HELP, StageOptions, check_name
 from pipeline.stages.registry import stage_kinds
 
+# 8K UHD: the largest picture any camera or clip in scope sends. A frame over it is
+# refused before a buffer is allocated (a 16384x8192 clip of a few hundred KB would
+# otherwise take gigabytes of frame pool).
+MAX_PIXELS = 7680 * 4320
+
 
 @dataclass(frozen=True)
 class ReconnectConfig:
@@ -52,6 +57,10 @@ class SourceConfig:
     )
     max_fps: float | None = field(default=None, metadata=spec(gt=0, help="drop frames above this rate"))
     queue_size: int = field(default=8, metadata=spec(ge=1, le=1024))
+    max_pixels: int = field(
+        default=MAX_PIXELS,
+        metadata=spec(ge=1, help="largest frame (width x height) accepted; default 8K UHD, 7680x4320"),
+    )
     transport: Literal["tcp", "udp"] = "tcp"
     open_timeout: float = field(default=10.0, metadata=spec(gt=0))
     read_timeout: float = field(default=5.0, metadata=spec(gt=0))

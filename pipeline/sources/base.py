@@ -212,8 +212,22 @@ class Source(ABC):
             raise
         return self._publish(buffer, pts, capture_ts)
 
+    def check_frame_size(self, width: int, height: int) -> None:
+        """Raise :class:`SourceError` (kind ``too_large``) for a frame over ``max_pixels``."""
+        limit = self.config.max_pixels
+        if width * height > limit:
+            raise SourceError(
+                self.id,
+                f"frame size {width}x{height} is over the limit of {limit} pixels (max_pixels)",
+                "too_large",
+            )
+
     def _reserve(self, pts: float, shape: tuple[int, int, int]) -> tuple[float, BufferHandle] | None:
-        """The frame's pts on the source's timeline and a buffer for it; None if dropped."""
+        """The frame's pts on the source's timeline and a buffer for it; None if dropped.
+
+        A frame over ``max_pixels`` raises :class:`SourceError` before any buffer exists.
+        """
+        self.check_frame_size(shape[1], shape[0])
         pts += self._pts_offset
         if not self._keep_for_max_fps(pts):
             self._drop("max_fps")

@@ -27,6 +27,7 @@ owns, so the copy is what keeps the frame pool (and its bound on memory) in char
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 from collections.abc import Iterator
 from typing import Any, ClassVar, Literal
@@ -35,7 +36,7 @@ import numpy as np
 
 from pipeline.redact import redact_text
 from pipeline.sources.base import SourceError, ThreadedSource
-from pipeline.urls import FILE_FORMATS, protocol_whitelist
+from pipeline.urls import FILE_FORMAT_DENYLIST, protocol_whitelist
 
 log = logging.getLogger("vidpipe.source")
 
@@ -45,6 +46,7 @@ __all__ = [
     "copy_rgb",
     "ffmpeg_error_kind",
     "ffmpeg_reason",
+    "file_formats",
     "frame_rate",
     "hwaccel_support",
     "open_with_hwaccel",
@@ -171,6 +173,28 @@ def open_with_hwaccel(
         return container, "software"
 
 
+# -- what a file may be ----------------------------------------------------------------------
+
+
+@functools.cache
+def file_formats() -> str:
+    """FFmpeg's ``format_whitelist`` for files: every demuxer but :data:`FILE_FORMAT_DENYLIST`."""
+    import av
+
+    names: set[str] = set()
+    for name in av.formats_available:
+        try:
+            if not av.ContainerFormat(name).is_input:
+                continue
+        except ValueError:
+            continue
+        # A demuxer has several names ("mov,mp4,m4a,..."): all of them, or none.
+        parts = set(name.split(","))
+        if not parts & FILE_FORMAT_DENYLIST:
+            names |= parts
+    return ",".join(sorted(names))
+
+
 # -- frames ----------------------------------------------------------------------------------
 
 
@@ -212,7 +236,7 @@ class AvSource(ThreadedSource):
         scheme = self.config.scheme
         options = {"protocol_whitelist": protocol_whitelist(scheme)}
         if scheme == "file":
-            options["format_whitelist"] = FILE_FORMATS
+            options["format_whitelist"] = file_formats()
         return options
 
     def open(self) -> Any:
@@ -247,6 +271,10 @@ class AvSource(ThreadedSource):
         if not container.streams.video:
             raise SourceError(self.id, f"{self.display_url} has no video stream", "no_video")
         stream = container.streams.video[0]
+        # The size the container declares, before the decoder allocates anything for it.
+        codec = stream.codec_context
+        if codec.width and codec.height:
+            self.check_frame_size(codec.width, codec.height)
         stream.thread_type = self.thread_type
         return stream
 

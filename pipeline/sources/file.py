@@ -76,7 +76,7 @@ class FileSource(AvSource):
                 if not self.emit_frame(frame, pts):
                     return
         except SourceError as exc:
-            if decoded == 0:
+            if decoded == 0 or exc.kind == "too_large":
                 raise
             log.warning(
                 "source %s: stopped decoding %s after %d frames: %s",

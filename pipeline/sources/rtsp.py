@@ -109,6 +109,8 @@ class _Attempt:
     abandoned: bool = False
     # (reconnect reason, one-line message); None when the reader stopped because asked to.
     failure: tuple[ReconnectReason, str] | None = None
+    # An error no reconnect can cure (frames over max_pixels): the source fails with it.
+    fatal: SourceError | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -170,6 +172,8 @@ class RtspSource(AvSource):
             )
             reader.start()
             failure = self._supervise(attempt)
+            if attempt.fatal is not None and not self.stopping:
+                raise attempt.fatal
             if failure is None or self.stopping:
                 break
             label, message = failure
@@ -219,6 +223,8 @@ class RtspSource(AvSource):
             failure = self._decode_live(container, attempt)
         except SourceError as exc:
             failure = self._classify(exc, attempt)
+            if exc.kind == "too_large":
+                attempt.fatal = exc
         except Exception as exc:  # a bug, not the camera: reconnect all the same
             detail = redact_text(str(exc), self.url)
             failure = ("error", f"lost {self.display_url}: {type(exc).__name__}: {detail}")

@@ -312,3 +312,60 @@ async def test_allow_redirects_lets_ffmpeg_follow_the_camera() -> None:
 def test_allow_redirects_defaults_to_false_in_config(tmp_path: Path) -> None:
     path = write_config(tmp_path, '{id: cam, url: "rtsp://u:p@127.0.0.1:9/x"}')
     assert load_config(path).sources[0].allow_redirects is False
+
+
+# -- 4. pixels per frame ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def huge_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One flat 16384x8192 H.264 frame: a few hundred KB on disk, 400 MB as RGB."""
+    import subprocess
+
+    path = tmp_path_factory.mktemp("huge") / "huge.mp4"
+    subprocess.run(
+        ["ffmpeg", "-y", "-loglevel", "error", "-f", "lavfi", "-i", "color=c=blue:size=16384x8192:rate=1",
+         "-frames:v", "1", "-c:v", "libx264", "-preset", "ultrafast", "-pix_fmt", "yuv420p", str(path)],
+        check=True, timeout=120,
+    )  # fmt: skip
+    assert path.stat().st_size < 2_000_000
+    return path
+
+
+def rss_mb() -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) // 1024
+
+
+async def run_to_end(url: str, **options: object) -> tuple[SourceState, str, int]:
+    """Run a source of ``url`` until it ends; its final state, reason and frames."""
+    from pipeline.config import SourceConfig
+    from pipeline.frames import Frame
+    from pipeline.queues import EndOfStream, FrameQueue
+    from pipeline.sources.schemes import create_source
+
+    source = create_source(SourceConfig(url=url, id="big", **options))  # type: ignore[arg-type]
+    queue: FrameQueue[Frame] = FrameQueue(4, "block", asyncio.get_running_loop())
+    source.start(queue)
+    frames = 0
+    while not isinstance(item := await asyncio.wait_for(queue.get(), 30), EndOfStream):
+        frames += 1
+        item.release()
+    return source.state, source.reason, frames
+
+
+async def test_a_frame_over_max_pixels_fails_the_source_before_any_buffer(huge_clip: Path) -> None:
+    before = rss_mb()
+    state, reason, frames = await run_to_end(str(huge_clip))
+    grown = rss_mb() - before
+    assert (state, frames) == (SourceState.FAILED, 0)
+    assert reason == "source big: frame size 16384x8192 is over the limit of 33177600 pixels (max_pixels)"
+    assert grown < 200, f"RSS grew by {grown} MB"
+
+
+async def test_max_pixels_is_checked_on_every_frame_of_a_source_without_a_declared_size() -> None:
+    state, reason, frames = await run_to_end("test://?width=640&height=360&frames=3", max_pixels=100_000)
+    assert (state, frames) == (SourceState.FAILED, 0)
+    assert reason == "source big: frame size 640x360 is over the limit of 100000 pixels (max_pixels)"
+    state, _, frames = await run_to_end("test://?width=320&height=240&frames=3", max_pixels=100_000)
+    assert (state, frames) == (SourceState.STOPPED, 3)
