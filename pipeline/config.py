@@ -30,15 +30,30 @@ from pipeline.stages.registry import stage_kinds
 # refused before a buffer is allocated (a 16384x8192 clip of a few hundred KB would
 # otherwise take gigabytes of frame pool).
 MAX_PIXELS = 7680 * 4320
+# Seconds: the shortest wait between reconnect attempts config or API may ask for.
+MIN_RECONNECT_DELAY = 0.1
 
 
 @dataclass(frozen=True)
 class ReconnectConfig:
-    """Backoff between reconnect attempts of a live source: ``min_delay * 2**n`` capped, with jitter."""
+    """Backoff between reconnect attempts of a live source: ``min_delay * 2**n`` capped, with jitter.
 
-    min_delay: float = field(default=0.5, metadata=spec(gt=0))
-    max_delay: float = field(default=10.0, metadata=spec(gt=0))
+    Both delays are at least :data:`MIN_RECONNECT_DELAY`: a camera that refuses at
+    once would otherwise be hammered (``min_delay: 1e-300`` made 10,624
+    connections in 10 s).
+    """
+
+    min_delay: float = field(default=0.5, metadata=spec(ge=MIN_RECONNECT_DELAY, help="seconds, at least 0.1"))
+    max_delay: float = field(
+        default=10.0, metadata=spec(ge=MIN_RECONNECT_DELAY, help="seconds, at least 0.1")
+    )
     jitter: float = field(default=0.2, metadata=spec(ge=0, le=1))
+
+    def __post_init__(self) -> None:
+        if self.max_delay < self.min_delay:
+            raise ValueError(
+                f"max_delay ({self.max_delay:g}) must be at least min_delay ({self.min_delay:g})"
+            )
 
 
 @dataclass(frozen=True)

@@ -369,3 +369,55 @@ async def test_max_pixels_is_checked_on_every_frame_of_a_source_without_a_declar
     assert reason == "source big: frame size 640x360 is over the limit of 100000 pixels (max_pixels)"
     state, _, frames = await run_to_end("test://?width=320&height=240&frames=3", max_pixels=100_000)
     assert (state, frames) == (SourceState.STOPPED, 3)
+
+
+# -- 6. backoff floors -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reconnect", "key", "problem"),
+    [
+        ("{min_delay: 1.0e-300}", "min_delay", "must be at least 0.1, got 1e-300"),
+        ("{max_delay: 0.001}", "max_delay", "must be at least 0.1, got 0.001"),
+        ("{min_delay: 5, max_delay: 1}", "", "max_delay (1) must be at least min_delay (5)"),
+    ],
+    ids=["min-delay", "max-delay", "max-below-min"],
+)
+def test_config_refuses_reconnect_delays_below_the_floor(
+    tmp_path: Path, reconnect: str, key: str, problem: str
+) -> None:
+    path = write_config(tmp_path, f"id: cam\n    url: rtsp://127.0.0.1:9/x\n    reconnect: {reconnect}")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    where = f"sources[0].reconnect.{key}" if key else "sources[0].reconnect"
+    assert str(info.value).startswith(f"{path}:5: {where}: {problem}")
+
+
+async def test_api_refuses_reconnect_delays_below_the_floor(
+    tmp_path: Path, nats_server: EmbeddedNats
+) -> None:
+    stack = await Stack.start(tmp_path, API_CONFIG.format(nats=nats_server.url), nats_server.url)
+    try:
+        with RawListener() as camera:
+            url = f"rtsp://127.0.0.1:{camera.port}/x"
+            status, body = await stack.json(
+                "POST", "/v1/sources", json={"id": "cam", "url": url, "reconnect": {"min_delay": 1e-300}}
+            )
+            assert (status, body["error"]) == (
+                400,
+                "sources.reconnect.min_delay: must be at least 0.1, got 1e-300 (hint: seconds, at least 0.1)",
+            )
+            status, body = await stack.json(
+                "POST",
+                "/v1/sources",
+                json={"id": "cam", "url": url, "reconnect": {"min_delay": 2, "max_delay": 1}},
+            )
+            assert (status, body["error"]) == (
+                400,
+                "sources.reconnect: max_delay (1) must be at least min_delay (2)",
+            )
+            assert "cam" not in stack.runtime.sources
+            time.sleep(0.3)
+            assert camera.connections == 0
+    finally:
+        await stack.close()
