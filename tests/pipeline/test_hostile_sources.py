@@ -421,3 +421,57 @@ async def test_api_refuses_reconnect_delays_below_the_floor(
             assert camera.connections == 0
     finally:
         await stack.close()
+
+
+# -- 7. a file cut short ---------------------------------------------------------------------
+
+
+def cut_clip(path: Path, frames: int, keep: float) -> Path:
+    """An mp4 of ``frames`` frames, index at the front, then cut to ``keep`` of its size."""
+    import av
+    import numpy as np
+
+    with av.open(str(path), "w", options={"movflags": "faststart"}) as out:
+        stream = out.add_stream("libx264", rate=25)
+        stream.width, stream.height, stream.pix_fmt = 160, 120, "yuv420p"
+        stream.options = {"g": "5"}
+        rng = np.random.default_rng(7)
+        for _ in range(frames):
+            image = rng.integers(0, 255, (120, 160, 3), dtype=np.uint8)  # noise: every frame costs bytes
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    with av.open(str(path)) as check:
+        assert check.streams.video[0].frames == frames
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    return path
+
+
+async def test_a_file_cut_short_logs_one_warning_with_both_counts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import re
+
+    caplog.set_level(logging.WARNING, "vidpipe.source")
+    clip = cut_clip(tmp_path / "cut.mp4", frames=40, keep=0.5)
+    state, _, frames = await run_to_end(str(clip))
+    assert state == SourceState.STOPPED and 0 < frames < 40
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert re.fullmatch(
+        rf"source big: {re.escape(str(clip))} ended after {frames} of the 40 frames its container declares.*",
+        warnings[0],
+    ), warnings
+
+
+async def test_a_whole_file_logs_no_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    caplog.set_level(logging.WARNING, "vidpipe.source")
+    clip = cut_clip(tmp_path / "whole.mp4", frames=20, keep=1.0)
+    state, _, frames = await run_to_end(str(clip))
+    assert (state, frames) == (SourceState.STOPPED, 20)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
