@@ -123,6 +123,10 @@ class RuntimeConfig:
         default=4, metadata=spec(ge=1, le=256, help="frames of one source processed at once")
     )
     drain_timeout: float = field(default=10.0, metadata=spec(gt=0))
+    frame_memory_mb: int = field(
+        default=2048,
+        metadata=spec(ge=1, le=1 << 20, help="MB of decoded-frame pools for all sources together"),
+    )
     device: Literal["cpu", "gpu", "auto"] = field(
         default="cpu",
         metadata=spec(help="gpu needs an NVIDIA GPU with CuPy; auto uses one when present"),

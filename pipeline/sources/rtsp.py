@@ -109,7 +109,8 @@ class _Attempt:
     abandoned: bool = False
     # (reconnect reason, one-line message); None when the reader stopped because asked to.
     failure: tuple[ReconnectReason, str] | None = None
-    # An error no reconnect can cure (frames over max_pixels): the source fails with it.
+    # An error no reconnect can cure (frames over max_pixels, over the frame memory
+    # budget): the source fails with it.
     fatal: SourceError | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -223,7 +224,7 @@ class RtspSource(AvSource):
             failure = self._decode_live(container, attempt)
         except SourceError as exc:
             failure = self._classify(exc, attempt)
-            if exc.kind == "too_large":
+            if exc.kind in ("too_large", "budget"):
                 attempt.fatal = exc
         except Exception as exc:  # a bug, not the camera: reconnect all the same
             detail = redact_text(str(exc), self.url)

@@ -475,3 +475,55 @@ async def test_a_whole_file_logs_no_warning(tmp_path: Path, caplog: pytest.LogCa
     state, _, frames = await run_to_end(str(clip))
     assert (state, frames) == (SourceState.STOPPED, 20)
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+# -- 5. the frame memory budget --------------------------------------------------------------
+
+
+async def test_frame_pools_over_the_budget_fail_the_source_naming_the_key(
+    tmp_path: Path, nats_server: EmbeddedNats
+) -> None:
+    text = API_CONFIG.format(nats=nats_server.url) + "runtime: {frame_memory_mb: 40}\n"
+    stack = await Stack.start(tmp_path, text, nats_server.url)
+    try:
+        # 8 queued + 4 in flight + 4 = 16 frames of 640x360x3: about 11 MB each pool.
+        small = {"url": "test://?width=640&height=360&fps=30", "queue_size": 8}
+        for sid in ("a", "b", "c"):
+            status, body = await stack.json("POST", "/v1/sources", json={**small, "id": sid})
+            assert status == 201, body
+            await until(lambda sid=sid: stack.runtime.sources[sid].source.stats.frames > 0, what=f"{sid} up")
+        assert stack.runtime.frame_memory.used == 3 * 16 * 640 * 360 * 3
+        status, body = await stack.json("POST", "/v1/sources", json={**small, "id": "d"})
+        assert status == 201, body
+        source = stack.runtime.sources["d"].source
+        await until(lambda: source.state == SourceState.FAILED, what="d failed")
+        assert source.reason == (
+            "source d: frame pools would need 11 MB more, over runtime.frame_memory_mb = 40 with 32 MB "
+            "in use by other sources (16 frames of 640x360)"
+        )
+        assert source.stats.frames == 0
+    finally:
+        await stack.close()
+
+
+async def test_removed_sources_give_their_frame_pools_back(tmp_path: Path, nats_server: EmbeddedNats) -> None:
+    text = API_CONFIG.format(nats=nats_server.url) + "runtime: {frame_memory_mb: 40}\n"
+    stack = await Stack.start(tmp_path, text, nats_server.url)
+    try:
+        budget = stack.runtime.frame_memory
+        for round_ in range(6):  # 6 x 2 x 11 MB would be far over 40 MB without giving back
+            for sid in ("x", "y"):
+                url = f"test://?width=640&height=360&fps=30&id={sid}"
+                status, body = await stack.json("POST", "/v1/sources", json={"url": url, "id": sid})
+                assert status == 201, body
+            await until(
+                lambda: all(stack.runtime.sources[s].source.stats.frames > 0 for s in ("x", "y")),
+                what=f"round {round_}: both sources up",
+            )
+            assert budget.used == 2 * 16 * 640 * 360 * 3
+            for sid in ("x", "y"):
+                status, _ = await stack.json("DELETE", f"/v1/sources/{sid}")
+                assert status == 204
+            assert budget.used == 0
+    finally:
+        await stack.close()
