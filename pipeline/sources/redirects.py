@@ -114,15 +114,11 @@ def check_redirect(source_id: str, url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
-    except ConnectionRefusedError:
-        raise SourceError(source_id, f"cannot connect to {display}: connection refused", "refused") from None
-    except TimeoutError:
-        raise SourceError(source_id, f"no answer from {display} in {timeout:g}s", "timeout") from None
     except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise SourceError(
-            source_id, f"cannot connect to {display}: {reason}", "unreachable", reason
-        ) from None
+        # Worded as AvSource.open words FFmpeg's failures, so callers see one form.
+        kind = {ConnectionRefusedError: "refused", TimeoutError: "timeout"}.get(type(exc), "unreachable")
+        reason = exc.strerror or ("Connection timed out" if kind == "timeout" else type(exc).__name__)
+        raise SourceError(source_id, f"cannot open {display}: {reason}", kind, reason) from None
     try:
         if urlsplit(url).scheme.lower() == "rtsps":
             # As FFmpeg's own TLS: encrypted, the camera's certificate not verified.
@@ -146,7 +142,8 @@ def check_redirect(source_id: str, url: str, timeout: float) -> None:
             if status != 200:
                 return  # 401, 404, not RTSP...: FFmpeg's own attempt will say what it is
     except TimeoutError:
-        raise SourceError(source_id, f"no answer from {display} in {timeout:g}s", "timeout") from None
+        reason = "Connection timed out"
+        raise SourceError(source_id, f"cannot open {display}: {reason}", "timeout", reason) from None
     except (OSError, UnicodeEncodeError):
         return  # a reset or a TLS failure: FFmpeg's attempt reports it in its own words
     finally:
