@@ -26,14 +26,34 @@ from pipeline.sources.schemes import check_url, derive_id, resolve_url, scheme_o
 from pipeline.stages.base import NAME_HELP, StageOptions, check_name
 from pipeline.stages.registry import stage_kinds
 
+# 8K UHD: the largest picture any camera or clip in scope sends. A frame over it is
+# refused before a buffer is allocated (a 16384x8192 clip of a few hundred KB would
+# otherwise take gigabytes of frame pool).
+MAX_PIXELS = 7680 * 4320
+# Seconds: the shortest wait between reconnect attempts config or API may ask for.
+MIN_RECONNECT_DELAY = 0.1
+
 
 @dataclass(frozen=True)
 class ReconnectConfig:
-    """Backoff between reconnect attempts of a live source: ``min_delay * 2**n`` capped, with jitter."""
+    """Backoff between reconnect attempts of a live source: ``min_delay * 2**n`` capped, with jitter.
 
-    min_delay: float = field(default=0.5, metadata=spec(gt=0))
-    max_delay: float = field(default=10.0, metadata=spec(gt=0))
+    Both delays are at least :data:`MIN_RECONNECT_DELAY`: a camera that refuses at
+    once would otherwise be hammered (``min_delay: 1e-300`` made 10,624
+    connections in 10 s).
+    """
+
+    min_delay: float = field(default=0.5, metadata=spec(ge=MIN_RECONNECT_DELAY, help="seconds, at least 0.1"))
+    max_delay: float = field(
+        default=10.0, metadata=spec(ge=MIN_RECONNECT_DELAY, help="seconds, at least 0.1")
+    )
     jitter: float = field(default=0.2, metadata=spec(ge=0, le=1))
+
+    def __post_init__(self) -> None:
+        if self.max_delay < self.min_delay:
+            raise ValueError(
+                f"max_delay ({self.max_delay:g}) must be at least min_delay ({self.min_delay:g})"
+            )
 
 
 @dataclass(frozen=True)
@@ -52,11 +72,19 @@ class SourceConfig:
     )
     max_fps: float | None = field(default=None, metadata=spec(gt=0, help="drop frames above this rate"))
     queue_size: int = field(default=8, metadata=spec(ge=1, le=1024))
+    max_pixels: int = field(
+        default=MAX_PIXELS,
+        metadata=spec(ge=1, help="largest frame (width x height) accepted; default 8K UHD, 7680x4320"),
+    )
     transport: Literal["tcp", "udp"] = "tcp"
     open_timeout: float = field(default=10.0, metadata=spec(gt=0))
     read_timeout: float = field(default=5.0, metadata=spec(gt=0))
     stall_timeout: float = field(default=5.0, metadata=spec(gt=0))
     reconnect: ReconnectConfig = field(default_factory=ReconnectConfig)
+    allow_redirects: bool = field(
+        default=False,
+        metadata=spec(help="RTSP: follow a redirect to another host, credentials and all"),
+    )
     decode: Literal["cpu", "cuda", "auto"] = field(
         default="cpu",
         metadata=spec(help="cuda decodes on the GPU (NVDEC); auto tries it and falls back to cpu"),
@@ -96,6 +124,10 @@ class RuntimeConfig:
     )
     drain_timeout: float = field(default=10.0, metadata=spec(gt=0))
     max_sources: int = field(default=64, metadata=spec(ge=1, le=4096, help="sources running at once"))
+    frame_memory_mb: int = field(
+        default=2048,
+        metadata=spec(ge=1, le=1 << 20, help="MB of decoded-frame pools for all sources together"),
+    )
     device: Literal["cpu", "gpu", "auto"] = field(
         default="cpu",
         metadata=spec(help="gpu needs an NVIDIA GPU with CuPy; auto uses one when present"),

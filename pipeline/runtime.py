@@ -34,6 +34,7 @@ from pipeline.metrics import Metrics
 from pipeline.queues import EndOfStream, FrameQueue, OverflowPolicy
 from pipeline.ratelimit import RateLimitedLog
 from pipeline.sources.base import Source, SourceError, SourceState
+from pipeline.sources.budget import MIB, FrameMemoryBudget
 from pipeline.sources.schemes import create_source
 from pipeline.stages.base import Stage, StageContext
 from pipeline.stages.publish import Publisher
@@ -179,6 +180,8 @@ class Runtime:
         self.publisher = Publisher(config.nats, nats_url, config.pipeline, self.metrics)
         self.publisher.on_sent = self._on_sent
         self.sources: dict[str, SourceRun] = {}
+        # Every source's frame pool is sized against this; a removed source gives its share back.
+        self.frame_memory = FrameMemoryBudget(config.runtime.frame_memory_mb * MIB)
         self._stopping = asyncio.Event()
         self._idle = asyncio.Event()
         self._errors = RateLimitedLog()
@@ -336,6 +339,7 @@ class Runtime:
         # Every frame of this source is in its queue, in flight, being decoded, or the
         # latest one kept for the snapshot; more buffers than that would never be used.
         source.frame_pool_size = config.queue_size + self.config.runtime.max_in_flight + 4
+        source.frame_memory = self.frame_memory
         run = SourceRun(config=config, source=source, queue=queue)
         self.sources[sid] = run
         self.metrics.source_up.labels(pipeline, sid).set(0)
@@ -382,6 +386,7 @@ class Runtime:
         if run.last_frame is not None:
             run.last_frame.release()
             run.last_frame = None
+        run.source.release_pools()
         if self.sources.get(sid) is run:
             del self.sources[sid]
         self.metrics.forget_source(self.config.pipeline, sid)

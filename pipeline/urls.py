@@ -12,14 +12,19 @@ to a reader, and the password's tail travels in the request path. So:
   to percent-encode (``%40`` for ``@``, ``%2F`` for ``/``);
 * :func:`protocol_whitelist` is the list of FFmpeg protocols a scheme needs,
   passed as FFmpeg's ``protocol_whitelist`` so a URL (or a redirect, or a
-  playlist inside a file) can reach nothing else.
+  playlist inside a file) can reach nothing else;
+* :data:`FILE_FORMAT_DENYLIST` names the demuxers a file may not be opened
+  with: playlist and description formats (``hls``, ``dash``, ``concat``,
+  ``sdp``, ``rtsp``...) whose content names other files or hosts to open, and
+  capture devices. The file source passes every other demuxer FFmpeg has as its
+  ``format_whitelist``.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["PROTOCOL_WHITELISTS", "protocol_whitelist", "url_problem"]
+__all__ = ["FILE_FORMAT_DENYLIST", "PROTOCOL_WHITELISTS", "protocol_whitelist", "url_problem"]
 
 # C0 controls, DEL and C1 controls.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -33,6 +38,21 @@ PROTOCOL_WHITELISTS: dict[str, str] = {
     "rtsp": "rtsp,rtp,udp,tcp",
     "rtsps": "rtsps,rtsp,rtp,udp,tcp,tls",
 }
+
+
+# Demuxers a file source may not use: their content names other files or hosts for
+# FFmpeg to open (playlists, descriptions, scripts), or they are capture devices. A
+# file is probed by content, so clip.mp4 holding an HLS playlist or an SDP
+# description would otherwise be read as one. Every other demuxer is allowed.
+FILE_FORMAT_DENYLIST = frozenset(
+    {
+        "hls", "dash", "concat", "sdp", "rtsp", "rtp", "sap", "imf", "webm_dash_manifest",
+        "avisynth", "vapoursynth", "lavfi",
+        "alsa", "fbdev", "kmsgrab", "oss", "video4linux2", "v4l2", "x11grab", "xcbgrab", "pulse",
+        "jack", "openal", "sndio", "decklink", "android_camera", "dshow", "gdigrab", "vfwcap",
+        "avfoundation", "libcdio", "libdc1394", "iec61883",
+    }
+)  # fmt: skip
 
 
 def protocol_whitelist(scheme: str) -> str:

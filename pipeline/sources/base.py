@@ -31,6 +31,7 @@ from pipeline.config import SourceConfig
 from pipeline.frames import Frame
 from pipeline.queues import FrameQueue
 from pipeline.redact import redact_text, redact_url
+from pipeline.sources.budget import FrameMemoryBudget
 
 log = logging.getLogger("vidpipe.source")
 
@@ -66,6 +67,7 @@ ReconnectReason = Literal[
     "end_of_stream",
     "not_found",
     "unauthorized",
+    "redirect",
     "error",
     "publisher_left",
     "track_ended",
@@ -124,6 +126,8 @@ class Source(ABC):
         # Set by the runtime: the queue + frames in flight + a few being decoded.
         self.frame_pool_size = 16
         self.frame_pool: BufferPool | None = None
+        # Set by the runtime: the process's budget every frame pool is sized against.
+        self.frame_memory: FrameMemoryBudget | None = None
         # A producer that must never wait for a buffer (the event loop) drops instead.
         self.emit_blocks = True
         self._stop = threading.Event()
@@ -156,6 +160,11 @@ class Source(ABC):
     def join(self, timeout: float | None = None) -> None:
         """Wait until END is in the queue."""
         self._ended.wait(timeout)
+
+    def release_pools(self) -> None:
+        """Give this source's frame pool back to the budget (it is being removed)."""
+        if self.frame_memory is not None:
+            self.frame_memory.release(self)
 
     def set_state(self, state: SourceState, reason: str = "") -> None:
         if state == self.state and reason == self.reason:
@@ -211,8 +220,22 @@ class Source(ABC):
             raise
         return self._publish(buffer, pts, capture_ts)
 
+    def check_frame_size(self, width: int, height: int) -> None:
+        """Raise :class:`SourceError` (kind ``too_large``) for a frame over ``max_pixels``."""
+        limit = self.config.max_pixels
+        if width * height > limit:
+            raise SourceError(
+                self.id,
+                f"frame size {width}x{height} is over the limit of {limit} pixels (max_pixels)",
+                "too_large",
+            )
+
     def _reserve(self, pts: float, shape: tuple[int, int, int]) -> tuple[float, BufferHandle] | None:
-        """The frame's pts on the source's timeline and a buffer for it; None if dropped."""
+        """The frame's pts on the source's timeline and a buffer for it; None if dropped.
+
+        A frame over ``max_pixels`` raises :class:`SourceError` before any buffer exists.
+        """
+        self.check_frame_size(shape[1], shape[0])
         pts += self._pts_offset
         if not self._keep_for_max_fps(pts):
             self._drop("max_fps")
@@ -265,6 +288,12 @@ class Source(ABC):
         if pool is None or pool.shape != shape:
             # First frame, or the stream changed resolution: a new pool; the old one's
             # buffers go with the frames that still hold them.
+            if self.frame_memory is not None:
+                nbytes = self.frame_pool_size * shape[0] * shape[1] * shape[2]
+                problem = self.frame_memory.reserve(self, nbytes)
+                if problem:
+                    frames = f"{self.frame_pool_size} frames of {shape[1]}x{shape[0]}"
+                    raise SourceError(self.id, f"{problem} ({frames})", "budget")
             pool = BufferPool(shape, np.uint8, self.frame_pool_size, name=f"frames-{self.id}")
             self.frame_pool = pool
         if not self.emit_blocks:

@@ -27,6 +27,7 @@ owns, so the copy is what keeps the frame pool (and its bound on memory) in char
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 from collections.abc import Iterator
 from typing import Any, ClassVar, Literal
@@ -35,6 +36,7 @@ import numpy as np
 
 from pipeline.redact import redact_text
 from pipeline.sources.base import SourceError, ThreadedSource
+from pipeline.urls import FILE_FORMAT_DENYLIST, protocol_whitelist
 
 log = logging.getLogger("vidpipe.source")
 
@@ -44,6 +46,7 @@ __all__ = [
     "copy_rgb",
     "ffmpeg_error_kind",
     "ffmpeg_reason",
+    "file_formats",
     "frame_rate",
     "hwaccel_support",
     "open_with_hwaccel",
@@ -120,33 +123,40 @@ def open_with_hwaccel(
     options: dict[str, str] | None = None,
     timeout: float | tuple[float, float] | None = None,
     decode: DecodeMode = "auto",
+    container_options: dict[str, str] | None = None,
 ) -> tuple[Any, str]:
     """Open ``url`` for decoding; returns ``(container, "cuda" | "software")``.
 
-    ``auto`` tries the CUDA hwaccel and falls back to software with one log
-    line; ``cuda`` raises ``RuntimeError`` instead of falling back; ``cpu``
-    never tries. Errors opening the URL itself propagate unchanged (the
-    caller's message names the source).
+    ``options`` go to the container and its streams, ``container_options`` to the
+    container only (``protocol_whitelist``, ``format_whitelist``). ``auto`` tries
+    the CUDA hwaccel and falls back to software with one log line; ``cuda`` raises
+    ``RuntimeError`` instead of falling back; ``cpu`` never tries. Errors opening
+    the URL itself propagate unchanged (the caller's message names the source).
     """
     import av
 
     global _hw_broken
     options = dict(options or {})
+    kwargs: dict[str, Any] = {
+        "options": options,
+        "container_options": dict(container_options or {}),
+        "timeout": timeout,
+    }
     if decode == "cpu":
-        return av.open(url, options=options, timeout=timeout), "software"
+        return av.open(url, **kwargs), "software"
     supported, reason = hwaccel_support()
     if not supported:
         if decode == "cuda":
             raise RuntimeError(f"decode: cuda is not possible: {reason}")
         log.info("hardware decoding unavailable (%s); decoding in software", reason)
-        return av.open(url, options=options, timeout=timeout), "software"
+        return av.open(url, **kwargs), "software"
     from av.codec.hwaccel import HWAccel
 
     if _hw_broken is not None and decode == "auto":
-        return av.open(url, options=options, timeout=timeout), "software"
+        return av.open(url, **kwargs), "software"
     try:
         accel = HWAccel(device_type="cuda", allow_software_fallback=decode != "cuda")
-        return av.open(url, options=options, timeout=timeout, hwaccel=accel), "cuda"
+        return av.open(url, hwaccel=accel, **kwargs), "cuda"
     except (FileNotFoundError, ConnectionError, TimeoutError):
         raise  # the URL itself is the problem; a software open would fail the same way
     except Exception as exc:
@@ -154,13 +164,35 @@ def open_with_hwaccel(
         # usable GPU fails here (e.g. "Operation not permitted") -- but so does a bad URL,
         # a wrong password or a damaged file. A software open tells the two apart: if it
         # fails too, its error (about the stream) is the one to report.
-        container = av.open(url, options=options, timeout=timeout)
+        container = av.open(url, **kwargs)
         if decode == "cuda":
             container.close()
             raise RuntimeError(f"decode: cuda is not possible: {ffmpeg_reason(exc, url)}") from None
         _hw_broken = ffmpeg_reason(exc, url)
         log.info("hardware decoding failed to start (%s); decoding in software", _hw_broken)
         return container, "software"
+
+
+# -- what a file may be ----------------------------------------------------------------------
+
+
+@functools.cache
+def file_formats() -> str:
+    """FFmpeg's ``format_whitelist`` for files: every demuxer but :data:`FILE_FORMAT_DENYLIST`."""
+    import av
+
+    names: set[str] = set()
+    for name in av.formats_available:
+        try:
+            if not av.ContainerFormat(name).is_input:
+                continue
+        except ValueError:
+            continue
+        # A demuxer has several names ("mov,mp4,m4a,..."): all of them, or none.
+        parts = set(name.split(","))
+        if not parts & FILE_FORMAT_DENYLIST:
+            names |= parts
+    return ",".join(sorted(names))
 
 
 # -- frames ----------------------------------------------------------------------------------
@@ -199,13 +231,25 @@ class AvSource(ThreadedSource):
     def open_timeout(self) -> float | tuple[float, float] | None:
         return None
 
+    def container_options(self) -> dict[str, str]:
+        """What FFmpeg may reach from this URL: the scheme's protocols (and, for files, formats)."""
+        scheme = self.config.scheme
+        options = {"protocol_whitelist": protocol_whitelist(scheme)}
+        if scheme == "file":
+            options["format_whitelist"] = file_formats()
+        return options
+
     def open(self) -> Any:
         """Open the stream; raises :class:`SourceError` (with ``kind``) when it cannot."""
         import av
 
         try:
             container, self.decoder = open_with_hwaccel(
-                self.url, self.open_options(), self.open_timeout(), self.config.decode
+                self.url,
+                self.open_options(),
+                self.open_timeout(),
+                self.config.decode,
+                self.container_options(),
             )
         except av.FFmpegError as exc:
             kind = ffmpeg_error_kind(exc)
@@ -227,6 +271,10 @@ class AvSource(ThreadedSource):
         if not container.streams.video:
             raise SourceError(self.id, f"{self.display_url} has no video stream", "no_video")
         stream = container.streams.video[0]
+        # The size the container declares, before the decoder allocates anything for it.
+        codec = stream.codec_context
+        if codec.width and codec.height:
+            self.check_frame_size(codec.width, codec.height)
         stream.thread_type = self.thread_type
         return stream
 

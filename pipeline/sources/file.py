@@ -12,7 +12,9 @@
 A file is lossless: its queue blocks the decode thread while the graph is behind. A
 file that cannot be opened or decoded is reported in one line naming it, goes to
 ``failed`` and stops; the other sources go on. A damaged tail ends the file with a
-warning after the frames that did decode.
+warning after the frames that did decode, and a file with fewer frames than its
+container declares (``stream.frames``, a cut download) logs one warning with both
+counts.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class FileSource(AvSource):
         parts = urlsplit(config.url)
         self.path = Path(parts.netloc + parts.path) if parts.scheme == "file" else Path(config.url)
         self.url = str(self.path)
+        self._warned_short = False
 
     def run(self) -> None:
         if not self.path.is_file():
@@ -60,7 +63,10 @@ class FileSource(AvSource):
         """Decode every frame of one pass; pace it at the clip's rate when ``realtime``."""
         stream = self.video_stream(container)
         rate = frame_rate(stream)
+        # What the container says it holds (0: it does not say); fewer means a cut file.
+        declared = int(stream.frames or 0)
         decoded = 0
+        cause = ""
         start_wall = time.monotonic()
         first_pts: float | None = None
         try:
@@ -76,14 +82,28 @@ class FileSource(AvSource):
                 if not self.emit_frame(frame, pts):
                     return
         except SourceError as exc:
-            if decoded == 0:
+            if decoded == 0 or exc.kind == "too_large":
                 raise
+            cause = exc.detail
+        if decoded == 0 and not self.stopping:
+            raise SourceError(self.id, f"{self.display_url} has no decodable video frames")
+        if self.stopping:
+            return
+        if 0 < decoded < declared and not self._warned_short:
+            self._warned_short = True  # once per source, not once per loop
+            log.warning(
+                "source %s: %s ended after %d of the %d frames its container declares%s",
+                self.id,
+                self.display_url,
+                decoded,
+                declared,
+                f" ({cause})" if cause else "; the file may be cut short",
+            )
+        elif cause:
             log.warning(
                 "source %s: stopped decoding %s after %d frames: %s",
                 self.id,
                 self.display_url,
                 decoded,
-                exc.detail,
+                cause,
             )
-        if decoded == 0 and not self.stopping:
-            raise SourceError(self.id, f"{self.display_url} has no decodable video frames")

@@ -14,6 +14,7 @@
           min_delay: 0.5      # first wait after a failure
           max_delay: 10.0     # cap of the doubling wait
           jitter: 0.2         # +-20% so cameras behind one switch do not retry in lockstep
+        allow_redirects: false  # a 3xx to another host fails the attempt (pipeline.sources.redirects)
 
 Each connection is read on its own thread while the source thread supervises it:
 when the connection fails, ends, stalls (no frame for ``stall_timeout``, even while
@@ -43,6 +44,7 @@ from pipeline.config import ReconnectConfig, SourceConfig
 from pipeline.redact import redact_text
 from pipeline.sources.base import ReconnectReason, SourceError, SourceState, StateListener
 from pipeline.sources.decode import AvSource, frame_rate
+from pipeline.sources.redirects import check_redirect, has_credentials
 
 log = logging.getLogger("vidpipe.source")
 
@@ -107,6 +109,9 @@ class _Attempt:
     abandoned: bool = False
     # (reconnect reason, one-line message); None when the reader stopped because asked to.
     failure: tuple[ReconnectReason, str] | None = None
+    # An error no reconnect can cure (frames over max_pixels, over the frame memory
+    # budget): the source fails with it.
+    fatal: SourceError | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -148,6 +153,12 @@ class RtspSource(AvSource):
         # PyAV interrupts a blocking open or read after these many seconds.
         return (self.config.open_timeout, self.config.read_timeout)
 
+    def open(self) -> Any:
+        # FFmpeg would follow a redirect to another host with the credentials: ask first.
+        if not self.config.allow_redirects and has_credentials(self.url):
+            check_redirect(self.id, self.url, self.config.open_timeout)
+        return super().open()
+
     # -- supervision -----------------------------------------------------------------------
 
     def run(self) -> None:
@@ -162,6 +173,8 @@ class RtspSource(AvSource):
             )
             reader.start()
             failure = self._supervise(attempt)
+            if attempt.fatal is not None and not self.stopping:
+                raise attempt.fatal
             if failure is None or self.stopping:
                 break
             label, message = failure
@@ -211,6 +224,8 @@ class RtspSource(AvSource):
             failure = self._decode_live(container, attempt)
         except SourceError as exc:
             failure = self._classify(exc, attempt)
+            if exc.kind in ("too_large", "budget"):
+                attempt.fatal = exc
         except Exception as exc:  # a bug, not the camera: reconnect all the same
             detail = redact_text(str(exc), self.url)
             failure = ("error", f"lost {self.display_url}: {type(exc).__name__}: {detail}")
@@ -270,6 +285,8 @@ class RtspSource(AvSource):
             return ("not_found", f"{url} answered 404 not found; check the stream path")
         if kind == "no_video":
             return ("error", exc.problem)
+        if kind == "redirect":
+            return ("redirect", exc.problem)
         # A silent peer shows up as PyAV's interrupt, a socket timeout, or, while FFmpeg
         # waits for an RTSP reply, "invalid data" once the socket read gave up.
         timeout_limit = min(cfg.open_timeout, cfg.read_timeout) if opening else cfg.read_timeout

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlsplit
 
 from pipeline.redact import redact_url
+from pipeline.urls import url_problem
 
 if TYPE_CHECKING:
     from pipeline.config import SourceConfig
@@ -92,7 +93,16 @@ def _scheme_name(url: str) -> str:
 
 
 def check_url(url: str) -> str | None:
-    """Why ``url`` cannot be a source (an unknown scheme), or None."""
+    """Why ``url`` cannot be a source, or None.
+
+    The one check config files, ``--source`` and ``POST /v1/sources`` all go
+    through: what :func:`pipeline.urls.url_problem` refuses (control characters,
+    spaces, a raw ``@`` in the password), then an unknown scheme.
+    """
+    return url_problem(url) or _unknown_scheme(url)
+
+
+def _unknown_scheme(url: str) -> str | None:
     name = _scheme_name(url)
     if name not in SCHEMES:
         return f"unsupported source scheme {name!r} in {redact_url(url)!r}"
@@ -100,8 +110,8 @@ def check_url(url: str) -> str | None:
 
 
 def scheme_of(url: str) -> Scheme:
-    """The scheme of a source URL; raises ValueError for one :func:`check_url` refuses."""
-    problem = check_url(url)
+    """The scheme of a source URL; raises ValueError for an unknown one."""
+    problem = _unknown_scheme(url)
     if problem:
         raise ValueError(problem)
     return SCHEMES[_scheme_name(url)]

@@ -46,7 +46,7 @@ from inference.memory import BufferHandle
 from pipeline.config import SourceConfig
 from pipeline.frames import Frame
 from pipeline.queues import FrameQueue
-from pipeline.sources.base import ReconnectReason, Source, SourceState, StateListener
+from pipeline.sources.base import ReconnectReason, Source, SourceError, SourceState, StateListener
 from pipeline.sources.decode import copy_rgb
 
 log = logging.getLogger("vidpipe.whip")
@@ -282,7 +282,11 @@ class WhipSource(Source):
                 pts = capture_ts
             if session.first_pts is None:
                 session.first_pts = pts
-            reserved = self._reserve(pts - session.first_pts, (frame.height, frame.width, 3))
+            try:
+                reserved = self._reserve(pts - session.first_pts, (frame.height, frame.width, 3))
+            except SourceError as exc:  # over max_pixels: this publisher's stream is refused
+                await self._end(session, SourceState.BACKOFF, exc.problem, "error")
+                return
             if reserved is None:
                 continue  # dropped (max_fps, pool_empty) and counted
             pts, buffer = reserved
