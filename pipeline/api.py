@@ -202,7 +202,8 @@ class ApiServer:
         # One reload per model at a time: a second request waits for the first one's answer.
         self._reloads: dict[str, asyncio.Task[tuple[int, dict[str, Any]]]] = {}
         self.site: GuardedSite | None = None
-        self.whep = WhepServer(runtime.outputs.relay)
+        # Created with the first WHEP viewer.
+        self._whep: WhepServer | None = None
         self.app = web.Application(
             client_max_size=max_body, middlewares=[self._errors, self._cross_site, self._auth]
         )
@@ -279,7 +280,8 @@ class ApiServer:
                 await run.source.closed()
         # Live views end first: a streaming response would otherwise hold cleanup up.
         self.runtime.outputs.relay.end_all()
-        await self.whep.close()
+        if self._whep is not None:
+            await self._whep.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -497,6 +499,13 @@ class ApiServer:
         finally:
             sub.close()
         return response
+
+    @property
+    def whep(self) -> WhepServer:
+        """The WHEP viewers' sessions."""
+        if self._whep is None:
+            self._whep = WhepServer(self.runtime.outputs.relay)
+        return self._whep
 
     async def whep_offer(self, request: web.Request) -> web.Response:
         sid = request.match_info["id"]
