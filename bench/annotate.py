@@ -19,11 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.annotate import annotate, to_bgr  # noqa: E402
-from pipeline.frames import DetectedObject, Frame  # noqa: E402
-from pipeline.outputs.relay import LiveFrame  # noqa: E402
-from pipeline.outputs.video_file import VideoFileWriter  # noqa: E402
-from pipeline.sources.pattern import pattern_background, pattern_square_box  # noqa: E402
+from pipeline.annotate import annotate, to_bgr
+from pipeline.frames import DetectedObject, Frame
+from pipeline.outputs.relay import LiveFrame
+from pipeline.outputs.video_file import VideoFileWriter
+from pipeline.sources.pattern import pattern_background, pattern_square_box
 
 
 def frames(width: int, height: int, count: int, objects: int) -> list[Frame]:
@@ -62,7 +62,7 @@ def main() -> None:
         jpeg_ms = per_frame_ms(lambda f: LiveFrame("b", f.index, f.pts, annotate(f)).jpeg(), batch)
         with tempfile.TemporaryDirectory() as tmp:
             writer = VideoFileWriter(Path(tmp) / "out.mp4")
-            record_ms = per_frame_ms(lambda f: writer.write(annotate(f), f.pts), batch)
+            record_ms = per_frame_ms(lambda f, w=writer: w.write(annotate(f), f.pts), batch)
             writer.close()
         print(
             f"{width}x{height} objects={args.objects}: copy {copy_ms:.2f} ms, annotate {annotate_ms:.2f} ms "
