@@ -20,10 +20,13 @@
 ``POST /v1/sources``                       add a source (JSON, same keys as YAML)
 ``DELETE /v1/sources/{id}``                stop and remove a source
 ``GET /v1/sources/{id}/snapshot.jpg``      latest published frame, annotated
+``GET /v1/sources/{id}/stream.mjpeg``      live annotated view, multipart JPEG (``?fps=``)
 ``GET /v1/stats``                          per-source fps/latency/drops, per-model batching
 ``GET /v1/models``                         the model repository's status
 ``POST /whip/{id}``                        WHIP: SDP offer in, answer out
 ``DELETE /whip/{id}/{session}``            WHIP: end a session
+``POST /whep/{id}``                        WHEP: live annotated view over WebRTC
+``DELETE /whep/{id}/{session}``            WHEP: end a session
 ``GET /``                                  the dashboard
 =========================================  ===============================================
 
@@ -69,6 +72,8 @@ from pipeline.config import HttpConfig, SourceConfig, _unique_ids
 from pipeline.frames import Frame
 from pipeline.health import readiness_problems
 from pipeline.http_guard import GuardedSite
+from pipeline.outputs.whep import WhepError as WhepEgressError
+from pipeline.outputs.whep import WhepServer
 from pipeline.runtime import Runtime, SourceLimitError
 from pipeline.snapshot import render_snapshot
 from pipeline.sources.base import SourceError, SourceState
@@ -105,6 +110,10 @@ API_LIMITS: dict[str, float] = {
 MAX_URL_CHARS = 4096
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 RATE_WINDOW = 5  # seconds of samples behind the fps figure
+# Live MJPEG views: frames per second a viewer gets unless it asks (?fps=), and the most.
+MJPEG_FPS = 10.0
+MJPEG_MAX_FPS = 30.0
+MJPEG_BOUNDARY = "vidpipe-frame"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -193,6 +202,8 @@ class ApiServer:
         # One reload per model at a time: a second request waits for the first one's answer.
         self._reloads: dict[str, asyncio.Task[tuple[int, dict[str, Any]]]] = {}
         self.site: GuardedSite | None = None
+        # Created with the first WHEP viewer.
+        self._whep: WhepServer | None = None
         self.app = web.Application(
             client_max_size=max_body, middlewares=[self._errors, self._cross_site, self._auth]
         )
@@ -205,11 +216,14 @@ class ApiServer:
         r.add_post("/v1/sources", self.add_source)
         r.add_delete("/v1/sources/{id}", self.delete_source)
         r.add_get("/v1/sources/{id}/snapshot.jpg", self.snapshot)
+        r.add_get("/v1/sources/{id}/stream.mjpeg", self.stream_mjpeg)
         r.add_get("/v1/stats", self.stats)
         r.add_get("/v1/models", self.models)
         r.add_post("/v1/models/{name}/reload", self.reload_model)
         r.add_post("/whip/{name}", self.whip_offer)
         r.add_delete("/whip/{name}/{session}", self.whip_delete)
+        r.add_post("/whep/{id}", self.whep_offer)
+        r.add_delete("/whep/{id}/{session}", self.whep_delete)
         r.add_get("/", self.dashboard)
         r.add_static("/web/", WEB_DIR, show_index=False, follow_symlinks=False)
 
@@ -264,6 +278,10 @@ class ApiServer:
         for run in list(self.runtime.sources.values()):
             if isinstance(run.source, WhipSource) and run.source.stopping:
                 await run.source.closed()
+        # Live views end first: a streaming response would otherwise hold cleanup up.
+        self.runtime.outputs.relay.end_all()
+        if self._whep is not None:
+            await self._whep.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -443,6 +461,81 @@ class ApiServer:
                     buffer.release()
             self._snapshots[sid] = (frame, jpeg)
         return web.Response(body=jpeg, content_type="image/jpeg", headers={"X-Frame-Index": str(frame.index)})
+
+    async def stream_mjpeg(self, request: web.Request) -> web.StreamResponse:
+        """The source's annotated frames as ``multipart/x-mixed-replace`` JPEGs, rate-capped.
+
+        The viewer reads the newest frame each time: one that reads slowly skips frames,
+        and the graph never waits for it.
+        """
+        sid = request.match_info["id"]
+        if sid not in self.runtime.sources:
+            return _error(404, f"no source {sid!r}")
+        try:
+            fps = float(request.query.get("fps", MJPEG_FPS))
+        except ValueError:
+            fps = -1.0
+        if not 0.1 <= fps <= MJPEG_MAX_FPS:
+            return _error(400, f"fps: expected a number from 0.1 to {MJPEG_MAX_FPS:g}")
+        sub = self.runtime.outputs.relay.subscribe(sid, fps)
+        try:
+            response = web.StreamResponse(
+                headers={"Content-Type": f"multipart/x-mixed-replace; boundary={MJPEG_BOUNDARY}"}
+            )
+            await response.prepare(request)
+            loop = asyncio.get_running_loop()
+            due = loop.time()
+            while (item := await sub.next()) is not None:
+                jpeg = await asyncio.to_thread(item.jpeg)
+                head = (
+                    f"--{MJPEG_BOUNDARY}\r\nContent-Type: image/jpeg\r\n"
+                    f"Content-Length: {len(jpeg)}\r\nX-Frame-Index: {item.index}\r\n\r\n"
+                )
+                await response.write(head.encode() + jpeg + b"\r\n")
+                due = max(due + 1.0 / fps, loop.time())
+                await asyncio.sleep(due - loop.time())
+        except (ConnectionResetError, ConnectionError):
+            pass  # the viewer went away
+        finally:
+            sub.close()
+        return response
+
+    @property
+    def whep(self) -> WhepServer:
+        """The WHEP viewers' sessions."""
+        if self._whep is None:
+            self._whep = WhepServer(self.runtime.outputs.relay)
+        return self._whep
+
+    async def whep_offer(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        if sid not in self.runtime.sources:
+            return _error(404, f"no source {sid!r}")
+        if request.content_type != "application/sdp":
+            return _error(415, f"Content-Type must be application/sdp, got {request.content_type!r}")
+        if request.content_length is not None and request.content_length > MAX_SDP_BYTES:
+            return _error(413, f"SDP offer larger than {MAX_SDP_BYTES} bytes")
+        body = await request.content.read(MAX_SDP_BYTES + 1)
+        if len(body) > MAX_SDP_BYTES:
+            return _error(413, f"SDP offer larger than {MAX_SDP_BYTES} bytes")
+        try:
+            offer = body.decode("utf-8")
+        except UnicodeDecodeError:
+            return _error(400, "bad SDP offer: not UTF-8 text")
+        try:
+            session, answer = await self.whep.offer(sid, offer)
+        except WhepEgressError as exc:
+            return _error(exc.status, exc.message)
+        return web.Response(
+            status=201, text=answer, content_type="application/sdp",
+            headers={"Location": f"/whep/{sid}/{session}"},
+        )  # fmt: skip
+
+    async def whep_delete(self, request: web.Request) -> web.Response:
+        sid, session = request.match_info["id"], request.match_info["session"]
+        if not await self.whep.end(session, sid):
+            return _error(404, f"no active WHEP session {session!r} for {sid!r}")
+        return web.Response(status=200)
 
     # -- stats -------------------------------------------------------------------------------
 

@@ -157,6 +157,46 @@ class HttpConfig:
     )
 
 
+ClipEvent = Literal["track_start", "detection", "zone_enter", "zone_exit", "line_cross"]
+
+
+@dataclass(frozen=True)
+class FileOutputConfig:
+    """``{type: file, path: "out/{source}.mp4"}``: every published frame of a source, as video."""
+
+    type: Literal["file"]
+    path: str = field(metadata=spec(help='"{source}" in it becomes the source id, e.g. out/{source}.mp4'))
+    annotate: bool = field(default=True, metadata=spec(help="draw boxes, labels and tracks on the frames"))
+    codec: str = field(default="libx264", metadata=spec(help="an FFmpeg video encoder, e.g. libx264"))
+    crf: int = field(default=23, metadata=spec(ge=0, le=51, help="quality: lower is better and bigger"))
+    sources: list[str] = field(default_factory=list, metadata=spec(help="source ids; all when empty"))
+
+
+@dataclass(frozen=True)
+class ClipsOutputConfig:
+    """``{type: clips, dir: clips/}``: the camera's own packets around each event, not re-encoded."""
+
+    type: Literal["clips"]
+    dir: str = field(metadata=spec(help="folder the clips are written to, e.g. clips/"))
+    pre_s: float = field(default=3.0, metadata=spec(ge=0, le=60, help="seconds kept before the event"))
+    post_s: float = field(default=5.0, metadata=spec(gt=0, le=600, help="seconds recorded after it"))
+    on: list[ClipEvent] = field(default_factory=lambda: ["track_start"])
+    labels: list[str] = field(
+        default_factory=list,
+        metadata=spec(help="only objects with these labels start a clip; all when empty"),
+    )
+    max_size_mb: float = field(default=1024.0, metadata=spec(gt=0, help="oldest clips go beyond this total"))
+    max_age_h: float = field(default=24.0, metadata=spec(gt=0, help="clips older than this are deleted"))
+    sources: list[str] = field(default_factory=list, metadata=spec(help="source ids; all when empty"))
+
+
+OutputConfig = FileOutputConfig | ClipsOutputConfig
+OUTPUT_TYPES: dict[str, type[FileOutputConfig] | type[ClipsOutputConfig]] = {
+    "file": FileOutputConfig,
+    "clips": ClipsOutputConfig,
+}
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """A whole pipeline file."""
@@ -169,6 +209,8 @@ class PipelineConfig:
     nats: NatsConfig = field(default_factory=NatsConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     http: HttpConfig | None = None
+    # Annotated recordings and event clips (FileOutputConfig, ClipsOutputConfig; pipeline.outputs).
+    outputs: list[OutputConfig] = field(default_factory=list)
     # Where the file lives; relative paths in it resolve against this.
     base_dir: str = field(default=".", metadata=spec(help="set by the loader"))
     file: str = field(default="<config>", metadata=spec(help="set by the loader"))
@@ -306,6 +348,30 @@ def _build_stages(raw: Any, file: str) -> list[StageOptions]:
     return out
 
 
+def _build_outputs(raw: Any, file: str) -> list[OutputConfig]:
+    """Each ``outputs[]`` entry validated against the options of its ``type``."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ConfigError(file, line_of(raw), "outputs", f"expected a list, got {type(raw).__name__}")
+    out: list[OutputConfig] = []
+    for i, item in enumerate(raw):
+        path = f"outputs[{i}]"
+        line = line_of(raw, i)
+        if not isinstance(item, dict):
+            raise ConfigError(
+                file, line, path, "expected a mapping", 'e.g. {type: file, path: "out/{source}.mp4"}'
+            )
+        kind = item.get("type")
+        cls = OUTPUT_TYPES.get(kind) if isinstance(kind, str) else None
+        if cls is None:
+            choices = " or ".join(repr(k) for k in OUTPUT_TYPES)
+            problem = "missing required key 'type'" if kind is None else f"expected {choices}, got {kind!r}"
+            raise ConfigError(file, line_of(item, "type") or line, f"{path}.type", problem, choices)
+        out.append(build(item, cls, file, path=path))
+    return out
+
+
 def _key_lines(node: Any, path: str = "") -> dict[str, int]:
     """``path -> line`` for every key and list item of parsed YAML."""
     out: dict[str, int] = {}
@@ -344,11 +410,18 @@ def load_config(
                 raise ConfigError(file, line_of(raw, key), key, "unknown key", "this is set by vidpipe")
     # Stages are validated per kind (each kind declares its own keys), the rest as one dataclass.
     top = raw
-    if isinstance(raw, dict) and "stages" in raw:
-        top = LineDict((k, v) for k, v in raw.items() if k != "stages")
+    # Outputs likewise: each type has its own keys.
+    own = ("stages", "outputs")
+    if isinstance(raw, dict) and any(k in raw for k in own):
+        top = LineDict((k, v) for k, v in raw.items() if k not in own)
         top.line, top.key_lines = getattr(raw, "line", 1), getattr(raw, "key_lines", {})
     cfg = build(top, PipelineConfig, file)
-    cfg = replace(cfg, stages=_build_stages(raw.get("stages"), file), lines=_key_lines(raw))
+    cfg = replace(
+        cfg,
+        stages=_build_stages(raw.get("stages"), file),
+        outputs=_build_outputs(raw.get("outputs"), file),
+        lines=_key_lines(raw),
+    )
     if sources is not None:
         for u in sources:
             problem = check_url(u)

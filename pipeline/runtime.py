@@ -31,6 +31,7 @@ from inference.repository import ModelRepository
 from pipeline.config import PipelineConfig, SourceConfig
 from pipeline.frames import Frame
 from pipeline.metrics import Metrics
+from pipeline.outputs.manager import Outputs
 from pipeline.queues import EndOfStream, FrameQueue, OverflowPolicy
 from pipeline.ratelimit import RateLimitedLog
 from pipeline.sources.base import Source, SourceError, SourceState
@@ -193,6 +194,8 @@ class Runtime:
         self._on_published = on_published
         self._published = 0  # across every source, also removed ones
         self._persistent = False
+        # Live views, recordings and clips; idle for sources nobody watches or records.
+        self.outputs = Outputs(config, publish=self._publish_raw)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -302,6 +305,7 @@ class Runtime:
                 log.warning("drain timed out; %d source(s) cancelled", len(pending))
         for run in self.sources.values():
             run.source.join(timeout=2.0)
+        await self.outputs.close()
         await self.publisher.close()
         for stage in self.stages:
             await stage.stop()
@@ -342,6 +346,7 @@ class Runtime:
         source.frame_memory = self.frame_memory
         run = SourceRun(config=config, source=source, queue=queue)
         self.sources[sid] = run
+        self.outputs.add_source(source)
         self.metrics.source_up.labels(pipeline, sid).set(0)
         run.intake = asyncio.create_task(self._intake(run), name=f"intake-{sid}")
         source.start(queue)
@@ -383,6 +388,7 @@ class Runtime:
         sid = run.source.id
         for stage in self.stages:
             stage.forget_source(sid)
+        self.outputs.forget_source(sid)
         if run.last_frame is not None:
             run.last_frame.release()
             run.last_frame = None
@@ -475,6 +481,7 @@ class Runtime:
         finally:
             in_flight.put_nowait(None)
             await publisher
+            self.outputs.forget_source(sid)  # finish its recordings and clips
 
     async def _process(self, frame: Frame) -> Frame | None:
         """Run the unordered stages; None means the frame was dropped (counted)."""
@@ -540,6 +547,7 @@ class Runtime:
             return
         for obj in frame.objects:
             obj.crops.clear()  # crops were for the cascade; do not keep them alive
+        await self.outputs.frame_published(frame)
         # The newest frame stays (the dashboard draws it); the one before goes back to the pool.
         if run.last_frame is not None:
             run.last_frame.release()
@@ -550,6 +558,12 @@ class Runtime:
                 self._on_published(frame)
             except Exception as exc:  # an embedder's hook must not stall this source
                 log.error("on_published hook failed on frame %d of %s: %r", frame.index, frame.source, exc)
+
+    async def _publish_raw(self, subject: str, payload: bytes) -> None:
+        """A message beside the detections (clips) on the pipeline's NATS connection."""
+        nc = self.publisher.nc
+        if nc is not None and nc.is_connected:
+            await nc.publish(subject, payload)
 
     # -- reporting -------------------------------------------------------------------------
 

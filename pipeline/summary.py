@@ -44,6 +44,8 @@ class Summary:
         self._nc = await nats.connect(self.nats_url, name="vidpipe-summary")
 
         async def on_msg(msg: Any) -> None:
+            if not msg.subject.endswith(".detections"):
+                return  # events and other subjects are not frames
             try:
                 data = json.loads(msg.data)
             except ValueError:

@@ -19,6 +19,8 @@ from inference.config import (
     TaskConfig,
 )
 from pipeline.config import (
+    ClipsOutputConfig,
+    FileOutputConfig,
     HttpConfig,
     NatsConfig,
     PipelineConfig,
@@ -39,6 +41,7 @@ LOADER_FIELDS = {"base_dir", "file", "lines"}  # set by the loader, refused in Y
     [
         ("config.md", [PipelineConfig, SourceConfig, ReconnectConfig, StageOptions, InferOptions, TrackOptions, NatsConfig, RuntimeConfig, HttpConfig]),
         ("models.md", [ModelConfig, ModelFile, InputConfig, TaskConfig, DynamicBatching, QueuePolicy, InstanceGroup, BackendOptions]),
+        ("outputs.md", [FileOutputConfig, ClipsOutputConfig]),
     ],
 )  # fmt: skip
 def test_every_config_key_is_documented(doc: str, classes: list[type]) -> None:

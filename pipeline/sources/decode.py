@@ -30,7 +30,7 @@ import errno
 import functools
 import logging
 from collections.abc import Iterator
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
 
@@ -43,6 +43,7 @@ log = logging.getLogger("vidpipe.source")
 __all__ = [
     "AvSource",
     "DecodeMode",
+    "PacketListener",
     "copy_rgb",
     "ffmpeg_error_kind",
     "ffmpeg_reason",
@@ -195,6 +196,19 @@ def file_formats() -> str:
     return ",".join(sorted(names))
 
 
+class PacketListener(Protocol):
+    """Told of the stream as it is read (event clips keep the camera's packets).
+
+    Both calls run on the source's thread and must return quickly.
+    """
+
+    def on_packet(self, packet: Any, stream: Any) -> None:
+        """A demuxed packet of ``stream``, before it is decoded (the listener may keep it)."""
+
+    def on_frame_time(self, stream_seconds: float, pts: float) -> None:
+        """A decoded frame's time in its stream and the ``pts`` it gets on the source's timeline."""
+
+
 # -- frames ----------------------------------------------------------------------------------
 
 
@@ -224,6 +238,8 @@ class AvSource(ThreadedSource):
     thread_type: ClassVar[str] = "AUTO"
     # A live stream skips a damaged packet (the next keyframe repairs the picture).
     skip_bad_packets: ClassVar[bool] = False
+    # Set before start() by whoever wants the packets (pipeline.outputs); None costs nothing.
+    packet_listener: PacketListener | None = None
 
     def open_options(self) -> dict[str, str]:
         return {}
@@ -292,6 +308,8 @@ class AvSource(ThreadedSource):
             for packet in container.demux(stream):
                 if self.stopping:
                     return
+                if self.packet_listener is not None:
+                    self.packet_listener.on_packet(packet, stream)
                 try:
                     decoded = packet.decode()
                 except av.FFmpegError as exc:
@@ -310,4 +328,7 @@ class AvSource(ThreadedSource):
 
     def emit_frame(self, frame: Any, pts: float, capture_ts: float | None = None) -> bool:
         """Hand a decoded frame to the graph (see :meth:`Source.emit`)."""
+        listener = self.packet_listener
+        if listener is not None and frame.pts is not None and frame.time_base:
+            listener.on_frame_time(float(frame.pts * frame.time_base), pts + self._pts_offset)
         return self.emit(pts, (frame.height, frame.width, 3), lambda out: copy_rgb(frame, out), capture_ts)

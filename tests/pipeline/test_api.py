@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline.annotate import annotate
 from pipeline.api import ApiConfigError, ApiServer
 from pipeline.config import HttpConfig
 from pipeline.frames import DetectedObject, Frame
 from pipeline.nats_server import EmbeddedNats
-from pipeline.snapshot import annotate
 from tests.conftest import Collector, run_cli
 from tests.pipeline.stack import Stack, until
 

@@ -1,0 +1,273 @@
+"""``Outputs``: the runtime's one entry point for live views, recordings and clips.
+
+::
+
+    outputs:
+      - {type: file, path: "out/{source}.mp4", annotate: true}
+      - {type: clips, dir: clips/, pre_s: 3, post_s: 5, on: [track_start]}
+
+After a frame is published the runtime hands it to :meth:`Outputs.frame_published`.
+A source nobody watches and nothing records costs a dictionary look-up there.
+Otherwise the frame's buffer is kept and a per-source worker thread draws on a
+copy (:mod:`pipeline.annotate`), feeds the source's recordings and offers the
+result to live viewers through the :class:`FrameRelay`:
+
+- a recording needs every frame: a file source waits for the worker (nothing is
+  lost, as decoding waits for the graph); a live source drops the frame from the
+  recording when the worker is ``MAX_PENDING`` frames behind (``recording_dropped``);
+- viewers need only the newest frame, at most as often as the fastest viewer
+  asks: frames above that rate, or while the worker is busy, are not drawn.
+
+Clip recorders get every published frame on the event loop (a cheap look at
+its objects) and every packet on the source's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.annotate import annotate, to_bgr
+from pipeline.config import ClipsOutputConfig, FileOutputConfig, PipelineConfig
+from pipeline.frames import Frame
+from pipeline.outputs.clips import ClipInfo, ClipRecorder
+from pipeline.outputs.relay import FrameRelay, LiveFrame
+from pipeline.outputs.video_file import VideoFileWriter
+from pipeline.sources.base import Source
+
+log = logging.getLogger("vidpipe.outputs")
+
+__all__ = ["CLIPS_SCHEMA", "Outputs", "clips_subject"]
+
+CLIPS_SCHEMA = "vidpipe.clips/v1"
+# Frames a source's worker may hold (each keeps a pooled buffer): the frame pool has
+# four spare buffers beyond the queue and frames in flight, and the snapshot keeps one.
+MAX_PENDING = 2
+
+
+def clips_subject(prefix: str, pipeline: str, source: str) -> str:
+    """``vidpipe.<pipeline>.<source>.clips``."""
+    return f"{prefix}.{pipeline}.{source}.clips"
+
+
+def _applies(sources: list[str], source: str) -> bool:
+    return not sources or source in sources
+
+
+@dataclass
+class _SourceOutputs:
+    source: str
+    live: bool
+    writers: list[tuple[FileOutputConfig, VideoFileWriter]]
+    clips: list[ClipRecorder]
+    worker: ThreadPoolExecutor | None = None
+    pending: int = 0
+    room: asyncio.Event = field(default_factory=asyncio.Event)
+    last_view: float = 0.0
+    recording_dropped: int = 0
+
+    def executor(self) -> ThreadPoolExecutor:
+        if self.worker is None:
+            self.worker = ThreadPoolExecutor(1, thread_name_prefix=f"annotate-{self.source}")
+        return self.worker
+
+
+class _Fanout:
+    """The one packet listener of a source, handing packets to each of its clip recorders."""
+
+    def __init__(self, recorders: list[ClipRecorder]) -> None:
+        self.recorders = recorders
+
+    def on_packet(self, packet: Any, stream: Any) -> None:
+        for r in self.recorders:
+            r.on_packet(packet, stream)
+
+    def on_frame_time(self, stream_seconds: float, pts: float) -> None:
+        for r in self.recorders:
+            r.on_frame_time(stream_seconds, pts)
+
+
+class Outputs:
+    """Live views, annotated recordings and event clips of every source of a pipeline."""
+
+    def __init__(self, config: PipelineConfig, publish: Any = None) -> None:
+        self.config = config
+        self.relay = FrameRelay()
+        # Sends a clips message: ``await publish(subject, payload)`` (the runtime's NATS connection).
+        self._publish = publish
+        self._sources: dict[str, _SourceOutputs] = {}
+        self._clip_writer = ThreadPoolExecutor(1, thread_name_prefix="clips")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._announcing: set[asyncio.Task[None]] = set()
+        # Workers finishing the files of ended sources; close() waits for them.
+        self._finishing: list[ThreadPoolExecutor] = []
+        self.clips: list[ClipInfo] = []
+
+    def _path(self, template: str, source: str) -> Path:
+        return (Path(self.config.base_dir) / template.replace("{source}", source)).resolve()
+
+    def add_source(self, source: Source) -> None:
+        """Set up the outputs that apply to ``source`` (before it starts)."""
+        self._loop = asyncio.get_running_loop()
+        sid = source.id
+        writers = [
+            (o, VideoFileWriter(self._path(o.path, sid), o.codec, o.crf))
+            for o in self.config.outputs
+            if isinstance(o, FileOutputConfig) and _applies(o.sources, sid)
+        ]
+        clips = [
+            ClipRecorder(o, sid, self._path(o.dir, sid), self._clip_writer, self._clip_written)
+            for o in self.config.outputs
+            if isinstance(o, ClipsOutputConfig) and _applies(o.sources, sid)
+        ]
+        if clips:
+            if hasattr(source, "packet_listener"):
+                source.packet_listener = _Fanout(clips)
+            else:
+                log.warning(
+                    "source %s: no packets to cut clips from (%s); clips off", sid, source.config.scheme
+                )
+                clips = []
+        self._sources[sid] = _SourceOutputs(sid, source.live, writers, clips)
+
+    async def frame_published(self, frame: Frame) -> None:
+        """A frame was published: feed clips, recordings and viewers (see the module doc)."""
+        out = self._sources.get(frame.source)
+        if out is None:
+            return
+        for clip in out.clips:
+            clip.on_frame(frame)
+        fps = self.relay.max_fps(frame.source)
+        now = time.monotonic()
+        view = fps > 0 and now - out.last_view >= 0.95 / fps
+        record = bool(out.writers)
+        if not (view or record):
+            return
+        if out.pending >= MAX_PENDING:
+            if not record:
+                return  # viewers get a later frame
+            if out.live:
+                out.recording_dropped += 1
+                return
+            while out.pending >= MAX_PENDING:
+                out.room.clear()
+                await out.room.wait()
+        if view:
+            out.last_view = now
+        buffer = frame.buffer.retain() if frame.buffer is not None else None
+        out.pending += 1
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(out.executor(), self._draw, out, frame, view)
+
+        def done(f: asyncio.Future[LiveFrame | None]) -> None:
+            if buffer is not None:
+                buffer.release()
+            out.pending -= 1
+            out.room.set()
+            if f.cancelled():
+                return
+            if f.exception() is not None:
+                log.error("source %s: annotation failed: %r", out.source, f.exception())
+                return
+            item = f.result()
+            if item is not None:
+                self.relay.publish(item)
+
+        future.add_done_callback(done)
+
+    @staticmethod
+    def _draw(out: _SourceOutputs, frame: Frame, view: bool) -> LiveFrame | None:
+        """On the source's worker thread: draw once, write every recording, return the view."""
+        plain = to_bgr(frame)
+        drawn: Any = None
+        if view or any(o.annotate for o, _ in out.writers):
+            drawn = annotate(frame, plain.copy() if not all(o.annotate for o, _ in out.writers) else plain)
+        for options, writer in out.writers:
+            writer.write(drawn if options.annotate else plain, frame.pts)
+        return LiveFrame(frame.source, frame.index, frame.pts, drawn) if view else None
+
+    def _close_source(self, out: _SourceOutputs) -> None:
+        for clip in out.clips:
+            clip.close()
+
+        def finish() -> None:
+            for _, writer in out.writers:
+                try:
+                    writer.close()
+                except Exception as exc:
+                    log.error("source %s: recording %s not finished: %r", out.source, writer.path, exc)
+
+        if out.worker is not None:
+            out.worker.submit(finish)
+            out.worker.shutdown(wait=False)
+            self._finishing.append(out.worker)
+        else:
+            finish()
+
+    def forget_source(self, source: str) -> None:
+        """The source ended or was removed: finish its files and clips, end its viewers."""
+        self.relay.end(source)
+        out = self._sources.pop(source, None)
+        if out is not None:
+            self._close_source(out)
+
+    async def close(self) -> None:
+        """Finish every recording and clip and announce the clips (at shutdown)."""
+        self.relay.end_all()
+        outs = list(self._sources.values())
+        self._sources.clear()
+        for out in outs:
+            self._close_source(out)
+        workers, self._finishing = self._finishing, []
+        for worker in workers:
+            await asyncio.get_running_loop().run_in_executor(None, worker.shutdown, True)
+        await asyncio.get_running_loop().run_in_executor(None, self._clip_writer.shutdown, True)
+        if self._announcing:
+            await asyncio.gather(*self._announcing, return_exceptions=True)
+
+    # -- clips -----------------------------------------------------------------------------
+
+    def _clip_written(self, info: ClipInfo) -> None:
+        # On the clip writer thread: the message goes out from the event loop.
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        loop.call_soon_threadsafe(self._announce, info)
+
+    def _announce(self, info: ClipInfo) -> None:
+        self.clips.append(info)
+        del self.clips[:-100]
+        log.info("source %s: clip %s (%s, %.1fs)", info.source, info.path, info.event, info.end - info.start)
+        if self._publish is None:
+            return
+        subject = clips_subject(self.config.nats.subject_prefix, self.config.pipeline, info.source)
+        payload = json.dumps(clip_message(self.config.pipeline, info)).encode()
+        task = asyncio.ensure_future(self._publish(subject, payload))
+        self._announcing.add(task)
+        task.add_done_callback(self._announcing.discard)
+
+
+def clip_message(pipeline: str, info: ClipInfo) -> dict[str, Any]:
+    """The ``vidpipe.clips/v1`` payload (docs/outputs.md)."""
+    event: dict[str, Any] = {"type": info.event, "pts": round(info.event_pts, 6), "frame": info.event_frame,
+                             "label": info.label}  # fmt: skip
+    if info.track_id is not None:
+        event["track_id"] = info.track_id
+    return {
+        "schema": CLIPS_SCHEMA,
+        "pipeline": pipeline,
+        "source": info.source,
+        "path": str(info.path),
+        "start": round(info.start, 6),
+        "end": round(info.end, 6),
+        "duration": round(info.end - info.start, 6),
+        "event": event,
+        "bytes": info.bytes,
+        "created_ts": round(time.time(), 6),
+    }

@@ -1,0 +1,130 @@
+"""WebRTC egress over WHEP: a source's annotated frames to a browser or any WHEP client.
+
+``POST /whep/{source}`` with an SDP offer (``application/sdp``, receive-only
+video) answers with the server's SDP and a session ``Location``;
+``DELETE /whep/{source}/{session}`` ends it. Each session's video track reads
+the source's :class:`~pipeline.outputs.relay.FrameRelay` like any other viewer:
+latest frame only, so a slow peer never holds the graph back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from pipeline.outputs.relay import FrameRelay, Subscription
+
+log = logging.getLogger("vidpipe.whep")
+
+__all__ = ["MAX_WHEP_SESSIONS", "WhepError", "WhepServer"]
+
+MAX_WHEP_SESSIONS = 16
+WHEP_FPS = 30.0
+VIDEO_CLOCK = 90000
+
+
+class WhepError(Exception):
+    """A WHEP request that cannot be served: ``status`` and a message for the client."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _relay_track(sub: Subscription) -> Any:
+    from aiortc.mediastreams import MediaStreamError, VideoStreamTrack
+    from av import VideoFrame
+
+    class RelayTrack(VideoStreamTrack):
+        """Frames from a relay subscription, stamped on the 90 kHz video clock as they come."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._t0: float | None = None
+
+        async def recv(self) -> VideoFrame:
+            item = await sub.next()
+            if item is None:
+                self.stop()
+                raise MediaStreamError
+            loop = asyncio.get_running_loop()
+            now = loop.time()
+            if self._t0 is None:
+                self._t0 = now
+            frame = VideoFrame.from_ndarray(item.image, format="bgr24")
+            frame.pts = int((now - self._t0) * VIDEO_CLOCK)
+            frame.time_base = Fraction(1, VIDEO_CLOCK)
+            return frame
+
+    return RelayTrack()
+
+
+@dataclass
+class _Session:
+    id: str
+    source: str
+    pc: Any
+    sub: Subscription
+
+
+class WhepServer:
+    """The WHEP sessions of one HTTP server."""
+
+    def __init__(self, relay: FrameRelay, max_sessions: int = MAX_WHEP_SESSIONS) -> None:
+        self.relay = relay
+        self.max_sessions = max_sessions
+        self.sessions: dict[str, _Session] = {}
+
+    async def offer(self, source: str, sdp: str) -> tuple[str, str]:
+        """Answer a viewer's offer; returns ``(session id, answer SDP)``."""
+        from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+
+        if len(self.sessions) >= self.max_sessions:
+            raise WhepError(429, f"{self.max_sessions} WHEP sessions already; end one first")
+        if "m=video" not in sdp:
+            raise WhepError(400, "bad SDP offer: it asks for no video")
+        # No ICE servers: the default would be a public STUN server (see WHIP).
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        sub = self.relay.subscribe(source, WHEP_FPS)
+        session = _Session(secrets.token_urlsafe(12), source, pc, sub)
+        self.sessions[session.id] = session
+
+        @pc.on("connectionstatechange")
+        async def on_state() -> None:
+            if pc.connectionState in ("failed", "closed"):
+                await self.end(session.id)
+
+        try:
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+            video = next((t for t in pc.getTransceivers() if t.kind == "video"), None)
+            if video is None:
+                raise WhepError(400, "bad SDP offer: it asks for no video")
+            video.sender.replaceTrack(_relay_track(sub))
+            video.direction = "sendonly"
+            await pc.setLocalDescription(await pc.createAnswer())
+        except WhepError:
+            await self.end(session.id)
+            raise
+        except Exception as exc:  # aiortc raises ValueError and friends on malformed SDP
+            await self.end(session.id)
+            raise WhepError(400, f"bad SDP offer: {exc or type(exc).__name__}") from None
+        log.info("source %s: WHEP viewer connected (session %s)", source, session.id)
+        return session.id, pc.localDescription.sdp
+
+    async def end(self, session_id: str, source: str | None = None) -> bool:
+        session = self.sessions.get(session_id)
+        if session is None or (source is not None and session.source != source):
+            return False
+        del self.sessions[session_id]
+        session.sub.close()
+        await session.pc.close()
+        return True
+
+    async def close(self) -> None:
+        for sid in list(self.sessions):
+            await self.end(sid)
