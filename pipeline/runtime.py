@@ -506,6 +506,7 @@ class Runtime:
         while True:
             task = await in_flight.get()
             if task is None:
+                await self._end_source(run)
                 return
             try:
                 await self._finish(run, await task)
@@ -544,6 +545,16 @@ class Runtime:
                 self._on_published(frame)
             except Exception as exc:  # an embedder's hook must not stall this source
                 log.error("on_published hook failed on frame %d of %s: %r", frame.index, frame.source, exc)
+
+    async def _end_source(self, run: SourceRun) -> None:
+        """After a source's last frame: publish what its end closes (tracks that end)."""
+        events = [event for stage in self._ordered for event in stage.end_source(run.source.id)]
+        if not events:
+            return
+        try:
+            await self.publisher.publish_events(run.source.id, events, run.stream_id, "end")
+        except Exception as exc:
+            log.error("source %s: %d closing event(s) not published: %s", run.source.id, len(events), exc)
 
     # -- reporting -------------------------------------------------------------------------
 
