@@ -1,7 +1,8 @@
 """A once-a-second console summary, computed from the pipeline's own NATS output.
 
 ``vidpipe run --summary`` subscribes to ``vidpipe.<pipeline>.>`` like any
-consumer would, so what it prints is what subscribers really receive::
+consumer would and reads its detections messages (one per frame), so what it
+prints is what subscribers really receive::
 
     [  3s] lobby: 24.9 fps  2.0 obj/frame  latency p50 41 ms p99 77 ms | text: "EXIT 12", "GATE B"
 """
@@ -44,6 +45,8 @@ class Summary:
         self._nc = await nats.connect(self.nats_url, name="vidpipe-summary")
 
         async def on_msg(msg: Any) -> None:
+            if not msg.subject.endswith(".detections"):
+                return  # events and other subjects are not frames
             try:
                 data = json.loads(msg.data)
             except ValueError:

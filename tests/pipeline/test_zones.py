@@ -33,7 +33,7 @@ from pipeline.sources.pattern import pattern_square_box
 from pipeline.stages.base import StageContext
 from pipeline.stages.registry import create_stage
 from pipeline.stages.zones import ZonesStage
-from tests.conftest import ROOT, Collector, validate_message
+from tests.conftest import ROOT, Collector, run_cli, validate_message
 
 # --- geometry -----------------------------------------------------------------------------
 
@@ -367,6 +367,15 @@ async def test_a_square_crossing_a_line_each_way_gives_two_crossings_and_matchin
         assert len(set(ids)) == len(ids)
         assert all(re.fullmatch(r"zones/pattern/[0-9a-f]{12}/(\d+|end)/\d", i) for i in ids), ids
         assert ids[-1].split("/")[3:] == ["end", "0"]
+
+
+def test_summary_counts_frames_not_events(tmp_path: Path, sample_models: Path) -> None:
+    path = tmp_path / "zones.yaml"
+    path.write_text(PIPELINE.format(models=sample_models))
+    proc = run_cli("run", str(path), "--source", "test://?fps=50&frames=10", "--summary")
+    assert proc.returncode == 0, proc.stderr
+    # Ten frames; the track's start and end went to the events subject and are not frames.
+    assert "received 10 messages from 1 source(s)" in proc.stdout
 
 
 # --- docs and dashboard -------------------------------------------------------------------
