@@ -10,6 +10,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from pipeline.crops import Crop
+    from pipeline.events import Event
 
 
 @dataclass(slots=True)
@@ -36,6 +37,8 @@ class DetectedObject:
     text: str | None = None
     text_score: float | None = None
     attributes: list[Attribute] = field(default_factory=list)
+    # Names of the zones the object is in; set (possibly empty) by a zones stage.
+    zones: list[str] | None = None
     # Crops cut for cascade stages, keyed by (kind, rotation), reused across stages.
     crops: dict[tuple[str, int], Crop] = field(default_factory=dict, repr=False)
 
@@ -60,6 +63,8 @@ class DetectedObject:
                 {"model": a.model, "label": a.label, "score": round(float(a.score), 4)}
                 for a in self.attributes
             ]
+        if self.zones is not None:
+            out["zones"] = list(self.zones)
         return out
 
 
@@ -74,6 +79,8 @@ class Frame:
     image: np.ndarray
     objects: list[DetectedObject] = field(default_factory=list)
     stage_times: dict[str, float] = field(default_factory=dict)
+    # What happened to tracked objects in this frame (a zones stage); published after its message.
+    events: list[Event] = field(default_factory=list)
     # The pooled buffer ``image`` lives in; it goes back to the source's pool on release().
     buffer: Any = field(default=None, repr=False)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1), repr=False)

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pipeline.events import EVENT_TYPES
+
 if TYPE_CHECKING:
     from inference.repository import ModelStatus
 
@@ -119,6 +121,32 @@ class Metrics:
             ["pipeline", "source", "stage", "reason"],
             registry=r,
         )
+        self.objects = Counter(
+            "vidpipe_objects_total",
+            "Objects in published frames, by label (an object counts once per frame it is in)",
+            ["pipeline", "source", "label"],
+            registry=r,
+        )
+        self.zone_objects = Gauge(
+            "vidpipe_zone_objects", "Objects in a zone in the latest frame", ["pipeline", "source", "zone"],
+            registry=r,
+        )  # fmt: skip
+        self.line_crossings = Counter(
+            "vidpipe_line_crossings_total",
+            "Tracked objects that crossed a line, by direction (in, out) and label",
+            ["pipeline", "source", "line", "direction", "label"],
+            registry=r,
+        )
+        self.active_tracks = Gauge(
+            "vidpipe_active_tracks", "Tracks started and not yet ended, as a zones stage sees them",
+            ["pipeline", "source"], registry=r,
+        )  # fmt: skip
+        self.events = Counter(
+            "vidpipe_events_total",
+            "Events published, by type (" + ", ".join(EVENT_TYPES) + ")",
+            ["pipeline", "source", "type"],
+            registry=r,
+        )
         self.pool_buffers = Gauge(
             "vidpipe_pool_buffers", "Buffers in a memory pool, by state", ["pool", "state"], registry=r
         )
@@ -140,6 +168,11 @@ class Metrics:
             (self.published, ("pipeline", "source")),
             (self.publish_errors, ("pipeline", "source", "reason")),
             (self.objects_skipped, ("pipeline", "source", "stage", "reason")),
+            (self.objects, ("pipeline", "source", "label")),
+            (self.zone_objects, ("pipeline", "source", "zone")),
+            (self.line_crossings, ("pipeline", "source", "line", "direction", "label")),
+            (self.active_tracks, ("pipeline", "source")),
+            (self.events, ("pipeline", "source", "type")),
         )
         for metric, names in per_source:
             # prometheus_client has no "remove by partial labels": find the children in

@@ -519,6 +519,7 @@ class Runtime:
         while True:
             task = await in_flight.get()
             if task is None:
+                await self._end_source(run)
                 return
             try:
                 await self._finish(run, await task)
@@ -564,6 +565,16 @@ class Runtime:
         nc = self.publisher.nc
         if nc is not None and nc.is_connected:
             await nc.publish(subject, payload)
+
+    async def _end_source(self, run: SourceRun) -> None:
+        """After a source's last frame: publish what its end closes (tracks that end)."""
+        events = [event for stage in self._ordered for event in stage.end_source(run.source.id)]
+        if not events:
+            return
+        try:
+            await self.publisher.publish_events(run.source.id, events, run.stream_id, "end")
+        except Exception as exc:
+            log.error("source %s: %d closing event(s) not published: %s", run.source.id, len(events), exc)
 
     # -- reporting -------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """A once-a-second console summary, computed from the pipeline's own NATS output.
 
 ``vidpipe run --summary`` subscribes to ``vidpipe.<pipeline>.>`` like any
-consumer would, so what it prints is what subscribers really receive::
+consumer would and reads its detections messages (one per frame), so what it
+prints is what subscribers really receive::
 
     [  3s] lobby: 24.9 fps  2.0 obj/frame  latency p50 41 ms p99 77 ms | text: "EXIT 12", "GATE B"
 """

@@ -26,6 +26,7 @@ from pipeline.ratelimit import RateLimitedLog
 if TYPE_CHECKING:
     from inference.repository import ModelRepository
     from pipeline.config import PipelineConfig
+    from pipeline.events import Event
     from pipeline.metrics import Metrics
 
 # fullmatch, not "$": "$" also matches before a final newline, and "cam1\n" would pass.
@@ -93,6 +94,14 @@ class Stage(ABC):
     @abstractmethod
     async def process(self, frame: Frame) -> None:
         """Do this stage's work on one frame."""
+
+    def end_source(self, source: str) -> list[Event]:
+        """The source has no more frames (it ended, was removed, or the pipeline stops).
+
+        Called in order after its last frame, for ordered stages; returns the events
+        that closes (tracks that end), which are published like a frame's.
+        """
+        return []
 
     def forget_source(self, source: str) -> None:  # noqa: B027 - optional hook
         """Drop per-source state when a source is removed."""

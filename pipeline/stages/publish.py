@@ -1,4 +1,5 @@
-"""Publishing: one message per processed frame to ``vidpipe.<pipeline>.<source>.detections``.
+"""Publishing: one message per processed frame to ``vidpipe.<pipeline>.<source>.detections``,
+then one per event found in it to ``vidpipe.<pipeline>.<source>.events``.
 
 ::
 
@@ -15,9 +16,10 @@ that counter is one of ``outbox_full``, ``retry``, ``shutdown`` and ``failed``.
 ``jetstream`` acknowledges every message. The stream for ``<prefix>.>`` is
 created or verified at start; each message carries ``Nats-Msg-Id:
 <pipeline>/<source>/<run>/<frame>`` (``<run>`` tells apart runs of a source whose
-frame numbers start again at 0) so a retry after a lost ack is de-duplicated by
-the server. A message is retried until acknowledged; the per-source publisher
-waits meanwhile, which backs pressure up the graph instead of dropping.
+frame numbers start again at 0; an event adds ``/<n>``, its place among the
+frame's events) so a retry after a lost ack is de-duplicated by the server. A
+message is retried until acknowledged; the per-source publisher waits
+meanwhile, which backs pressure up the graph instead of dropping.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from nats.js.api import StreamConfig
 
 from inference.errors import VidpipeError
 from pipeline.config import NatsConfig
+from pipeline.events import Event, events_subject
 from pipeline.frames import Frame
 from pipeline.messages import build_message, encode, subject_for
 from pipeline.metrics import Metrics
@@ -63,11 +66,12 @@ class Publisher:
         self.metrics = metrics
         self.nc: NatsClient | None = None
         self.js: JetStreamContext | None = None
-        self._outbox: collections.deque[tuple[str, str, bytes]] = collections.deque()
+        # (subject, source, payload, kind): kind is "detections" or the event's type.
+        self._outbox: collections.deque[tuple[str, str, bytes, str]] = collections.deque()
         self._flusher: asyncio.Task[None] | None = None
         self._closing = False
         self.connected = asyncio.Event()
-        # Told of every message that really left (sent, flushed from the outbox, or acked).
+        # Told of every detections message that really left (sent, flushed from the outbox, or acked).
         self.on_sent: Callable[[str], None] | None = None
         self.display_url = redact_url(url)
         self._errors = RateLimitedLog(logger=log)
@@ -135,39 +139,61 @@ class Publisher:
             log.info("created JetStream stream %s for %s", name, subjects[0])
 
     async def publish(self, frame: Frame, stream_id: str = "") -> None:
-        """Publish one frame's message (called in frame order per source).
+        """Publish one frame's message, then its events (called in frame order per source).
 
         ``stream_id`` tells apart runs of the same source (a restart, a source removed
         and added again) whose frame numbers start again at 0, so JetStream's
         de-duplication never mistakes a new frame for a retry of an old one.
         """
-        assert self.nc is not None
         message = build_message(self.pipeline, frame, time.time())
         subject = subject_for(self.config.subject_prefix, self.pipeline, frame.source)
-        payload = encode(message)
+        for obj in frame.objects:
+            self.metrics.objects.labels(self.pipeline, frame.source, obj.label).inc()
+        msg_id = f"{self.pipeline}/{frame.source}/{stream_id}/{frame.index}"
+        if await self._send(
+            subject, frame.source, encode(message), msg_id, "detections", f"frame {frame.index}"
+        ):
+            latency = max(0.0, message["publish_ts"] - frame.capture_ts)
+            self.metrics.e2e_latency.labels(self.pipeline, frame.source).observe(latency)
+        if frame.events:
+            await self.publish_events(frame.source, frame.events, stream_id, str(frame.index))
+
+    async def publish_events(self, source: str, events: list[Event], stream_id: str, key: str) -> None:
+        """Publish ``events`` of ``source``, one message each, in order.
+
+        ``key`` (the frame's index, or ``end`` for those a source's end closes) and
+        each event's place in ``events`` make its de-duplication id.
+        """
+        subject = events_subject(self.config.subject_prefix, self.pipeline, source)
+        for n, event in enumerate(events):
+            payload = encode(event.to_message(self.pipeline, source))
+            msg_id = f"{self.pipeline}/{source}/{stream_id}/{key}/{n}"
+            await self._send(subject, source, payload, msg_id, event.type, f"{event.type} event of {key}")
+
+    async def _send(
+        self, subject: str, source: str, payload: bytes, msg_id: str, kind: str, what: str
+    ) -> bool:
+        """One message, the way the mode asks; True when it left now (not queued, not dropped)."""
+        assert self.nc is not None
         if self.js is not None:
-            msg_id = f"{self.pipeline}/{frame.source}/{stream_id}/{frame.index}"
-            await self._publish_acked(subject, frame.source, frame.index, payload, msg_id)
+            await self._publish_acked(subject, source, what, payload, msg_id)
         elif self.nc.is_connected and not self._outbox:
             try:
                 await self.nc.publish(subject, payload)
             except Exception as exc:
-                self._error(frame.source, exc)
-                return
+                self._error(source, exc)
+                return False
         else:
             # Keep order: once anything waits in the outbox, new messages queue behind it.
             if len(self._outbox) >= self.config.outbox_size:
-                _, dropped_source, _ = self._outbox.popleft()
+                _, dropped_source, _, _ = self._outbox.popleft()
                 self.metrics.publish_errors.labels(self.pipeline, dropped_source, "outbox_full").inc()
-            self._outbox.append((subject, frame.source, payload))
-            return
-        self._sent(frame.source)
-        latency = max(0.0, message["publish_ts"] - frame.capture_ts)
-        self.metrics.e2e_latency.labels(self.pipeline, frame.source).observe(latency)
+            self._outbox.append((subject, source, payload, kind))
+            return False
+        self._sent(source, kind)
+        return True
 
-    async def _publish_acked(
-        self, subject: str, source: str, index: int, payload: bytes, msg_id: str
-    ) -> None:
+    async def _publish_acked(self, subject: str, source: str, what: str, payload: bytes, msg_id: str) -> None:
         assert self.js is not None
         headers = {"Nats-Msg-Id": msg_id}
         delay = 0.1
@@ -178,11 +204,9 @@ class Publisher:
             except Exception as exc:
                 if self.nc is None or self.nc.is_closed:
                     self._error(source, exc)
-                    raise PublishError(
-                        f"NATS connection closed; frame {index} of {source} not sent"
-                    ) from None
+                    raise PublishError(f"NATS connection closed; {what} of {source} not sent") from None
                 self.metrics.publish_errors.labels(self.pipeline, source, "retry").inc()
-                log.debug("retrying frame %d of %s: %s", index, source, exc)
+                log.debug("retrying %s of %s: %s", what, source, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
@@ -190,16 +214,19 @@ class Publisher:
         while True:
             await self.connected.wait()
             while self._outbox and self.nc is not None and self.nc.is_connected:
-                subject, source, payload = self._outbox[0]
+                subject, source, payload, kind = self._outbox[0]
                 try:
                     await self.nc.publish(subject, payload)
                 except Exception:
                     break
                 self._outbox.popleft()
-                self._sent(source)
+                self._sent(source, kind)
             await asyncio.sleep(0.05)
 
-    def _sent(self, source: str) -> None:
+    def _sent(self, source: str, kind: str) -> None:
+        if kind != "detections":
+            self.metrics.events.labels(self.pipeline, source, kind).inc()
+            return
         self.metrics.published.labels(self.pipeline, source).inc()
         if self.on_sent is not None:
             self.on_sent(source)
@@ -221,7 +248,7 @@ class Publisher:
             await asyncio.sleep(0.05)
         if self._flusher is not None:
             self._flusher.cancel()
-        for _, source, _ in self._outbox:
+        for _, source, _, _ in self._outbox:
             self.metrics.publish_errors.labels(self.pipeline, source, "shutdown").inc()
         self._outbox.clear()
         try:

@@ -1,6 +1,6 @@
 """The stage kinds vidpipe knows (``type:`` in the YAML) and how a stage is built.
 
-The built-in kinds are ``infer`` and ``track``; another kind is a
+The built-in kinds are ``infer``, ``track`` and ``zones``; another kind is a
 :class:`~pipeline.stages.base.Stage` subclass with its own ``kind`` and
 ``options_type``, added with :func:`register_stage` before the config is
 loaded::
@@ -20,6 +20,7 @@ from __future__ import annotations
 from pipeline.stages.base import Stage, StageContext, StageOptions
 from pipeline.stages.infer import InferStage
 from pipeline.stages.track import TrackStage
+from pipeline.stages.zones import ZonesStage
 
 _KINDS: dict[str, type[Stage]] = {}
 
@@ -60,8 +61,8 @@ def create_stage(options: StageOptions, context: StageContext) -> Stage:
     return cls(options, context)
 
 
-BUILTIN_KINDS = ("infer", "track")
-for _cls in (InferStage, TrackStage):
+BUILTIN_KINDS = ("infer", "track", "zones")
+for _cls in (InferStage, TrackStage, ZonesStage):
     register_stage(_cls)
 
 __all__ = [

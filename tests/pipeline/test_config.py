@@ -28,7 +28,7 @@ BROKEN = [
     pytest.param(GOOD.replace("url: test://?frames=3", "urll: test://x"), 4,
                  "sources[0].urll: unknown key (hint: did you mean 'url'?)", id="typo-key"),
     pytest.param(GOOD.replace("type: infer", "type: detect"), 6,
-                 "stages[0].type: expected one of 'infer', 'track', got 'detect'", id="unknown-stage-type"),
+                 "stages[0].type: expected one of 'infer', 'track', 'zones', got 'detect'", id="unknown-stage-type"),
     pytest.param(GOOD.replace("- url: test://?frames=3", "- url: test://?frames=3\n    queue_size: lots"), 5,
                  "sources[0].queue_size: expected an integer, got 'lots'", id="wrong-type"),
     pytest.param(GOOD.replace("- url: test://?frames=3", "- url: test://?frames=3\n    queue_size: 0"), 5,
