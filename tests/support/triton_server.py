@@ -39,11 +39,13 @@ import argparse
 import contextlib
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import venv
 from pathlib import Path
@@ -237,6 +239,7 @@ class TritonTestServer:
         self.calls_file = self.workdir / "calls.txt"
         self.log_file = self.workdir / "triton.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.workspace = self.workdir / "workspace"
 
     @property
     def url(self) -> str:
@@ -246,6 +249,8 @@ class TritonTestServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.calls_file.write_text("")
         stub_prefix = make_stub_prefix(self.workdir / "stub-prefix")
+        # PyTriton's unix sockets live here: a short path (sun_path holds 107 bytes).
+        self.workspace = Path(tempfile.mkdtemp(prefix="pytriton-")) / "w"  # PyTriton creates it
         env = {**os.environ, "LD_LIBRARY_PATH": library_path(), "PYTHONUNBUFFERED": "1"}
         cmd = [
             sys.executable,
@@ -265,7 +270,7 @@ class TritonTestServer:
             "--calls",
             str(self.calls_file),
             "--workspace",
-            str(self.workdir / "workspace"),
+            str(self.workspace),
         ]
         if stub_prefix is not None:
             cmd += ["--stub-prefix", str(stub_prefix)]
@@ -313,6 +318,7 @@ class TritonTestServer:
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+        shutil.rmtree(self.workspace.parent, ignore_errors=True)
 
     def _log_tail(self) -> str:
         try:
