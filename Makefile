@@ -20,8 +20,16 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# A real Triton server for tests/inference/test_triton.py: the `tritonserver` inside the
+# nvidia-pytriton wheel. The wheel pins numpy<2, which would pull the whole environment
+# back to NumPy 1, so it goes in without its pins, and its Python-backend stub gets a
+# NumPy 1 of its own (a folder the tests put first on the stub's path).
+TRITON_TEST := nvidia-pytriton pyzmq sh typer typing_inspect wrapt importlib_metadata
+
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps $(TRITON_TEST)
+	$(BIN)/pip install --quiet --no-deps --upgrade --target $(VENV)/triton-stub-numpy 'numpy<2'
 	touch $@
 
 install: $(VENV)/.installed

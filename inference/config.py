@@ -4,7 +4,7 @@ The batching fields follow Triton's model configuration so that a Triton
 user's intuition carries over::
 
     name: ppocr_cls
-    backend: onnxruntime            # onnxruntime | openvino | tensorrt
+    backend: onnxruntime            # onnxruntime | openvino | tensorrt | triton (remote: no model_file)
     model_file: {package: rapidocr_onnxruntime, path: models/ch_ppocr_mobile_v2.0_cls_infer.onnx}
     max_batch_size: 32              # 0 = the model has no batch dimension
     input: {shape: [3, 48, 192], mean: [0.5, 0.5, 0.5], std: [0.5, 0.5, 0.5]}
@@ -163,6 +163,12 @@ class BackendOptions:
     cache_dir: str | None = field(
         default=None, metadata=spec(help="folder for OpenVINO's compiled-model cache (CACHE_DIR)")
     )
+    # Triton / KServe v2 over gRPC (inference/backends/triton.py)
+    url: str | None = field(default=None, metadata=spec(help="grpc://HOST:PORT of the inference server"))
+    model_name: str | None = field(default=None, metadata=spec(help="the model's name on the server"))
+    timeout_ms: int = field(
+        default=5000, metadata=spec(ge=1, help="a batch that takes longer on the server fails its requests")
+    )
 
 
 class ModelConfigError(ConfigError):
@@ -188,10 +194,11 @@ class ModelConfig:
     """One model in the repository."""
 
     name: str
-    model_file: ModelFile
     input: InputConfig
     task: TaskConfig
-    backend: Literal["onnxruntime", "openvino", "tensorrt"] = "onnxruntime"
+    # None only for a remote backend (triton), whose model lives on the server.
+    model_file: ModelFile | None = None
+    backend: Literal["onnxruntime", "openvino", "tensorrt", "triton"] = "onnxruntime"
     max_batch_size: int = field(default=8, metadata=spec(ge=0, le=4096))
     labels: list[str] = field(default_factory=list)
     labels_file: str | None = None
@@ -205,6 +212,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.labels and self.labels_file:
             raise ValueError("set labels or labels_file, not both")
+        if self.model_file is None and self.backend != "triton":
+            raise ValueError(f"model_file is required for backend {self.backend}")
         if self.max_batch_size:
             too_big = [b for b in self.dynamic_batching.preferred_batch_size if b > self.max_batch_size]
             if too_big:

@@ -116,8 +116,13 @@ def package_dirs(name: str) -> list[Path] | None:
 
 
 def resolve_model_file(config: ModelConfig, model_dir: Path, version_dir: Path | None = None) -> Path:
-    """The model file's absolute path; relative paths are taken from the version folder or model folder."""
+    """The model file's absolute path; relative paths are taken from the version folder or model folder.
+
+    A remote model (no ``model_file``) gets its folder: the server holds the model.
+    """
     mf = config.model_file
+    if mf is None:
+        return version_dir or model_dir
     if mf.package:
         roots = package_dirs(mf.package)
         if roots is None:

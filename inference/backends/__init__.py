@@ -1,6 +1,6 @@
 """Backends run one model instance; :func:`create_backend` picks one from ``config.yaml``::
 
-    backend: onnxruntime                # or openvino, or tensorrt (NVIDIA GPUs only)
+    backend: onnxruntime        # or openvino, tensorrt (NVIDIA GPUs), triton (a remote server)
     instance_group: [{count: 2, kind: KIND_CPU}]
     backend_options:
       intra_op_threads: 2
@@ -38,6 +38,10 @@ def create_backend(config: ModelConfig, model_path: Path, instance: int) -> Back
         from inference.backends.openvino import OpenVinoBackend
 
         return OpenVinoBackend(config, model_path, instance)
+    if config.backend == "triton":
+        from inference.backends.triton import TritonBackend
+
+        return TritonBackend(config, model_path, instance)
     if config.backend == "tensorrt":
         if importlib.util.find_spec("tensorrt") is None or importlib.util.find_spec("cupy") is None:
             raise BackendError(f"{config.name}: {_TENSORRT_MISSING}")

@@ -1,0 +1,278 @@
+"""The Triton backend: a model served by a remote KServe v2 server over gRPC.
+
+Batches still form in vidpipe's own dynamic batcher and pre- and post-processing
+stay local; each batch is one ``infer`` call to a Triton Inference Server (or any
+KServe v2 gRPC server, such as OpenVINO Model Server)::
+
+    name: squares
+    backend: triton                     # no model_file: the server holds the model
+    max_batch_size: 8                   # at most the server model's max_batch_size
+    input: {shape: [3, 320, 320], name: images}
+    task: {kind: yolo}
+    instance_group: [{count: 2}]        # batches in flight to the server at once
+    backend_options:
+      url: grpc://triton.example:8001
+      model_name: squares               # the name on the server
+      timeout_ms: 5000                  # a batch that takes longer fails its requests
+
+Tensor names, types and shapes come from the server's model metadata and are
+checked once at load against ``input`` (as for a local file). A model whose
+input is UINT8 gets raw pixels (0..255): the config must then leave the
+normalisation to the server (``input: {scale: 1}``, default mean and std), and
+each batch goes over the wire as uint8, a quarter of the bytes.
+
+A server that cannot be reached, a batch that passes ``timeout_ms`` and an error
+the server answers with each fail that batch's requests with a
+:class:`TritonError` subclass naming the server, the model and the reason.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from inference.backends.base import Backend, BackendError, TensorSpec
+from inference.backends.inputs import check_input
+from inference.config import ModelConfig
+
+# KServe v2 datatypes and their NumPy names.
+_DTYPES = {
+    "FP32": "float32",
+    "FP16": "float16",
+    "FP64": "float64",
+    "UINT8": "uint8",
+    "INT8": "int8",
+    "INT16": "int16",
+    "INT32": "int32",
+    "INT64": "int64",
+    "BOOL": "bool",
+    "BYTES": "str",
+}
+_WIRE = {numpy: wire for wire, numpy in _DTYPES.items()}
+
+
+class TritonError(BackendError):
+    """A remote model could not answer a batch; ``url`` and ``model`` say which."""
+
+    def __init__(self, model: str, url: str, message: str) -> None:
+        self.url = url
+        self.model = model
+        super().__init__(f"{model} on {url}: {message}")
+
+
+class TritonUnavailable(TritonError):
+    """The server cannot be reached (not started, stopped, connection lost)."""
+
+
+class TritonTimeout(TritonError):
+    """The server did not answer within ``backend_options.timeout_ms``."""
+
+
+class TritonServerError(TritonError):
+    """The server answered with an error (the model failed, a wrong tensor, ...)."""
+
+
+def parse_url(config: ModelConfig) -> str:
+    """``HOST:PORT`` from ``backend_options.url`` (``grpc://HOST:PORT``), or a config error at it."""
+    url = config.backend_options.url
+    if not url:
+        raise config.error(
+            "backend_options", "backend triton needs backend_options.url", "add url: grpc://HOST:PORT"
+        )
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "grpc" or not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise config.error(
+            "backend_options.url",
+            f"{url!r} is not a KServe gRPC address",
+            "write it as grpc://HOST:PORT (Triton's gRPC port is 8001 by default)",
+        )
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{host}:{port}"
+
+
+def _status(exc: Exception) -> str:
+    status = getattr(exc, "status", None)
+    return str(status() if callable(status) else status or "")
+
+
+def _summary(message: str) -> str:
+    """A server's error in one line: its first line and the exception a traceback ends with."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return message.strip()
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b.*:", line)]
+    tail = raised[-1] if raised else lines[-1]
+    return lines[0] if tail == lines[0] else f"{lines[0]} ... {tail}"
+
+
+def _spec(tensor: Mapping[str, Any]) -> TensorSpec:
+    shape = tuple(int(d) if int(d) > 0 else None for d in tensor.get("shape", []))
+    datatype = str(tensor.get("datatype", ""))
+    return TensorSpec(str(tensor["name"]), shape, _DTYPES.get(datatype, datatype))
+
+
+class TritonBackend(Backend):
+    """One gRPC client to the server; one instance runs one batch at a time."""
+
+    def __init__(self, config: ModelConfig, model_path: Path, instance: int = 0) -> None:
+        try:
+            import tritonclient.grpc as grpcclient
+        except ImportError as exc:
+            raise BackendError(
+                f"{config.name}: backend triton needs the `tritonclient[grpc]` package "
+                f"(pip install 'vidpipe[triton]')"
+            ) from exc
+        self.config = config
+        self.instance = instance
+        opts = config.backend_options
+        address = parse_url(config)
+        if not opts.model_name:
+            raise config.error(
+                "backend_options",
+                "backend triton needs backend_options.model_name",
+                "add model_name: the model's name on the server",
+            )
+        self.url = opts.url or ""
+        self.model_name = opts.model_name
+        self.timeout_s = opts.timeout_ms / 1000.0
+        self._exception: type[Exception] = grpcclient.InferenceServerException
+        self._grpc = grpcclient
+        self._client = grpcclient.InferenceServerClient(url=address)
+        try:
+            self._load(config, address)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, config: ModelConfig, address: str) -> None:
+        try:
+            meta = self._client.get_model_metadata(
+                self.model_name, as_json=True, client_timeout=self.timeout_s
+            )
+        except self._exception as exc:
+            raise self._load_error(config, exc) from exc
+        self.inputs = [_spec(t) for t in meta.get("inputs", [])]
+        self.outputs = [_spec(t) for t in meta.get("outputs", [])]
+        self.metadata = {}
+        server_batch: int | None = None
+        try:
+            model_config = self._client.get_model_config(
+                self.model_name, as_json=True, client_timeout=self.timeout_s
+            ).get("config", {})
+        except self._exception:
+            model_config = {}  # not every KServe v2 server has Triton's model configuration
+        if model_config:
+            server_batch = int(model_config.get("max_batch_size", 0))
+            # A model's string parameters stand in for a model file's metadata
+            # (e.g. a text recogniser's `character` dictionary).
+            for key, value in (model_config.get("parameters") or {}).items():
+                if isinstance(value, Mapping) and "string_value" in value:
+                    self.metadata[str(key)] = str(value["string_value"])
+        where = Path(f"{self.model_name}@{address}")
+        declared = self.inputs
+        self.wire_dtype = ""
+        named = [t for t in declared if t.name == (config.input.name or t.name)][:1]
+        if named and named[0].dtype == "uint8":
+            self._check_raw_pixels(config, named[0])
+            # The server takes raw pixels; the local tensor stays float and is sent as uint8.
+            declared = [
+                TensorSpec(t.name, t.shape, config.input.dtype) if t is named[0] else t for t in declared
+            ]
+            self.wire_dtype = "uint8"
+        self.input = check_input(config, where, declared)
+        if not self.wire_dtype:
+            self.wire_dtype = self.input.dtype
+        if server_batch is not None and config.max_batch_size > max(server_batch, 0):
+            raise config.error(
+                "max_batch_size",
+                f"the server's model {self.model_name!r} takes batches of at most {server_batch}, "
+                f"but max_batch_size is {config.max_batch_size}",
+                f"set max_batch_size to {server_batch} or less",
+            )
+        self._output_names = [o.name for o in self.outputs]
+
+    def _check_raw_pixels(self, config: ModelConfig, spec: TensorSpec) -> None:
+        inp = config.input
+        if inp.scale != 1.0 or any(m != 0 for m in inp.mean) or any(s != 1 for s in inp.std):
+            raise config.error(
+                "input.scale",
+                f"the server's model {self.model_name!r} takes {spec.name!r} as uint8 (raw pixels), "
+                f"so the image cannot be normalised here",
+                "set input: {scale: 1} and leave mean and std at their defaults; the server normalises",
+            )
+
+    def _load_error(self, config: ModelConfig, exc: Exception) -> Exception:
+        status = _status(exc)
+        if "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status:
+            return TritonUnavailable(
+                config.name,
+                self.url,
+                f"cannot reach the server ({exc.__class__.__name__}: {status}); "
+                f"is it running, and is {self.url} its gRPC port?",
+            )
+        if "NOT_FOUND" in status or "INVALID_ARGUMENT" in status or "unknown model" in str(exc).lower():
+            served = self._served_models()
+            return config.error(
+                "backend_options.model_name",
+                f"the server at {self.url} has no model {self.model_name!r}"
+                + (f" (it serves: {', '.join(served)})" if served else ""),
+                "set model_name to a model the server has loaded",
+            )
+        return TritonServerError(config.name, self.url, f"model metadata failed: {exc}")
+
+    def _served_models(self) -> list[str]:
+        try:
+            index = self._client.get_model_repository_index(as_json=True, client_timeout=self.timeout_s)
+        except self._exception:
+            return []
+        return sorted({str(m["name"]) for m in index.get("models", []) if "name" in m})
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        grpc = self._grpc
+        requests = []
+        for name, array in inputs.items():
+            if name == self.input.name and self.wire_dtype == "uint8":
+                array = np.clip(np.rint(array), 0, 255).astype(np.uint8)
+            array = np.ascontiguousarray(array)
+            wire = grpc.InferInput(name, list(array.shape), _WIRE.get(str(array.dtype), "FP32"))
+            wire.set_data_from_numpy(array)
+            requests.append(wire)
+        wanted = [grpc.InferRequestedOutput(n) for n in self._output_names]
+        try:
+            result = self._client.infer(
+                self.model_name, requests, outputs=wanted, client_timeout=self.timeout_s
+            )
+        except self._exception as exc:
+            raise self._run_error(exc, inputs) from exc
+        outputs: dict[str, np.ndarray] = {}
+        for name in self._output_names:
+            array = result.as_numpy(name)
+            if array is None:
+                raise TritonServerError(self.config.name, self.url, f"the answer has no output {name!r}")
+            outputs[name] = array
+        return outputs
+
+    def _run_error(self, exc: Exception, inputs: Mapping[str, np.ndarray]) -> TritonError:
+        status = _status(exc)
+        name, url = self.config.name, self.url
+        message = _summary(str(exc.message()) if callable(getattr(exc, "message", None)) else str(exc))  # type: ignore[attr-defined]
+        if "DEADLINE_EXCEEDED" in status:
+            return TritonTimeout(name, url, f"no answer within timeout_ms {self.timeout_s * 1000:.0f}")
+        if "UNAVAILABLE" in status:
+            return TritonUnavailable(name, url, f"the server cannot be reached: {message}")
+        shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in inputs.items())
+        return TritonServerError(name, url, f"the server failed on {shapes}: {message}")
+
+    def close(self) -> None:
+        client = self.__dict__.pop("_client", None)
+        if client is not None:
+            client.close()
