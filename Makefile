@@ -24,11 +24,12 @@ $(BIN)/python:
 # nvidia-pytriton wheel. The wheel pins numpy<2, which would pull the whole environment
 # back to NumPy 1, so it goes in without its pins, and its Python-backend stub gets a
 # NumPy 1 of its own (a folder the tests put first on the stub's path).
-TRITON_TEST := nvidia-pytriton pyzmq sh typer typing_inspect wrapt importlib_metadata
+TRITON_TEST_DEPS := pyzmq sh typer typing_inspect wrapt importlib_metadata
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test]'
-	$(BIN)/pip install --quiet --no-deps $(TRITON_TEST)
+	$(BIN)/pip install --quiet $(TRITON_TEST_DEPS)
+	$(BIN)/pip install --quiet --no-deps nvidia-pytriton
 	$(BIN)/pip install --quiet --no-deps --upgrade --target $(VENV)/triton-stub-numpy 'numpy<2'
 	touch $@
 
