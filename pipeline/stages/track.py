@@ -9,9 +9,9 @@
       match: label             # a track continues only with its own label; any: across labels
       iou: 0.2                 # minimum overlap to continue a track
       low_iou: 0.5             # bytetrack: overlap for the low-score second pass
-      high_score: 0.5          # bytetrack: detections at least this sure are matched first
+      high_score: 0.25         # bytetrack: detections at least this sure are matched first
       low_score: 0.1           # bytetrack: below this a detection is ignored
-      new_score: 0.6           # bytetrack: a new track needs a detection this sure
+      new_score: 0.35          # bytetrack: a new track needs a detection this sure
       min_hits: 2              # bytetrack: frames a track needs before it gets an id
       max_age: 30              # frames a lost track is kept for re-identification
 
@@ -54,11 +54,11 @@ class TrackOptions(StageOptions):
     low_iou: float = field(
         default=0.5, metadata=spec(ge=0, le=1, help="bytetrack: overlap for low-score detections")
     )
-    high_score: float = field(default=0.5, metadata=spec(ge=0, le=1, help="bytetrack: first-pass detections"))
+    high_score: float = field(default=0.25, metadata=spec(ge=0, le=1, help="bytetrack: matched first"))
     low_score: float = field(
         default=0.1, metadata=spec(ge=0, le=1, help="bytetrack: detections below are ignored")
     )
-    new_score: float = field(default=0.6, metadata=spec(ge=0, le=1, help="bytetrack: score to start a track"))
+    new_score: float = field(default=0.35, metadata=spec(ge=0, le=1, help="bytetrack: starts a track"))
     min_hits: int = field(default=2, metadata=spec(ge=1, help="bytetrack: hits before a track gets an id"))
     max_age: int = field(default=30, metadata=spec(ge=1, help="frames a lost track is kept"))
 

@@ -34,9 +34,10 @@ from pipeline.tracking.kalman import KalmanBox
 class ByteTrackParams:
     """The tracker's thresholds (documented with ``type: track`` in docs/config.md)."""
 
-    high_score: float = 0.5
+    # The defaults of Ultralytics' and supervision's ByteTrack, tuned for YOLO-class scores.
+    high_score: float = 0.25
     low_score: float = 0.1
-    new_score: float = 0.6
+    new_score: float = 0.35
     iou: float = 0.2
     low_iou: float = 0.5
     min_hits: int = 2

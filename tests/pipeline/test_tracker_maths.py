@@ -87,9 +87,9 @@ def test_low_score_detections_continue_followed_tracks_but_start_none() -> None:
     tracker = ByteTracker()
     assert tracker.update(np.array([square(0, 0)]), np.array([0.9]), ["sq"]) == [1]
     # An occluded object's score drops: the second pass keeps its id.
-    assert tracker.update(np.array([square(2, 0)]), np.array([0.3]), ["sq"]) == [1]
+    assert tracker.update(np.array([square(2, 0)]), np.array([0.2]), ["sq"]) == [1]
     # A low-score detection elsewhere starts nothing.
-    assert tracker.update(np.array([square(4, 0), square(200, 200)]), np.array([0.9, 0.3]), ["sq", "sq"]) == [
+    assert tracker.update(np.array([square(4, 0), square(200, 200)]), np.array([0.9, 0.2]), ["sq", "sq"]) == [
         1,
         None,
     ]
