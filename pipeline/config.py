@@ -289,7 +289,7 @@ def _check_graph(cfg: PipelineConfig, raw: Any, file: str) -> None:
 
         if stage.name in seen:
             raise err(*at("name"), f"duplicate stage name {stage.name!r}", "stage names must be unique")
-        for key, problem in stage.problems():
+        for key, problem in [*stage.problems(), *stage.order_problems(list(seen.values()))]:
             raise err(*at(key), problem)
         for ref_key, ref in stage.references().items():
             if ref not in seen:

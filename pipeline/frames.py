@@ -20,6 +20,14 @@ class Attribute:
     model: str
     label: str
     score: float
+    # True when copied from the object's track, not computed on this frame (reinfer_interval).
+    carried: bool = False
+
+    def to_message(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": self.model, "label": self.label, "score": round(float(self.score), 4)}
+        if self.carried:
+            out["carried"] = True
+        return out
 
 
 @dataclass(slots=True)
@@ -39,6 +47,10 @@ class DetectedObject:
     attributes: list[Attribute] = field(default_factory=list)
     # Names of the zones the object is in; set (possibly empty) by a zones stage.
     zones: list[str] | None = None
+    # The tracker's predicted box on a frame its detector skipped (infer ``interval``).
+    predicted: bool = False
+    # ``text`` copied from the object's track, not read on this frame (reinfer_interval).
+    text_carried: bool = False
     # Crops cut for cascade stages, keyed by (kind, rotation), reused across stages.
     crops: dict[tuple[str, int], Crop] = field(default_factory=dict, repr=False)
 
@@ -58,13 +70,14 @@ class DetectedObject:
             out["text"] = self.text
             if self.text_score is not None:
                 out["text_score"] = round(float(self.text_score), 4)
+            if self.text_carried:
+                out["text_carried"] = True
         if self.attributes:
-            out["attributes"] = [
-                {"model": a.model, "label": a.label, "score": round(float(a.score), 4)}
-                for a in self.attributes
-            ]
+            out["attributes"] = [a.to_message() for a in self.attributes]
         if self.zones is not None:
             out["zones"] = list(self.zones)
+        if self.predicted:
+            out["predicted"] = True
         return out
 
 
@@ -81,6 +94,8 @@ class Frame:
     stage_times: dict[str, float] = field(default_factory=dict)
     # What happened to tracked objects in this frame (a zones stage); published after its message.
     events: list[Event] = field(default_factory=list)
+    # Detector stages that skipped this frame (infer ``interval``); the tracker predicts for them.
+    skipped: set[str] = field(default_factory=set)
     # The pooled buffer ``image`` lives in; it goes back to the source's pool on release().
     buffer: Any = field(default=None, repr=False)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1), repr=False)

@@ -58,6 +58,10 @@ class StageOptions:
         """Checks across this stage's own keys: ``(key, problem)`` for each one that fails."""
         return []
 
+    def order_problems(self, earlier: list[StageOptions]) -> list[tuple[str, str]]:
+        """Checks against the stages listed before this one: ``(key, problem)`` for each that fails."""
+        return []
+
 
 @dataclass
 class StageContext:

@@ -20,6 +20,17 @@
         on: text
         upright_by: orientation    # turn crops the classifier says are upside down
 
+Tracking lets both kinds run less often (``type: track`` between them)::
+
+      - {name: people, type: infer, model: yolo, interval: 2}   # detect on 1 frame in 3
+      - {name: track, type: track}                               # predicts the other 2
+      - name: colour
+        type: infer
+        model: colour_cls
+        on: people
+        reinfer_interval: 5        # per track: on a new track, a box that moved, or every 5th frame
+        reinfer_iou: 0.5           # "moved": overlap with the box at the last run below this
+
 Every request goes to the model's dynamic batcher, so crops from all streams
 are batched together. Classifier results attach to the parent object as
 ``attributes``, recogniser results as ``text``; a detector run on crops adds
@@ -27,6 +38,18 @@ new objects in frame coordinates (mapped back through each crop's warp and
 turn). Cutting crops (copies, warps, turns) runs on a worker thread, not on
 the event loop. Objects a cascade does not run its model on, or gets no answer
 for, are counted in ``vidpipe_objects_skipped_total{reason}``.
+
+``interval: N`` follows DeepStream's ``interval``: the detector runs on frames
+whose index is a multiple of N+1 and skips the N between, marking the frame
+(``Frame.skipped``) so the track stage publishes its predicted boxes. The
+decision depends on the index alone, so frames of one source in flight
+together decide the same way whatever order they finish in.
+
+``reinfer_interval: N`` (a cascade after a track stage, so it runs in frame
+order) keeps each track's last result: between runs the object gets the
+track's attributes (``carried``) and text (``text_carried``) instead of a new
+request. Only classifier and recogniser results are carried; a detector on
+crops runs every frame.
 """
 
 from __future__ import annotations
@@ -44,6 +67,7 @@ from inference.schema import spec
 from pipeline.crops import Crop, cut_box, cut_polygon, map_box, map_points, rotate
 from pipeline.frames import Attribute, DetectedObject, Frame
 from pipeline.stages.base import Stage, StageContext, StageOptions
+from pipeline.tracking.assignment import iou_matrix
 
 if TYPE_CHECKING:
     from inference.model import Model
@@ -74,6 +98,16 @@ class InferOptions(StageOptions):
     )
     priority: int | None = field(default=None, metadata=spec(ge=1))
     timeout_ms: float | None = field(default=None, metadata=spec(gt=0))
+    interval: int = field(
+        default=0, metadata=spec(ge=0, help="whole-frame detectors: run on one frame, skip this many")
+    )
+    reinfer_interval: int = field(
+        default=0, metadata=spec(ge=0, help="cascades after a track stage: re-run on a track every N frames")
+    )
+    reinfer_iou: float = field(
+        default=0.5,
+        metadata=spec(ge=0, le=1, help="re-run earlier when the box overlaps its last-run box less"),
+    )
 
     def models(self) -> tuple[str, ...]:
         return (self.model,) if self.model else ()
@@ -88,7 +122,28 @@ class InferOptions(StageOptions):
             out.append(("type", "an infer stage needs 'model'"))
         if self.upright_by is not None and self.on is None:
             out.append(("upright_by", "upright_by only applies to a stage with 'on'"))
+        if self.interval and self.on is not None:
+            out.append(
+                (
+                    "interval",
+                    "interval applies to a detector on whole frames; a cascade takes reinfer_interval",
+                )
+            )
+        if self.reinfer_interval and self.on is None:
+            out.append(("reinfer_interval", "reinfer_interval only applies to a stage with 'on'"))
         return out
+
+    def order_problems(self, earlier: list[StageOptions]) -> list[tuple[str, str]]:
+        tracked = any(s.type == "track" for s in earlier)
+        if self.reinfer_interval and not tracked:
+            return [
+                ("reinfer_interval", "reinfer_interval needs a track stage before this stage (move it above)")
+            ]
+        if self.interval and tracked:
+            return [
+                ("interval", "a detector with interval must come before the track stage that predicts for it")
+            ]
+        return []
 
 
 class InferStage(Stage):
@@ -105,6 +160,8 @@ class InferStage(Stage):
         # Sources already told that this stage leaves objects beyond max_objects out.
         self._warned_max_objects: set[str] = set()
         self._upright_model = self._upright_by_model()
+        # reinfer_interval: per source, per track id, the last run's result.
+        self._last_runs: dict[str, dict[int, _LastRun]] = {}
 
     def _upright_by_model(self) -> str | None:
         if self.opts.upright_by is None:
@@ -134,10 +191,15 @@ class InferStage(Stage):
     async def process(self, frame: Frame) -> None:
         kwargs = self._request_options()
         if self.opts.on is None:
+            if self.opts.interval and frame.index % (self.opts.interval + 1):
+                frame.skipped.add(self.name)
+                return
             result = await self._infer(frame.image, kwargs)
             self._attach_detections(frame, result, None)
             return
         parents = self._select_parents(frame)
+        if self.opts.reinfer_interval:
+            parents = self._carry_or_run(frame, parents)
         if not parents:
             return
         crops = await asyncio.to_thread(self._cut_all, frame, parents)
@@ -154,6 +216,44 @@ class InferStage(Stage):
                 self._failed(frame, obj, result)
                 continue
             self._attach(frame, obj, result, crop)
+            if self.opts.reinfer_interval and obj.track_id is not None:
+                self._remember(frame, obj, result)
+
+    def _carry_or_run(self, frame: Frame, parents: list[DetectedObject]) -> list[DetectedObject]:
+        """The parents to run the model on; the others get their track's last result, flagged carried."""
+        runs = self._last_runs.setdefault(frame.source, {})
+        to_run = []
+        for obj in parents:
+            last = runs.get(obj.track_id) if obj.track_id is not None else None
+            if (
+                last is None
+                or frame.index - last.frame >= self.opts.reinfer_interval
+                or _iou(last.box, obj.bbox) < self.opts.reinfer_iou
+            ):
+                to_run.append(obj)
+                continue
+            last.seen = frame.index
+            obj.attributes.extend(
+                Attribute(model=a.model, label=a.label, score=a.score, carried=True) for a in last.attributes
+            )
+            if last.text is not None:
+                obj.text, obj.text_score, obj.text_carried = last.text, last.text_score, True
+        # Tracks not seen for a long while are gone: their results go too.
+        horizon = frame.index - 10 * self.opts.reinfer_interval - 100
+        for track_id in [t for t, last in runs.items() if last.seen < horizon]:
+            del runs[track_id]
+        return to_run
+
+    def _remember(self, frame: Frame, obj: DetectedObject, result: Any) -> None:
+        assert obj.track_id is not None
+        if isinstance(result, Classification):
+            attrs = [Attribute(model=self.opts.model, label=result.label, score=result.score)]
+            last = _LastRun(frame.index, obj.bbox, frame.index, attributes=attrs)
+        elif isinstance(result, Recognition):
+            last = _LastRun(frame.index, obj.bbox, frame.index, text=result.text, text_score=result.score)
+        else:
+            return  # detections on crops are not carried
+        self._last_runs.setdefault(frame.source, {})[obj.track_id] = last
 
     def _request_options(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
@@ -297,3 +397,20 @@ class InferStage(Stage):
 
     def forget_source(self, source: str) -> None:
         self._warned_max_objects.discard(source)
+        self._last_runs.pop(source, None)
+
+
+@dataclass(slots=True)
+class _LastRun:
+    """A track's result from this stage's last run on it (reinfer_interval)."""
+
+    frame: int
+    box: tuple[float, float, float, float]
+    seen: int
+    attributes: list[Attribute] = field(default_factory=list)
+    text: str | None = None
+    text_score: float | None = None
+
+
+def _iou(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> float:
+    return float(iou_matrix(np.array([a]), np.array([b]))[0, 0])

@@ -2,56 +2,91 @@
 
 ::
 
-    - {name: track, type: track, iou: 0.3, max_age: 15}
+    - name: track
+      type: track
+      tracker: bytetrack       # or iou: the greedy IoU tracker
+      classes: [person, car]   # labels to track; all when empty
+      match: label             # a track continues only with its own label; any: across labels
+      iou: 0.2                 # minimum overlap to continue a track
+      low_iou: 0.5             # bytetrack: overlap for the low-score second pass
+      high_score: 0.25         # bytetrack: detections at least this sure are matched first
+      low_score: 0.1           # bytetrack: below this a detection is ignored
+      new_score: 0.35          # bytetrack: a new track needs a detection this sure
+      min_hits: 2              # bytetrack: frames a track needs before it gets an id
+      max_age: 30              # frames a lost track is kept for re-identification
 
-Greedy IoU matching per label between the previous frame's tracks and this
-frame's objects; a track not seen for ``max_age`` frames is forgotten. It runs
-in frame order per source (``ordered``), so ids never depend on timing.
+The maths lives in :mod:`pipeline.tracking`; this stage keeps one tracker per
+source and per detector stage (ids are unique per source), in frame order
+(``ordered``), so ids never depend on timing. Objects of a detector that
+skipped the frame (infer ``interval``) are the tracker's predicted boxes,
+added with ``predicted`` set. A detection that is not (yet) part of a
+confirmed track keeps no ``track_id``.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
 from inference.schema import spec
-from pipeline.frames import Frame
+from pipeline.frames import DetectedObject, Frame
 from pipeline.stages.base import Stage, StageContext, StageOptions
+from pipeline.tracking.base import Tracker
+from pipeline.tracking.bytetrack import ByteTracker, ByteTrackParams
+from pipeline.tracking.iou import IouTracker
 
 
 @dataclass(frozen=True)
 class TrackOptions(StageOptions):
-    """``type: track``: which objects to track and when a track ends."""
+    """``type: track``: which tracker, which objects, and its thresholds."""
 
+    tracker: Literal["bytetrack", "iou"] = field(default="bytetrack", metadata=spec(help="bytetrack or iou"))
     classes: list[str] = field(default_factory=list, metadata=spec(help="labels to track; all when empty"))
-    iou: float = field(default=0.3, metadata=spec(ge=0, le=1, help="minimum overlap to continue a track"))
-    max_age: int = field(default=15, metadata=spec(ge=1, help="frames a track survives unseen"))
+    match: Literal["label", "any"] = field(
+        default="label",
+        metadata=spec(help="label: a track continues with its own label only; any: across labels"),
+    )
+    iou: float = field(default=0.2, metadata=spec(ge=0, le=1, help="minimum overlap to continue a track"))
+    low_iou: float = field(
+        default=0.5, metadata=spec(ge=0, le=1, help="bytetrack: overlap for low-score detections")
+    )
+    high_score: float = field(default=0.25, metadata=spec(ge=0, le=1, help="bytetrack: matched first"))
+    low_score: float = field(
+        default=0.1, metadata=spec(ge=0, le=1, help="bytetrack: detections below are ignored")
+    )
+    new_score: float = field(default=0.35, metadata=spec(ge=0, le=1, help="bytetrack: starts a track"))
+    min_hits: int = field(default=2, metadata=spec(ge=1, help="bytetrack: hits before a track gets an id"))
+    max_age: int = field(default=30, metadata=spec(ge=1, help="frames a lost track is kept"))
+
+    def problems(self) -> list[tuple[str, str]]:
+        if self.low_score > self.high_score:
+            return [("low_score", f"low_score {self.low_score} is above high_score {self.high_score}")]
+        return []
 
 
-@dataclass(slots=True)
-class _Track:
-    id: int
-    label: str
-    box: tuple[float, float, float, float]
-    last_seen: int
+class _SourceTracks:
+    """One source's trackers, one per detector stage, sharing the source's id counter."""
 
+    def __init__(self, make: Callable[[Callable[[], int]], Tracker]) -> None:
+        self._make = make
+        self._next_id = itertools.count(1).__next__
+        self.by_stage: dict[str, Tracker] = {}
+        # class_id per label, for the predicted objects of skipped frames.
+        self.class_ids: dict[str, int] = {}
 
-def iou_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """IoU of every box in ``a`` (N×4) against every box in ``b`` (M×4)."""
-    x1 = np.maximum(a[:, None, 0], b[None, :, 0])
-    y1 = np.maximum(a[:, None, 1], b[None, :, 1])
-    x2 = np.minimum(a[:, None, 2], b[None, :, 2])
-    y2 = np.minimum(a[:, None, 3], b[None, :, 3])
-    inter = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
-    area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
-    area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
-    union = area_a[:, None] + area_b[None, :] - inter
-    return np.where(union > 0, inter / np.maximum(union, 1e-9), 0.0)
+    def tracker(self, stage: str) -> Tracker:
+        tracker = self.by_stage.get(stage)
+        if tracker is None:
+            tracker = self.by_stage[stage] = self._make(self._next_id)
+        return tracker
 
 
 class TrackStage(Stage):
-    """IoU tracker, one state per source."""
+    """One tracker per source and detector stage, fed in frame order."""
 
     kind = "track"
     options_type = TrackOptions
@@ -61,36 +96,57 @@ class TrackStage(Stage):
         super().__init__(options, context)
         assert isinstance(options, TrackOptions)  # the registry builds kinds from their own options
         self.opts = options
-        self._tracks: dict[str, list[_Track]] = {}
-        self._next_id: dict[str, int] = {}
+        self._sources: dict[str, _SourceTracks] = {}
+
+    def _make_tracker(self, next_id: Callable[[], int]) -> Tracker:
+        o = self.opts
+        if o.tracker == "iou":
+            return IouTracker(min_iou=o.iou, max_age=o.max_age, next_id=next_id)
+        params = ByteTrackParams(
+            high_score=o.high_score, low_score=o.low_score, new_score=o.new_score, iou=o.iou,
+            low_iou=o.low_iou, min_hits=o.min_hits, max_age=o.max_age, per_label=o.match == "label",
+        )  # fmt: skip
+        return ByteTracker(params, next_id=next_id)
 
     async def process(self, frame: Frame) -> None:
-        tracks = self._tracks.setdefault(frame.source, [])
-        objects = [o for o in frame.objects if not self.opts.classes or o.label in self.opts.classes]
-        unmatched = set(range(len(objects)))
-        if tracks and objects:
-            iou = iou_matrix(
-                np.array([t.box for t in tracks], dtype=np.float64),
-                np.array([o.bbox for o in objects], dtype=np.float64),
+        state = self._sources.get(frame.source)
+        if state is None:
+            state = self._sources[frame.source] = _SourceTracks(self._make_tracker)
+        groups: dict[str, list[DetectedObject]] = {}
+        for obj in frame.objects:
+            if obj.track_id is None and (not self.opts.classes or obj.label in self.opts.classes):
+                groups.setdefault(obj.stage, []).append(obj)
+        # Every tracker sees every frame, with or without objects, so its tracks age.
+        for stage in dict.fromkeys([*state.by_stage, *groups, *sorted(frame.skipped)]):
+            tracker = state.tracker(stage)
+            if stage in frame.skipped:
+                self._predicted(frame, state, stage, tracker)
+                continue
+            objects = groups.get(stage, [])
+            for obj in objects:
+                state.class_ids[obj.label] = obj.class_id
+            ids = tracker.update(
+                np.array([o.bbox for o in objects], dtype=np.float64).reshape(-1, 4),
+                np.array([o.score for o in objects], dtype=np.float64),
+                [o.label for o in objects],
             )
-            for t_idx, o_idx in zip(*np.unravel_index(np.argsort(-iou, axis=None), iou.shape), strict=True):
-                if iou[t_idx, o_idx] < self.opts.iou:
-                    break
-                track, obj = tracks[t_idx], objects[o_idx]
-                if o_idx not in unmatched or track.last_seen == frame.index or track.label != obj.label:
-                    continue
-                obj.track_id = track.id
-                track.box = obj.bbox
-                track.last_seen = frame.index
-                unmatched.discard(o_idx)
-        for o_idx in sorted(unmatched):
-            obj = objects[o_idx]
-            track_id = self._next_id.get(frame.source, 1)
-            self._next_id[frame.source] = track_id + 1
-            obj.track_id = track_id
-            tracks.append(_Track(track_id, obj.label, obj.bbox, frame.index))
-        self._tracks[frame.source] = [t for t in tracks if frame.index - t.last_seen <= self.opts.max_age]
+            for obj, track_id in zip(objects, ids, strict=True):
+                obj.track_id = track_id
+
+    def _predicted(self, frame: Frame, state: _SourceTracks, stage: str, tracker: Tracker) -> None:
+        for tb in tracker.predict():
+            frame.objects.append(
+                DetectedObject(
+                    id=frame.next_object_id(),
+                    label=tb.label,
+                    class_id=state.class_ids.get(tb.label, 0),
+                    score=tb.score,
+                    bbox=tb.box,
+                    stage=stage,
+                    track_id=tb.track_id,
+                    predicted=True,
+                )
+            )
 
     def forget_source(self, source: str) -> None:
-        self._tracks.pop(source, None)
-        self._next_id.pop(source, None)
+        self._sources.pop(source, None)

@@ -62,7 +62,8 @@ BROKEN = [
     # Each stage kind takes its own keys: one that belongs to another kind is an error.
     pytest.param(GOOD + "  - {name: t, type: track,\n     on: det}\n", 8,
                  "stages[1].on: does not apply to a stage of type track (hint: type track takes: name, type, "
-                 "classes, iou, max_age)", id="on-on-track"),
+                 "tracker, classes, match, iou, low_iou, high_score, low_score, new_score, min_hits, max_age)",
+                 id="on-on-track"),
     pytest.param(GOOD.replace("model: squares", "model: squares, iou: 0.5"), 6,
                  "stages[0].iou: does not apply to a stage of type infer", id="iou-on-infer"),
     pytest.param(GOOD.replace("model: squares", "model: squares, mdoel: x"), 6,
