@@ -32,6 +32,9 @@ BUILD_STAGE = "localhost/vidpipe:test-build"
 BUILD_TIMEOUT = 1200
 FRAMES = 24
 
+# The first run bootstraps the base and downloads every wheel: minutes, not seconds.
+pytestmark = pytest.mark.timeout(BUILD_TIMEOUT)
+
 PIPELINE = """\
 pipeline: image
 models: /opt/vidpipe/samples/models
@@ -130,7 +133,6 @@ def test_image_runs_as_uid_10001_with_vidpipe_as_entrypoint(image: str, containe
     assert versions == [locked(name, python) for name in ("av", "numpy", "onnxruntime")]
 
 
-@pytest.mark.timeout(BUILD_TIMEOUT)
 async def test_entrypoint_publishes_detections_to_nats_on_the_host(
     image: str, container: str, tmp_path: Path, nats_server: EmbeddedNats, collector: Collector
 ) -> None:
