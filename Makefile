@@ -7,14 +7,16 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # System libraries OpenCV (the opencv-python wheel) loads at import.
 RUNTIME_APT := libgl1 libglib2.0-0
-# System packages the tests add: FFmpeg CLI, GStreamer's RTSP server (test camera), Chromium (dashboard test).
+# System packages the tests add: FFmpeg CLI, GStreamer's RTSP server (test camera), Chromium
+# (dashboard test), buildah and debootstrap (the image is built and run), Prometheus and
+# promtool (the dashboard's queries and the alert rules).
 APT_PACKAGES := $(RUNTIME_APT) ffmpeg python3-gi gir1.2-gstreamer-1.0 gir1.2-gst-rtsp-server-1.0 \
 	gstreamer1.0-tools gstreamer1.0-plugins-base gstreamer1.0-plugins-good \
 	gstreamer1.0-plugins-bad gstreamer1.0-plugins-ugly gstreamer1.0-libav \
-	chromium fonts-dejavu-core
+	chromium fonts-dejavu-core buildah debootstrap prometheus
 PYTEST_ARGS ?=
 
-.PHONY: demo test install runtime-deps system-deps apt-install lint typecheck unit bench clean
+.PHONY: demo test install lock runtime-deps system-deps apt-install lint typecheck unit bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,14 +28,25 @@ $(BIN)/python:
 # NumPy 1 of its own (a folder the tests put first on the stub's path).
 TRITON_TEST_DEPS := pyzmq sh typer typing_inspect wrapt importlib_metadata
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[test]'
-	$(BIN)/pip install --quiet $(TRITON_TEST_DEPS)
+# constraints.txt pins every dependency to the versions CI tests with; the images install
+# from it too.
+$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/pip install --quiet --constraint constraints.txt -e '.[test]'
+	$(BIN)/pip install --quiet --constraint constraints.txt $(TRITON_TEST_DEPS)
 	$(BIN)/pip install --quiet --no-deps nvidia-pytriton
 	$(BIN)/pip install --quiet --no-deps --upgrade --target $(VENV)/triton-stub-numpy 'numpy<2'
 	touch $@
 
 install: $(VENV)/.installed
+
+# Re-resolve constraints.txt from pyproject.toml after changing dependencies, and commit
+# the result. Pins already in the file are kept where they still fit;
+# `make lock LOCK_ARGS=--upgrade` moves everything to the newest allowed versions.
+LOCK_ARGS ?=
+lock: | $(BIN)/python
+	$(BIN)/pip install --quiet uv
+	$(BIN)/uv pip compile pyproject.toml --extra test --python-version 3.11 --universal \
+		--custom-compile-command "make lock" --quiet --output-file constraints.txt $(LOCK_ARGS)
 
 # Install only what is missing; need root (or sudo) on Debian/Ubuntu.
 runtime-deps:

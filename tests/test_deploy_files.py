@@ -36,10 +36,12 @@ METRIC_RE = re.compile(r"\bvidpipe_[a-z0-9_]+")
 EXPECTED_FILES = [
     "docker/Dockerfile",
     "docker/Dockerfile.gpu",
+    "docker/bootstrap-base.sh",
     "docker/compose.yaml",
     "docker/README.md",
     "docker/prometheus/prometheus.yml",
     "docker/prometheus/alerts.yml",
+    "docker/prometheus/alerts.test.yml",
     "docker/grafana/provisioning/datasources/prometheus.yaml",
     "docker/grafana/provisioning/dashboards/vidpipe.yaml",
     "docker/grafana/dashboards/vidpipe.json",
