@@ -60,7 +60,7 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 _NATIVE = "native"  # ONNX Runtime computes in the model file's own types
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class TrialPoint:
     """One configuration to measure: the tuned knobs, nothing else."""
 
@@ -429,36 +429,35 @@ class TrialRunner:
         return result
 
     async def _drive(self, model: Model, result: TrialResult) -> None:
-        start = time.perf_counter()
-        window_start = start + self.warmup_seconds
+        """Closed-loop load: warm up, then count the answers that arrive inside the window."""
+        window_start = time.perf_counter() + self.warmup_seconds
         window_end = window_start + self.trial_seconds
         latencies: list[float] = []
         rejected = 0
-        marks: dict[str, tuple[int, int]] = {}
         n = len(self.images)
 
         async def caller(offset: int) -> None:
             nonlocal rejected
             i = offset
-            while True:
-                t0 = time.perf_counter()
-                if t0 >= window_end:
-                    return
-                if t0 >= window_start and "start" not in marks:
-                    marks["start"] = (model.stats.batches, model.stats.batched_requests)
+            while (t0 := time.perf_counter()) < window_end:
                 try:
                     await model.infer(self.images[i % n])
                 except InferenceRejected:
                     rejected += 1
-                    await asyncio.sleep(0.001)
+                    await asyncio.sleep(0.001)  # a full queue: let the instances drain it
                     continue
                 t1 = time.perf_counter()
-                if window_start <= t0 and t1 <= window_end:
+                # An answer inside the window counts, even if it was asked during the warm-up.
+                if window_start <= t1 <= window_end:
                     latencies.append(t1 - t0)
                 i += self.concurrency
 
-        await asyncio.gather(*(caller(k) for k in range(self.concurrency)))
-        b0, r0 = marks.get("start", (0, 0))
+        async def batches_at_window_start() -> tuple[int, int]:
+            await asyncio.sleep(self.warmup_seconds)
+            return model.stats.batches, model.stats.batched_requests
+
+        callers = asyncio.gather(*(caller(k) for k in range(self.concurrency)))
+        (b0, r0), _ = await asyncio.gather(batches_at_window_start(), callers)
         stats = model.stats
         result.requests = len(latencies)
         result.rejected = rejected
