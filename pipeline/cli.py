@@ -7,6 +7,8 @@
     vidpipe validate CONFIG
     vidpipe subscribe [--nats URL] [SUBJECT] [--count N] [--timeout S]
     vidpipe models list REPO
+    vidpipe tune REPO MODEL [--concurrency N] [--seconds S] [--trial-seconds S]
+                            [--latency-budget-ms MS] [--write]
 
 Exit codes: 0 done, 1 runtime failure (no source produced anything, NATS
 unreachable, a model unavailable), 2 bad config or usage (``FILE:LINE: ...``).
@@ -81,6 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
         "list", help="list models, their inputs/outputs and state", parents=[common]
     )
     models_list.add_argument("repo")
+
+    tune = sub.add_parser(
+        "tune", help="measure a model's configurations and pick the fastest", parents=[common]
+    )
+    tune.add_argument("repo", help="model repository folder")
+    tune.add_argument("model", help="model name (its folder in the repository)")
+    tune.add_argument("--concurrency", type=int, default=8, metavar="N", help="callers in flight (8)")
+    tune.add_argument("--seconds", type=float, default=120.0, metavar="S", help="the whole search (120)")
+    tune.add_argument("--trial-seconds", type=float, default=2.0, metavar="S", help="each point (2)")
+    tune.add_argument("--latency-budget-ms", type=float, metavar="MS", help="p99 limit for the pick")
+    tune.add_argument("--write", action="store_true", help="write the pick into the model's config.yaml")
     return parser
 
 
@@ -98,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(cmd_subscribe(args))
         if args.command == "models":
             return cmd_models(args)
+        if args.command == "tune":
+            return cmd_tune(args)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
@@ -127,6 +142,53 @@ def cmd_models(args: argparse.Namespace) -> int:
     if not repo.is_dir():
         raise ConfigError(str(repo), None, "", "model repository folder not found", "check the path")
     print(describe_repository(repo))
+    return EXIT_OK
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from inference.tuning import TrialResult, tune, write_tuned_config
+
+    for flag, value in (
+        ("--concurrency", args.concurrency),
+        ("--seconds", args.seconds),
+        ("--trial-seconds", args.trial_seconds),
+    ):
+        if value <= 0:
+            raise ConfigError(flag, None, "", "must be greater than 0")
+    if args.latency_budget_ms is not None and args.latency_budget_ms <= 0:
+        raise ConfigError("--latency-budget-ms", None, "", "must be greater than 0")
+    if not Path(args.repo).is_dir():
+        raise ConfigError(args.repo, None, "", "model repository folder not found", "check the path")
+
+    def progress(n: int, r: TrialResult) -> None:
+        outcome = (
+            f"failed: {r.error}"
+            if r.error
+            else f"{r.throughput:.1f}/s p50 {r.p50_ms:.1f} ms p99 {r.p99_ms:.1f} ms batch {r.mean_batch:.1f}"
+        )
+        print(f"[{n:2d} {r.seconds:4.1f}s] {r.point.describe()} -> {outcome}", file=sys.stderr, flush=True)
+
+    report = asyncio.run(
+        tune(
+            Path(args.repo),
+            args.model,
+            concurrency=args.concurrency,
+            budget_s=args.seconds,
+            trial_seconds=args.trial_seconds,
+            latency_budget_ms=args.latency_budget_ms,
+            on_result=progress,
+        )
+    )
+    print(report.table())
+    print(report.summary())
+    if report.picked is None:
+        return EXIT_RUNTIME
+    if args.write:
+        changes = write_tuned_config(report.config_file, report.picked.point)
+        if changes:
+            print(f"wrote {report.config_file}: " + "; ".join(changes))
+        else:
+            print(f"{report.config_file}: already the pick, unchanged")
     return EXIT_OK
 
 

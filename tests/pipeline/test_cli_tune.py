@@ -1,0 +1,83 @@
+"""`vidpipe tune`: a real short search of the squares model, its table, and --write."""
+
+from __future__ import annotations
+
+import difflib
+import shutil
+from pathlib import Path
+
+from inference.repository import read_source
+from inference.tuning import TrialPoint
+from tests.conftest import run_cli
+
+COLUMNS = [
+    "#",
+    "backend",
+    "precision",
+    "instances",
+    "threads",
+    "max_batch",
+    "preferred",
+    "delay_us",
+    "throughput/s",
+    "p50_ms",
+    "p99_ms",
+    "mean_batch",
+]
+# Only these keys may change; each line of the file keeps its comment where it has one.
+TUNED = ("backend:", "max_batch_size:", "  preferred_batch_size:", "  max_queue_delay_microseconds:",
+         "instance_group:", "backend_options:")  # fmt: skip
+
+
+def test_tune_searches_prints_the_table_and_writes_only_the_tuned_keys(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    shutil.copytree(sample_models / "squares", tmp_path / "squares")
+    config = tmp_path / "squares" / "config.yaml"
+    original = "# Tuned by hand before; the tuner must keep this line.\n" + config.read_text().replace(
+        "labels: [square]", "labels: [square]   # one class"
+    )
+    config.write_text(original)
+    proc = run_cli(
+        "tune", str(tmp_path), "squares", "--concurrency", "4", "--seconds", "8",
+        "--trial-seconds", "0.3", "--latency-budget-ms", "500", "--write",
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == COLUMNS
+    rows = [line for line in lines[2:] if line.startswith("| ")]
+    # One progress line per trial on stderr, one row per trial in the table.
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("[")]
+    assert len(rows) == len(progress) >= 2
+    picked_rows = [r for r in rows if r.split("|")[1].strip().endswith("*")]
+    assert len(picked_rows) == 1
+    picked_line = next(line for line in lines if line.startswith("picked: "))
+    assert "% of the best measured" in picked_line and "(budget 500 ms)" in picked_line
+    assert any(line.startswith("best measured: ") for line in lines)
+    assert any(line.startswith(f"searched {len(rows)} of ") for line in lines)
+    # The file now says the pick, and only tuned lines changed.
+    written = TrialPoint.from_config(read_source(tmp_path, "squares").config)
+    assert picked_line.endswith(written.describe())
+    new = config.read_text()
+    changed = [
+        line[1:]
+        for line in difflib.unified_diff(original.splitlines(), new.splitlines(), lineterm="", n=0)
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
+    assert all(line.startswith(TUNED) for line in changed), changed
+    assert new.startswith("# Tuned by hand before; the tuner must keep this line.\n")
+    assert "labels: [square]   # one class\n" in new
+    assert ("wrote " in proc.stdout) == bool(changed)
+
+
+def test_tune_refuses_bad_arguments_as_usage_errors(tmp_path: Path, sample_models: Path) -> None:
+    proc = run_cli("tune", str(sample_models), "squares", "--seconds", "0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "--seconds: must be greater than 0"
+    proc = run_cli("tune", str(tmp_path / "nope"), "squares")
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == f"{tmp_path / 'nope'}: model repository folder not found (hint: check the path)"
+    )
