@@ -182,6 +182,27 @@ def connection_cap(configured: int) -> int:
     return max(1, min(configured, soft // 2))
 
 
+async def _read_body(request: web.Request, content_type: str, limit: int, what: str) -> bytes | web.Response:
+    """The whole body of a ``content_type`` request of at most ``limit`` bytes, or the error answer.
+
+    ``StreamReader.read(n)`` returns what has arrived so far, not n bytes: an offer
+    that comes in several TCP segments must be read until the end of the body.
+    """
+    if request.content_type != content_type:
+        return _error(415, f"Content-Type must be {content_type}, got {request.content_type!r}")
+    too_big = _error(413, f"{what} larger than {limit} bytes")
+    if request.content_length is not None and request.content_length > limit:
+        return too_big
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.read(limit + 1 - size):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return too_big
+    return b"".join(chunks)
+
+
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response({"error": message}, status=status, headers=headers)
 
@@ -352,6 +373,8 @@ class ApiServer:
     async def _security_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers.setdefault("X-Content-Type-Options", "nosniff")
         response.headers.setdefault("Cache-Control", "no-store")
+        # Snapshots and live views are not for other sites' pages to embed.
+        response.headers.setdefault("Cross-Origin-Resource-Policy", "same-origin")
         if response.content_type == "text/html":
             response.headers["Content-Security-Policy"] = (
                 "default-src 'self'; img-src 'self' blob:; frame-ancestors 'none'"
@@ -511,13 +534,9 @@ class ApiServer:
         sid = request.match_info["id"]
         if sid not in self.runtime.sources:
             return _error(404, f"no source {sid!r}")
-        if request.content_type != "application/sdp":
-            return _error(415, f"Content-Type must be application/sdp, got {request.content_type!r}")
-        if request.content_length is not None and request.content_length > MAX_SDP_BYTES:
-            return _error(413, f"SDP offer larger than {MAX_SDP_BYTES} bytes")
-        body = await request.content.read(MAX_SDP_BYTES + 1)
-        if len(body) > MAX_SDP_BYTES:
-            return _error(413, f"SDP offer larger than {MAX_SDP_BYTES} bytes")
+        body = await _read_body(request, "application/sdp", MAX_SDP_BYTES, "SDP offer")
+        if isinstance(body, web.Response):
+            return body
         try:
             offer = body.decode("utf-8")
         except UnicodeDecodeError:
@@ -592,13 +611,9 @@ class ApiServer:
         one keeps serving and the answer (422) says why.
         """
         name = request.match_info["name"]
-        if request.content_type != "application/json":
-            return _error(415, f"Content-Type must be application/json, got {request.content_type!r}")
-        if request.content_length is not None and request.content_length > MAX_RELOAD_BODY_BYTES:
-            return _error(413, f"reload body larger than {MAX_RELOAD_BODY_BYTES} bytes")
-        raw = await request.content.read(MAX_RELOAD_BODY_BYTES + 1)
-        if len(raw) > MAX_RELOAD_BODY_BYTES:
-            return _error(413, f"reload body larger than {MAX_RELOAD_BODY_BYTES} bytes")
+        raw = await _read_body(request, "application/json", MAX_RELOAD_BODY_BYTES, "reload body")
+        if isinstance(raw, web.Response):
+            return raw
         try:
             data = _parse_json(raw) if raw.strip() else {}
         except ValueError as exc:
@@ -650,13 +665,9 @@ class ApiServer:
         source = self._whip_source(name)
         if source is None:
             return _error(404, f"no whip:// source named {name!r}")
-        if request.content_type != "application/sdp":
-            return _error(415, f"Content-Type must be application/sdp, got {request.content_type!r}")
-        if request.content_length is not None and request.content_length > MAX_SDP_BYTES:
-            return _error(413, f"SDP offer larger than {MAX_SDP_BYTES} bytes")
-        body = await request.read()
-        if len(body) > MAX_SDP_BYTES:
-            return _error(413, f"SDP offer larger than {MAX_SDP_BYTES} bytes")
+        body = await _read_body(request, "application/sdp", MAX_SDP_BYTES, "SDP offer")
+        if isinstance(body, web.Response):
+            return body
         try:
             offer = body.decode("utf-8")
         except UnicodeDecodeError:

@@ -335,10 +335,18 @@ async def test_cross_site_requests_cannot_change_state(
             ("DELETE", "/v1/sources/cam"),
             ("POST", "/whip/cam"),
             ("DELETE", "/whip/cam/x"),
+            ("POST", "/whep/cam"),
+            ("DELETE", "/whep/cam/x"),
         ):
             status, body = await stack.json(method, path, json={"url": "test://"}, headers={"Origin": "null"})
             assert status == 403, (method, path, body)
         assert sorted(stack.runtime.sources) == ["cam"]
+        # A live-view offer is SDP, nothing else.
+        status, body = await stack.json("POST", "/whep/cam", json={"sdp": "v=0"})
+        assert (status, body) == (
+            415,
+            {"error": "Content-Type must be application/sdp, got 'application/json'"},
+        )
         # The form type is refused even without an Origin (a non-browser client that forgot it).
         status, body = await stack.json(
             "POST",
@@ -389,6 +397,24 @@ async def test_cross_site_requests_cannot_change_state(
         status, body = await stack.json("POST", "/v1/models/squares/reload", json={"force": 1})
         assert (status, body) == (400, {"error": "force: expected true or false, got 1"})
         assert reloads(caplog, "squares") == 2
+
+        # A body that arrives in two TCP segments is read whole, not cut at the first.
+        reader, writer = await asyncio.open_connection("127.0.0.1", stack.api.port)
+        payload = b'{"force": true' + b" " * 3000 + b"}"
+        writer.write(
+            b"POST /v1/models/spare/reload HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nConnection: close\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload[:1000]
+        )
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.write(payload[1000:])
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert reloads(caplog, "spare") == 2
     finally:
         await stack.close()
 
