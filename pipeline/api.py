@@ -9,6 +9,7 @@
       header_timeout: 10.0       # seconds to send a request's headers
       keepalive_timeout: 15.0    # seconds an idle keep-alive connection stays open
       file_roots: []             # folders POST /v1/sources may open files in; none by default
+      source_schemes: [file, test, rtsp, rtsps, whip, http, https, udp, rtp, srt]  # not v4l2
 
 ``vidpipe run CONFIG --http HOST:PORT`` serves it too (the token may come from
 ``VIDPIPE_HTTP_TOKEN``). Endpoints (docs/api.md has examples):
@@ -423,6 +424,14 @@ class ApiServer:
         problem = _api_limits(config)
         if problem:
             return _error(400, problem)
+        if config.scheme not in self.config.source_schemes:
+            # Config files may name any scheme; over the API a caller reaches only these.
+            allowed = ", ".join(self.config.source_schemes) or "none"
+            return _error(
+                403,
+                f"sources.url: {config.scheme}:// sources cannot be added over the API "
+                f"(http.source_schemes allows: {allowed})",
+            )
         config = dataclasses.replace(config, url=resolve_url(config.url, Path(self.runtime.config.base_dir)))
         if config.scheme == "file":
             # Decided on the path alone, before anything looks at the file: a caller learns

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from inference.schema import ConfigError, LineDict, build, line_of, load_yaml, spec
-from pipeline.sources.schemes import check_url, derive_id, resolve_url, scheme_of
+from pipeline.sources.schemes import SCHEMES, check_url, derive_id, resolve_live, resolve_url, scheme_of
 from pipeline.stages.base import NAME_HELP, StageOptions, check_name
 from pipeline.stages.registry import stage_kinds
 
@@ -61,7 +61,8 @@ class SourceConfig:
     """One stream.
 
     ``url`` is a file path, ``file://``, ``test://?width=&height=&fps=&frames=``,
-    ``rtsp://`` or ``whip://<id>``.
+    ``rtsp://``, ``whip://<id>``, ``http(s)://``, ``udp://``, ``rtp://``, ``srt://``,
+    ``/dev/videoN`` or ``v4l2://`` (docs/sources.md).
     """
 
     url: str = field(metadata=spec(check=check_url, help="e.g. samples/clip.mp4 or rtsp://cam/stream"))
@@ -89,15 +90,31 @@ class SourceConfig:
         default="cpu",
         metadata=spec(help="cuda decodes on the GPU (NVDEC); auto tries it and falls back to cpu"),
     )
+    # Filled in from the URL when not given, so it is a bool on every built config.
+    live: bool | None = field(
+        default=None,
+        metadata=spec(help="http(s) only: true for a stream, false for a file; default: .mp4 etc. are files"),
+    )
+    tls_verify: bool = field(
+        default=True, metadata=spec(help="https: check the server's certificate against the system's CAs")
+    )
+
+    def __post_init__(self) -> None:
+        if SCHEMES.get(self.scheme_name) is None:
+            return  # an unknown scheme: check_url has refused it already
+        # Live sources drop the oldest frame when behind and reconnect; files block (lossless).
+        object.__setattr__(self, "live", resolve_live(self.url, self.live))
+
+    @property
+    def scheme_name(self) -> str:
+        try:
+            return scheme_of(self.url).name
+        except ValueError:
+            return ""
 
     @property
     def scheme(self) -> str:
         return scheme_of(self.url).name
-
-    @property
-    def live(self) -> bool:
-        """Live sources drop the oldest frame when behind; files block (lossless)."""
-        return scheme_of(self.url).live
 
     @property
     def source_id(self) -> str:
@@ -134,6 +151,19 @@ class RuntimeConfig:
     )
 
 
+# What POST /v1/sources accepts unless http.source_schemes says otherwise: every
+# scheme but webcams (a device of this host; a config file names those). Files are
+# also held to http.file_roots, which is empty by default.
+API_SOURCE_SCHEMES = ("file", "test", "rtsp", "rtsps", "whip", "http", "https", "udp", "rtp", "srt")
+
+
+def _known_schemes(names: list[str]) -> str | None:
+    unknown = [n for n in names if n not in SCHEMES]
+    if unknown:
+        return f"unknown source scheme {unknown[0]!r}; known: {', '.join(SCHEMES)}"
+    return None
+
+
 @dataclass(frozen=True)
 class HttpConfig:
     """The HTTP server (metrics, health, API, WHIP). Binds loopback unless told otherwise."""
@@ -154,6 +184,10 @@ class HttpConfig:
     file_roots: list[str] = field(
         default_factory=list,
         metadata=spec(help="folders whose files POST /v1/sources may open; none by default"),
+    )
+    source_schemes: list[str] = field(
+        default_factory=lambda: list(API_SOURCE_SCHEMES),
+        metadata=spec(check=_known_schemes, help="URL schemes POST /v1/sources accepts"),
     )
 
 
@@ -426,7 +460,7 @@ def load_config(
         for u in sources:
             problem = check_url(u)
             if problem:
-                raise ConfigError("--source", None, "", problem, "use a file, test://, rtsp:// or whip://")
+                raise ConfigError("--source", None, "", problem, "docs/sources.md lists the URLs")
         cwd = Path.cwd()
         cfg = replace(cfg, sources=[SourceConfig(url=resolve_url(u, cwd)) for u in sources])
     else:

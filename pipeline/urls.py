@@ -17,14 +17,23 @@ to a reader, and the password's tail travels in the request path. So:
   with: playlist and description formats (``hls``, ``dash``, ``concat``,
   ``sdp``, ``rtsp``...) whose content names other files or hosts to open, and
   capture devices. The file source passes every other demuxer FFmpeg has as its
-  ``format_whitelist``.
+  ``format_whitelist``; an http(s) source the same list plus ``hls``, which
+  its protocol whitelist keeps on the network;
+* :data:`STREAM_FORMATS` names the one demuxer each of the other network and
+  device schemes may use (MPEG-TS over UDP and SRT, RTP, video4linux2).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["FILE_FORMAT_DENYLIST", "PROTOCOL_WHITELISTS", "protocol_whitelist", "url_problem"]
+__all__ = [
+    "FILE_FORMAT_DENYLIST",
+    "PROTOCOL_WHITELISTS",
+    "STREAM_FORMATS",
+    "protocol_whitelist",
+    "url_problem",
+]
 
 # C0 controls, DEL and C1 controls.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -33,10 +42,21 @@ _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 # FFmpeg protocols each scheme needs, and nothing more. RTSP opens its control
 # connection over tcp (tls for rtsps) and, with transport: udp, its media over
 # rtp/udp; a file needs the file protocol only (no playlist may point at http).
+# An HLS playlist's segments and keys are opened with its URL's list, so a playlist
+# fetched over http(s) can name http(s) segments (crypto: AES-128 segments) but
+# never a local file; https is http over tls over tcp (FFmpeg needs no "http" for
+# it, so a redirect from https to plain http fails). SRT is libsrt's own UDP; a
+# webcam is a device the video4linux2 demuxer opens itself, with no protocol.
 PROTOCOL_WHITELISTS: dict[str, str] = {
     "file": "file",
     "rtsp": "rtsp,rtp,udp,tcp",
     "rtsps": "rtsps,rtsp,rtp,udp,tcp,tls",
+    "http": "http,tcp,crypto",
+    "https": "https,tls,tcp,crypto",
+    "udp": "udp",
+    "rtp": "rtp,udp",
+    "srt": "srt",
+    "v4l2": "file",
 }
 
 
@@ -53,6 +73,17 @@ FILE_FORMAT_DENYLIST = frozenset(
         "avfoundation", "libcdio", "libdc1394", "iec61883",
     }
 )  # fmt: skip
+
+
+# The demuxer of each stream scheme that is not probed among the file formats:
+# ``format_whitelist`` for the first two, the forced input format for a webcam
+# (a device cannot be probed). RTP carries MPEG-TS (payload type 33).
+STREAM_FORMATS: dict[str, str] = {
+    "udp": "mpegts",
+    "srt": "mpegts",
+    "rtp": "rtp",
+    "v4l2": "video4linux2",
+}
 
 
 def protocol_whitelist(scheme: str) -> str:

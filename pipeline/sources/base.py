@@ -143,7 +143,7 @@ class Source(ABC):
 
     @property
     def live(self) -> bool:
-        return self.config.live
+        return self.config.live is True
 
     @property
     def stopping(self) -> bool:

@@ -36,7 +36,7 @@ import numpy as np
 
 from pipeline.redact import redact_text
 from pipeline.sources.base import SourceError, ThreadedSource
-from pipeline.urls import FILE_FORMAT_DENYLIST, protocol_whitelist
+from pipeline.urls import FILE_FORMAT_DENYLIST, STREAM_FORMATS, protocol_whitelist
 
 log = logging.getLogger("vidpipe.source")
 
@@ -125,6 +125,7 @@ def open_with_hwaccel(
     timeout: float | tuple[float, float] | None = None,
     decode: DecodeMode = "auto",
     container_options: dict[str, str] | None = None,
+    input_format: str | None = None,
 ) -> tuple[Any, str]:
     """Open ``url`` for decoding; returns ``(container, "cuda" | "software")``.
 
@@ -133,6 +134,7 @@ def open_with_hwaccel(
     the CUDA hwaccel and falls back to software with one log line; ``cuda`` raises
     ``RuntimeError`` instead of falling back; ``cpu`` never tries. Errors opening
     the URL itself propagate unchanged (the caller's message names the source).
+    ``input_format`` forces a demuxer (a device cannot be probed).
     """
     import av
 
@@ -142,6 +144,7 @@ def open_with_hwaccel(
         "options": options,
         "container_options": dict(container_options or {}),
         "timeout": timeout,
+        "format": input_format,
     }
     if decode == "cpu":
         return av.open(url, **kwargs), "software"
@@ -242,17 +245,33 @@ class AvSource(ThreadedSource):
     packet_listener: PacketListener | None = None
 
     def open_options(self) -> dict[str, str]:
+        if self.config.scheme == "https":
+            # FFmpeg does not check certificates unless asked; the system's CAs decide.
+            return {"tls_verify": "1" if self.config.tls_verify else "0"}
         return {}
 
     def open_timeout(self) -> float | tuple[float, float] | None:
+        # A local file never hangs; anything over a network may, and PyAV's interrupt
+        # ends a blocking open or read after these many seconds.
+        if self.config.scheme == "file":
+            return None
+        return (self.config.open_timeout, self.config.read_timeout)
+
+    def input_format(self) -> str | None:
+        """The demuxer to use without probing (a webcam's); None probes the content."""
         return None
 
     def container_options(self) -> dict[str, str]:
-        """What FFmpeg may reach from this URL: the scheme's protocols (and, for files, formats)."""
+        """What FFmpeg may reach from this URL: the scheme's protocols and demuxers."""
         scheme = self.config.scheme
         options = {"protocol_whitelist": protocol_whitelist(scheme)}
         if scheme == "file":
             options["format_whitelist"] = file_formats()
+        elif scheme in ("http", "https"):
+            # Everything a file may be, and HLS: its segments stay on http(s).
+            options["format_whitelist"] = file_formats() + ",hls"
+        elif scheme in STREAM_FORMATS:
+            options["format_whitelist"] = STREAM_FORMATS[scheme]
         return options
 
     def open(self) -> Any:
@@ -266,6 +285,7 @@ class AvSource(ThreadedSource):
                 self.open_timeout(),
                 self.config.decode,
                 self.container_options(),
+                self.input_format(),
             )
         except av.FFmpegError as exc:
             kind = ffmpeg_error_kind(exc)

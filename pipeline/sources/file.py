@@ -8,6 +8,14 @@
         loop: false                       # start again at the end
         realtime: false                   # pace at the clip's frame rate
         max_fps: null                     # drop frames above this rate
+      - url: https://media.example/clips/gate.mp4   # a file over http(s): the same, fetched
+        open_timeout: 10.0                # seconds to connect and read the header
+        read_timeout: 5.0                 # seconds one read may wait
+
+An http(s) URL whose path ends in a video file's extension (``.mp4``, ``.mov``,
+``.mkv``, ``.webm``, ``.avi``, ``.m4v``), or any http(s) URL with ``live: false``,
+is a file too: read once, lossless, and a server that stops answering fails the
+source after ``read_timeout`` instead of reconnecting.
 
 A file is lossless: its queue blocks the decode thread while the graph is behind. A
 file that cannot be opened or decoded is reported in one line naming it, goes to
@@ -40,12 +48,15 @@ class FileSource(AvSource):
     def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
         super().__init__(config, on_state)
         parts = urlsplit(config.url)
-        self.path = Path(parts.netloc + parts.path) if parts.scheme == "file" else Path(config.url)
-        self.url = str(self.path)
+        # None for a file fetched over http(s): FFmpeg opens the URL itself.
+        self.path: Path | None = None
+        if config.scheme == "file":
+            self.path = Path(parts.netloc + parts.path) if parts.scheme == "file" else Path(config.url)
+            self.url = str(self.path)
         self._warned_short = False
 
     def run(self) -> None:
-        if not self.path.is_file():
+        if self.path is not None and not self.path.is_file():
             raise SourceError(self.id, f"file not found: {self.path}", "not_found")
         realtime = bool(self.config.realtime)
         while not self.stopping:

@@ -7,14 +7,23 @@
       - url: test://?fps=25           # a synthetic pattern, live
       - url: rtsp://cam.local/stream  # rtsp:// or rtsps://: a camera, live
       - url: whip://door              # a WebRTC publisher, live
+      - url: /dev/video0              # or v4l2:///dev/video0?video_size=640x480: a webcam, live
+      - url: http://cam.local/video.mjpg         # http(s)://: MJPEG or live HLS, live ...
+      - url: https://cdn.example/clip.mp4        # ... or a finite file (by extension; see live:)
+      - url: https://cdn.example/live/index.m3u8 # HLS
+      - url: udp://0.0.0.0:5000       # MPEG-TS over UDP (rtp://: over RTP), live
+      - url: srt://relay.local:9000   # SRT, live, when FFmpeg has libsrt
 
 One declarative table, so config validation, the API and the runtime agree on the
 schemes without importing the source classes: a class is imported only when
-:func:`create_source` makes a source of its kind.
+:func:`create_source` makes a source of its kind. A scheme that needs a part of
+FFmpeg this build may lack (SRT, video4linux2) says so when the URL is checked,
+before anything runs.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from collections.abc import Callable
@@ -37,9 +46,19 @@ __all__ = [
     "create_source",
     "derive_id",
     "is_live",
+    "resolve_live",
     "resolve_url",
     "scheme_of",
+    "v4l2_device",
 ]
+
+# An http(s) URL whose path ends in one of these is a finite file (lossless, ends);
+# any other (MJPEG, HLS playlists, MPEG-TS streams) is live. ``live:`` overrides it.
+FINITE_HTTP_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi")
+# A plain path naming a video4linux2 device is a webcam, not a file.
+_V4L2_PATH = re.compile(r"/dev/video\d+")
+# What a v4l2:// URL's query may set: FFmpeg's video4linux2 demuxer options.
+V4L2_OPTIONS = ("video_size", "framerate", "input_format", "pixel_format", "standard")
 
 
 def _id_from_file(url: str) -> str:
@@ -61,33 +80,143 @@ def _id_from_whip(url: str) -> str:
     return parts.netloc or parts.path.strip("/")
 
 
+def _id_from_http(url: str) -> str:
+    path = urlsplit(url).path.strip("/")
+    stem = path.rsplit(".", 1)[0] if "." in path.rsplit("/", 1)[-1] else path
+    return stem.replace("/", "_") or urlsplit(url).hostname or "http"
+
+
+def _id_from_port(url: str) -> str:
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return f"{parts.scheme}_{port}" if port else parts.scheme
+
+
+def _id_from_v4l2(url: str) -> str:
+    return Path(v4l2_device(url)).name
+
+
+def _http_live(url: str) -> bool:
+    return not urlsplit(url).path.lower().endswith(FINITE_HTTP_SUFFIXES)
+
+
+def v4l2_device(url: str) -> str:
+    """The device path of a webcam URL: ``/dev/video0``, ``v4l2:///dev/video0`` or ``v4l2://0``."""
+    parts = urlsplit(url)
+    if parts.scheme != "v4l2":
+        return url
+    if parts.netloc.isdigit():
+        return f"/dev/video{parts.netloc}"
+    return parts.netloc + parts.path
+
+
+# -- what this FFmpeg has --------------------------------------------------------------------
+
+
+@functools.cache
+def ffmpeg_protocol_missing(protocol: str) -> str | None:
+    """Why FFmpeg (PyAV's build) cannot open ``protocol://`` URLs, or None when it can."""
+    try:
+        import av
+    except ImportError:
+        return "PyAV is not installed"
+    # FFmpeg looks the protocol up before it checks the whitelist, and the whitelist
+    # check comes before any connection: a protocol it has answers "not on whitelist"
+    # (EINVAL) without touching the network, one it lacks "protocol not found".
+    try:
+        av.open(f"{protocol}://127.0.0.1:9/", container_options={"protocol_whitelist": "pipe"}, timeout=1.0)
+    except av.error.ProtocolNotFoundError:
+        return f"this FFmpeg (PyAV {av.__version__}) has no {protocol!r} protocol"
+    except Exception:
+        return None
+    return None
+
+
+@functools.cache
+def ffmpeg_format_missing(name: str) -> str | None:
+    """Why FFmpeg (PyAV's build) has no demuxer ``name``, or None when it has."""
+    try:
+        import av
+    except ImportError:
+        return "PyAV is not installed"
+    names = {part for entry in av.formats_available for part in entry.split(",")}
+    if name not in names:
+        return f"this FFmpeg (PyAV {av.__version__}) has no {name!r} demuxer"
+    return None
+
+
+def _needs_srt() -> str | None:
+    missing = ffmpeg_protocol_missing("srt")
+    if missing:
+        return f"{missing}; srt:// needs PyAV built against an FFmpeg configured with --enable-libsrt"
+    return None
+
+
+def _needs_v4l2() -> str | None:
+    missing = ffmpeg_format_missing("video4linux2")
+    if missing:
+        return f"{missing}; webcams need PyAV with libavdevice's video4linux2 input (Linux)"
+    return None
+
+
 @dataclass(frozen=True)
 class Scheme:
-    """One URL scheme: whether it is live, how an id derives from its URL, its class."""
+    """One URL scheme: how an id derives from its URL, the class serving it live or finite.
+
+    Live sources drop the oldest frame when the graph is behind and reconnect;
+    finite ones (files) block, so every frame is processed, and end.
+    """
 
     name: str
-    # Live sources drop the oldest frame when the graph is behind; files block (lossless).
-    live: bool
     # A readable id from the (already redacted) URL, before cleaning to [A-Za-z0-9_-].
     id_from: Callable[[str], str]
-    # "module:Class", imported when a source of this scheme is created.
-    source: str
+    # "module:Class" serving it live / as a finite file, imported when a source is created.
+    live_source: str | None = None
+    finite_source: str | None = None
+    # When it can be both: whether a URL is live unless ``live:`` says otherwise.
+    live_by_url: Callable[[str], bool] | None = None
+    # Why this FFmpeg cannot serve the scheme (a protocol or demuxer it lacks), or None.
+    requires: Callable[[], str | None] | None = None
 
+    @property
+    def live(self) -> bool:
+        """Whether its sources are live by default."""
+        return self.live_source is not None
+
+    def live_for(self, url: str) -> bool:
+        if self.live_source is not None and self.finite_source is not None and self.live_by_url:
+            return self.live_by_url(url)
+        return self.live
+
+
+_FILE = "pipeline.sources.file:FileSource"
+_STREAM = "pipeline.sources.stream:StreamSource"
 
 SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in (
-        Scheme("file", live=False, id_from=_id_from_file, source="pipeline.sources.file:FileSource"),
-        Scheme("test", live=True, id_from=_id_from_test, source="pipeline.sources.pattern:TestPatternSource"),
-        Scheme("rtsp", live=True, id_from=_id_from_camera, source="pipeline.sources.rtsp:RtspSource"),
-        Scheme("rtsps", live=True, id_from=_id_from_camera, source="pipeline.sources.rtsp:RtspSource"),
-        Scheme("whip", live=True, id_from=_id_from_whip, source="pipeline.sources.whip:WhipSource"),
+        Scheme("file", _id_from_file, finite_source=_FILE),
+        Scheme("test", _id_from_test, live_source="pipeline.sources.pattern:TestPatternSource"),
+        Scheme("rtsp", _id_from_camera, live_source="pipeline.sources.rtsp:RtspSource"),
+        Scheme("rtsps", _id_from_camera, live_source="pipeline.sources.rtsp:RtspSource"),
+        Scheme("whip", _id_from_whip, live_source="pipeline.sources.whip:WhipSource"),
+        Scheme("http", _id_from_http, live_source=_STREAM, finite_source=_FILE, live_by_url=_http_live),
+        Scheme("https", _id_from_http, live_source=_STREAM, finite_source=_FILE, live_by_url=_http_live),
+        Scheme("udp", _id_from_port, live_source=_STREAM),
+        Scheme("rtp", _id_from_port, live_source=_STREAM),
+        Scheme("srt", _id_from_port, live_source=_STREAM, requires=_needs_srt),
+        Scheme("v4l2", _id_from_v4l2, live_source=_STREAM, requires=_needs_v4l2),
     )
 }
 
 
 def _scheme_name(url: str) -> str:
     scheme = urlsplit(url).scheme.lower()
+    if not scheme and _V4L2_PATH.fullmatch(url):
+        return "v4l2"
     # No scheme, or one letter (a Windows drive, C:\clips\a.mp4): a file path.
     return scheme if len(scheme) > 1 else "file"
 
@@ -97,9 +226,30 @@ def check_url(url: str) -> str | None:
 
     The one check config files, ``--source`` and ``POST /v1/sources`` all go
     through: what :func:`pipeline.urls.url_problem` refuses (control characters,
-    spaces, a raw ``@`` in the password), then an unknown scheme.
+    spaces, a raw ``@`` in the password), then an unknown scheme, then a scheme
+    this FFmpeg cannot serve (SRT without libsrt), then a webcam URL's options.
     """
-    return url_problem(url) or _unknown_scheme(url)
+    problem = url_problem(url) or _unknown_scheme(url)
+    if problem:
+        return problem
+    scheme = SCHEMES[_scheme_name(url)]
+    if scheme.requires is not None:
+        missing = scheme.requires()
+        if missing:
+            return f"{scheme.name}:// sources are not available: {missing}"
+    if scheme.name == "v4l2":
+        return _v4l2_problem(url)
+    return None
+
+
+def _v4l2_problem(url: str) -> str | None:
+    device = v4l2_device(url)
+    if not _V4L2_PATH.fullmatch(device):
+        return f"a webcam is /dev/videoN, v4l2:///dev/videoN or v4l2://N, not {redact_url(url)!r}"
+    for key, _ in parse_qsl(urlsplit(url).query, keep_blank_values=True):
+        if key not in V4L2_OPTIONS:
+            return f"unknown webcam option {key!r}; use {', '.join(V4L2_OPTIONS)}"
+    return None
 
 
 def _unknown_scheme(url: str) -> str | None:
@@ -118,13 +268,32 @@ def scheme_of(url: str) -> Scheme:
 
 
 def is_live(url_or_scheme: str) -> bool:
-    """Whether a source of this URL (or scheme name) is live: drops when behind, never ends."""
-    scheme = SCHEMES.get(url_or_scheme) or scheme_of(url_or_scheme)
-    return scheme.live
+    """Whether a source of this URL (or scheme name) is live by default: drops when behind, never ends."""
+    if url_or_scheme in SCHEMES:
+        return SCHEMES[url_or_scheme].live
+    return scheme_of(url_or_scheme).live_for(url_or_scheme)
+
+
+def resolve_live(url: str, live: bool | None) -> bool:
+    """Whether a source of ``url`` is live, given the config's ``live:`` (None: by the URL).
+
+    Raises ValueError when the scheme cannot be what ``live`` asks (a live file, a
+    finite RTSP camera).
+    """
+    scheme = scheme_of(url)
+    if live is None:
+        return scheme.live_for(url)
+    if live and scheme.live_source is None:
+        raise ValueError(f"live: {scheme.name} sources are never live; remove live: true")
+    if not live and scheme.finite_source is None:
+        raise ValueError(
+            f"live: {scheme.name}:// sources are always live; live: false applies to http(s) files only"
+        )
+    return live
 
 
 def derive_id(url: str) -> str:
-    """A readable id from a URL: the file stem, the RTSP path, the WHIP name or ``test``."""
+    """A readable id from a URL: the file stem, the camera path, the WHIP name, ``udp_5000``..."""
     # Never raises: an unknown scheme (refused elsewhere) is named like a file.
     scheme = SCHEMES.get(_scheme_name(url), SCHEMES["file"])
     # A password must never become part of an id (a subject and a metric label).
@@ -143,7 +312,10 @@ def resolve_url(url: str, base: Path) -> str:
 
 
 def create_source(config: SourceConfig, on_state: StateListener | None = None) -> Source:
-    """The :class:`~pipeline.sources.base.Source` for a config's URL scheme."""
-    module_name, _, class_name = scheme_of(config.url).source.partition(":")
+    """The :class:`~pipeline.sources.base.Source` for a config's URL scheme (and ``live``)."""
+    scheme = scheme_of(config.url)
+    path = scheme.live_source if config.live else scheme.finite_source
+    assert path is not None, "SourceConfig checks live against its scheme"
+    module_name, _, class_name = path.partition(":")
     cls: type[Source] = getattr(importlib.import_module(module_name), class_name)
     return cls(config, on_state)

@@ -93,7 +93,7 @@ async def test_add_and_remove_sources_while_running(
             "sources.queue_size: must be at most 1024, got 1000000000000",
         ),
         ({"url": "test://", "colour": "red"}, 400, "sources.colour: unknown key"),
-        ({"url": "http://cam/x"}, 400, "sources.url: unsupported source scheme 'http' in 'http://cam/x'"),
+        ({"url": "ftp://cam/x"}, 400, "sources.url: unsupported source scheme 'ftp' in 'ftp://cam/x'"),
         (
             {"url": "test://", "stall_timeout": 1e300},
             400,

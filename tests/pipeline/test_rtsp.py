@@ -26,7 +26,8 @@ from pipeline.queues import EndOfStream, FrameQueue
 from pipeline.redact import redact_text
 from pipeline.runtime import Runtime
 from pipeline.sources.base import SourceState
-from pipeline.sources.rtsp import RtspSource, backoff_delay
+from pipeline.sources.live import backoff_delay
+from pipeline.sources.rtsp import RtspSource
 from pipeline.stages.base import Stage, StageContext, StageOptions
 from tests.conftest import Collector
 from tests.pipeline.stack import stage_kinds
@@ -446,7 +447,7 @@ async def test_clip_end_is_reconnected_with_frame_indices_continuing(
 
 
 def test_timeline_is_strictly_increasing_from_zero() -> None:
-    from pipeline.sources.rtsp import _Timeline
+    from pipeline.sources.live import _Timeline
 
     line = _Timeline(0.1)
     # No timestamp on the first frame, then 10.0.. ; a reset back to 3.0 continues after 10.2.

@@ -38,7 +38,19 @@ def test_each_scheme_makes_its_source(url: str, cls: type, live: bool, sid: str)
 
 
 def test_scheme_names_and_unknown_schemes() -> None:
-    assert sorted(SCHEMES) == ["file", "rtsp", "rtsps", "test", "whip"]
+    assert sorted(SCHEMES) == [
+        "file",
+        "http",
+        "https",
+        "rtp",
+        "rtsp",
+        "rtsps",
+        "srt",
+        "test",
+        "udp",
+        "v4l2",
+        "whip",
+    ]
     assert is_live("rtsp") and not is_live("file")
     assert check_url("gopher://u:secret@x/y") == "unsupported source scheme 'gopher' in 'gopher://***@x/y'"
     assert check_url(r"C:\clips\a.mp4") is None  # a drive letter is not a scheme
