@@ -7,7 +7,7 @@ user's intuition carries over::
     backend: onnxruntime            # onnxruntime | openvino | tensorrt | triton (remote: no model_file)
     model_file: {package: rapidocr_onnxruntime, path: models/ch_ppocr_mobile_v2.0_cls_infer.onnx}
     max_batch_size: 32              # 0 = the model has no batch dimension
-    input: {shape: [3, 48, 192], mean: [0.5, 0.5, 0.5], std: [0.5, 0.5, 0.5]}
+    input: {shape: [3, 48, 192], mean: [0.5, 0.5, 0.5], std: [0.5, 0.5, 0.5]}  # shape: default: the model's
     task: {kind: classify}
     labels: ["0", "180"]
     dynamic_batching:
@@ -42,8 +42,13 @@ class ModelFile:
 class InputConfig:
     """How an image becomes the model's input tensor (per item, without the batch dim)."""
 
+    # Empty until filled at load from the model file, when the config leaves it out.
     shape: list[int] = field(
-        metadata=spec(min_len=3, help="[channels, height, width] of one item, e.g. [3, 640, 640]")
+        default_factory=list,
+        metadata=spec(
+            min_len=3,
+            help="[channels, height, width] of one item, e.g. [3, 640, 640]; default: the model's",
+        ),
     )
     name: str | None = field(default=None, metadata=spec(help="input tensor name; default: the first"))
     color: Literal["rgb", "bgr"] = "rgb"
@@ -61,6 +66,10 @@ class InputConfig:
     dtype: Literal["float32", "float16"] = "float32"
 
     def __post_init__(self) -> None:
+        if not self.shape:
+            if len(self.mean) != 3 or len(self.std) != 3:
+                raise ValueError("input.mean and input.std need one value per channel (3)")
+            return
         if len(self.shape) != 3 or any(d <= 0 for d in self.shape):
             raise ValueError("input.shape must be three positive integers [C, H, W]")
         if self.shape[0] != 3:
@@ -194,8 +203,9 @@ class ModelConfig:
     """One model in the repository."""
 
     name: str
-    input: InputConfig
     task: TaskConfig
+    # Every input key has a default, shape included (read from the model), so input: may be left out.
+    input: InputConfig = field(default_factory=InputConfig)
     # None only for a remote backend (triton), whose model lives on the server.
     model_file: ModelFile | None = None
     backend: Literal["onnxruntime", "openvino", "tensorrt", "triton"] = "onnxruntime"

@@ -57,6 +57,7 @@ from inference.batcher import (
     NullObserver,
 )
 from inference.config import ModelConfig
+from inference.introspect import fill_input_shape
 from inference.memory import BufferPool
 from inference.processing.base import Task
 from inference.processing.resize import check_image as check_rgb_image
@@ -287,6 +288,8 @@ class Model:
         instances: list[ModelInstance] = []
         try:
             self.model_path = resolve_model_file(config, self.model_dir, self.version_dir)
+            # A config may leave input.shape to the model; backends, tasks and pools need it.
+            config = self.config = fill_input_shape(config, self.model_path)
             self.labels = load_labels(config, self.model_dir)
             policy = BatchPolicy.from_config(config)
             for index in range(config.instance_count):

@@ -18,6 +18,10 @@ loading (a missing model file, an input the model does not declare) point at
 the config key to change in the same way. A model that fails to load becomes
 ``UNAVAILABLE`` with that reason; the other models are unaffected.
 
+:func:`add_model` (``vidpipe models add``) puts an ONNX file into the layout above
+as ``NAME/1/model.onnx`` with a config written from the file
+(:mod:`inference.introspect`), and loads it once to prove the config.
+
 ``reload`` builds a new copy next to the one being served, swaps it in only
 once it is ready, and then drains the old copy, so requests already queued on
 the old one still finish. If the new copy fails, the old one keeps serving.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,12 +44,21 @@ from inference.backends.base import TensorSpec
 from inference.batcher import InferenceObserver, NullObserver
 from inference.config import ModelConfig
 from inference.errors import VidpipeError
+from inference.introspect import (
+    ModelDescription,
+    ModelIntrospectionError,
+    config_text,
+    describe_model,
+    fill_input_shape,
+    metadata_labels,
+)
 from inference.model import (
     BackendFactory,
     Model,
     ModelState,
     ModelUnavailable,
     TaskFactory,
+    load_labels,
     resolve_model_file,
 )
 from inference.processing.tasks import create_task
@@ -57,6 +71,10 @@ log = logging.getLogger(__name__)
 
 class ModelNotFoundError(VidpipeError, LookupError):
     """No folder with a config.yaml for that model name."""
+
+
+class ModelLoadError(VidpipeError, RuntimeError):
+    """A model added to the repository did not load; nothing of it was left behind."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,43 +349,92 @@ def _specs(specs: tuple[TensorSpec, ...] | list[TensorSpec]) -> str:
     return ", ".join(f"{s.name}:{s.dtype}[{dims(s.shape)}]" for s in specs) or "-"
 
 
-def describe_repository(root: Path, *, backend_factory: BackendFactory = create_backend) -> str:
+@dataclass(frozen=True, slots=True)
+class RepositoryTable:
+    """What ``vidpipe models list REPO`` prints, and which models could not be opened."""
+
+    text: str
+    unavailable: list[str]
+
+
+def _labels_cell(labels: list[str], shown: int = 3) -> str:
+    if not labels:
+        return "-"
+    more = ", …" if len(labels) > shown else ""
+    return f"{len(labels)} ({', '.join(labels[:shown])}{more})"
+
+
+def _task_cell(cfg: ModelConfig) -> str:
+    if cfg.task.kind == "yolo" and cfg.task.layout != "auto":
+        return f"yolo/{cfg.task.layout}"
+    return cfg.task.kind
+
+
+def describe_repository(root: Path, *, backend_factory: BackendFactory = create_backend) -> RepositoryTable:
     """The table ``vidpipe models list REPO`` prints: each model opened once to read its tensors.
 
-    Models whose config or file is broken are listed as ``unavailable`` and
-    their reasons follow the table.
+    Models whose config, file or task setup is broken are listed as
+    ``unavailable`` and their reasons follow the table. LABELS is the class
+    count and the first few names (from the config, else the model's metadata).
     """
     root = Path(root)
-    header = ("NAME", "VERSION", "STATE", "BACKEND", "PRECISION", "INPUTS", "OUTPUTS", "BATCH")
+    header = (
+        "NAME",
+        "VERSION",
+        "STATE",
+        "BACKEND",
+        "PRECISION",
+        "INPUTS",
+        "OUTPUTS",
+        "BATCH",
+        "TASK",
+        "LABELS",
+    )
     rows: list[tuple[str, ...]] = []
     problems: list[str] = []
+    unavailable: list[str] = []
     repo = ModelRepository(root)
     for name in repo.names():
         try:
             src = read_source(root, name)
         except ConfigError as exc:
-            rows.append((name, "-", "unavailable", "-", "-", "-", "-", "-"))
+            rows.append((name, "-", "unavailable", "-", "-", "-", "-", "-", "-", "-"))
             problems.append(f"{name}: {exc.render()}")
+            unavailable.append(name)
             continue
         cfg = src.config
         version = str(src.version) if src.version is not None else "-"
         batch = str(cfg.max_batch_size)
         if cfg.dynamic_batching.preferred_batch_size:
             batch += " (preferred " + ",".join(map(str, cfg.dynamic_batching.preferred_batch_size)) + ")"
+        task = _task_cell(cfg)
         try:
             path = resolve_model_file(cfg, src.model_dir, src.version_dir)
+            cfg = fill_input_shape(cfg, path)
+            labels = load_labels(cfg, src.model_dir)
             backend = backend_factory(cfg, path, 0)
         except Exception as exc:
-            rows.append((name, version, "unavailable", cfg.backend, "-", "-", "-", batch))
+            rows.append((name, version, "unavailable", cfg.backend, "-", "-", "-", batch, task, "-"))
             problems.append(f"{name}: {src.describe(exc)}")
+            unavailable.append(name)
             continue
         try:
             inputs, outputs = _specs(backend.inputs), _specs(backend.outputs)
-            rows.append((name, version, "ready", cfg.backend, backend.precision, inputs, outputs, batch))
+            labels = labels or (metadata_labels(backend.metadata) if cfg.task.kind == "yolo" else [])
+            state = "ready"
+            try:
+                # The task checks what only the model can tell (a recogniser's dictionary).
+                create_task(cfg, backend.input, backend.metadata, labels)
+            except Exception as exc:
+                state = "unavailable"
+                problems.append(f"{name}: {src.describe(exc)}")
+                unavailable.append(name)
+            cells = (cfg.backend, backend.precision, inputs, outputs, batch, task, _labels_cell(labels))
+            rows.append((name, version, state, *cells))
         finally:
             backend.close()
     if not rows:
-        return f"no models in {root} (expected {root}/<name>/{CONFIG_FILE})"
+        return RepositoryTable(f"no models in {root} (expected {root}/<name>/{CONFIG_FILE})", [])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
@@ -376,4 +443,55 @@ def describe_repository(root: Path, *, backend_factory: BackendFactory = create_
     if problems:
         lines.append("")
         lines.extend(problems)
-    return "\n".join(lines)
+    return RepositoryTable("\n".join(lines), unavailable)
+
+
+@dataclass(frozen=True, slots=True)
+class AddedModel:
+    """What :func:`add_model` wrote and how the model loaded."""
+
+    name: str
+    folder: Path
+    config_file: Path
+    model_file: Path
+    config_text: str
+    description: ModelDescription
+    status: ModelStatus
+
+
+async def add_model(model: Path, root: Path, name: str | None = None, *, link: bool = False) -> AddedModel:
+    """Add an ONNX file to the repository as ``root/NAME/1/model.onnx`` with a config written from it.
+
+    ``name`` defaults to the file's stem. The model is then loaded through
+    :class:`ModelRepository` to prove the config works; if it does not load,
+    the folder is removed again and :class:`ModelLoadError` says why; a file it
+    cannot describe is a :class:`ModelIntrospectionError`, before anything is written.
+    An existing model folder is never overwritten.
+    """
+    model = Path(model).resolve()
+    root = Path(root)
+    desc = describe_model(model)  # before anything is written: an unusable file leaves no trace
+    name = name or model.stem
+    if not name or "/" in name or name.startswith(".") or not name.isprintable():
+        raise ModelIntrospectionError(f"{name!r} is not a usable model name; pass --name")
+    folder = root / name
+    if folder.exists():
+        raise ModelIntrospectionError(f"{folder} already exists; pass --name or remove it first")
+    text = config_text(desc, name)
+    target = folder / "1" / "model.onnx"
+    target.parent.mkdir(parents=True)
+    try:
+        if link:
+            target.symlink_to(model)
+        else:
+            shutil.copyfile(model, target)
+        (folder / CONFIG_FILE).write_text(text, encoding="utf-8")
+        repo = ModelRepository(root)
+        status = await repo.load(name)
+        await repo.close()
+        if status.state is not ModelState.READY:
+            raise ModelLoadError(f"model {name}: the written config does not load: {status.reason}")
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return AddedModel(name, folder, folder / CONFIG_FILE, target, text, desc, status)

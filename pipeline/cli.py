@@ -7,6 +7,7 @@
     vidpipe validate CONFIG
     vidpipe subscribe [--nats URL] [SUBJECT] [--count N] [--timeout S]
     vidpipe models list REPO
+    vidpipe models add MODEL.onnx [--repo DIR] [--name NAME] [--link]
     vidpipe tune REPO MODEL [--concurrency N] [--seconds S] [--trial-seconds S]
                             [--latency-budget-ms MS] [--write]
 
@@ -83,6 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
         "list", help="list models, their inputs/outputs and state", parents=[common]
     )
     models_list.add_argument("repo")
+    models_add = models_sub.add_parser(
+        "add",
+        help="add an ONNX model: write its config.yaml from the file, then load it",
+        parents=[common],
+        description="Reads the model's inputs, outputs and Ultralytics metadata (task, imgsz, names, "
+        "batch), writes REPO/NAME/config.yaml and REPO/NAME/1/model.onnx, and loads the model to "
+        "prove the config works.",
+    )
+    models_add.add_argument("model", help="the .onnx file")
+    models_add.add_argument("--repo", default="models", help="model repository folder (default: models)")
+    models_add.add_argument("--name", help="model name (default: the file name without .onnx)")
+    models_add.add_argument("--link", action="store_true", help="symlink the file instead of copying it")
 
     tune = sub.add_parser(
         "tune", help="measure a model's configurations and pick the fastest", parents=[common]
@@ -138,10 +151,35 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     from inference.repository import describe_repository
 
+    if args.models_command == "add":
+        return cmd_models_add(args)
     repo = Path(args.repo)
     if not repo.is_dir():
         raise ConfigError(str(repo), None, "", "model repository folder not found", "check the path")
-    print(describe_repository(repo))
+    table = describe_repository(repo)
+    print(table.text)
+    return EXIT_RUNTIME if table.unavailable else EXIT_OK
+
+
+def cmd_models_add(args: argparse.Namespace) -> int:
+    """``vidpipe models add MODEL.onnx``: exit 2 for a file it cannot describe, 1 if it does not load."""
+    from inference.introspect import ModelIntrospectionError
+    from inference.repository import add_model
+
+    model = Path(args.model)
+    if not model.is_file():
+        raise ConfigError(str(model), None, "", "model file not found", "check the path")
+    try:
+        added = asyncio.run(add_model(model, Path(args.repo), args.name, link=args.link))
+    except ModelIntrospectionError as exc:
+        print(f"vidpipe: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {added.config_file}:")
+    print(added.config_text, end="")
+    print(f"model file: {added.model_file}")
+    for note in added.description.notes:
+        print(f"note: {note}")
+    print(f"model {added.name} loads: {added.status.state.value} on {added.status.backend}")
     return EXIT_OK
 
 

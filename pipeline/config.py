@@ -430,13 +430,17 @@ def load_config(
     path: str | Path,
     *,
     sources: list[str] | None = None,
+    data: Any = None,
 ) -> PipelineConfig:
     """Read, validate and resolve a pipeline file.
 
     ``sources`` (from ``vidpipe run --source``) replaces the file's sources.
+    ``data`` is a config already in memory (a dict, as YAML would parse): it is
+    used instead of reading ``path``, which then only names it in errors and
+    anchors its relative paths (at ``path``'s folder).
     """
     p = Path(path)
-    raw = load_yaml(p)
+    raw = load_yaml(p) if data is None else data
     file = str(path)
     if isinstance(raw, dict):
         for key in ("base_dir", "file", "lines"):

@@ -161,13 +161,17 @@ class SourceRun:
 
 
 class Runtime:
-    """Runs one pipeline until its finite sources end, a limit is reached, or it is stopped."""
+    """Runs one pipeline until its finite sources end, a limit is reached, or it is stopped.
+
+    ``nats_url`` None publishes nowhere: messages reach only ``publisher.on_message``
+    (embedding without NATS, :mod:`pipeline.embed`).
+    """
 
     def __init__(
         self,
         config: PipelineConfig,
         *,
-        nats_url: str,
+        nats_url: str | None,
         max_frames: int | None = None,
         metrics: Metrics | None = None,
         on_published: Callable[[Frame], None] | None = None,

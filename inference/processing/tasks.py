@@ -23,7 +23,6 @@ metadata, outputs that do not fit ``task.kind``) are
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,6 +30,7 @@ import numpy as np
 
 from inference.backends.base import TensorSpec
 from inference.config import ModelConfig
+from inference.introspect import metadata_labels
 from inference.processing.base import Task
 from inference.processing.classify import classify
 from inference.processing.ctc import CTCDecoder, parse_dictionary
@@ -84,7 +84,7 @@ class YoloTask(_ImageTask):
         metadata: Mapping[str, str],
         labels: Sequence[str],
     ) -> None:
-        super().__init__(config, input_spec, metadata, labels or _labels_from_metadata(metadata))
+        super().__init__(config, input_spec, metadata, labels or metadata_labels(metadata))
         self._layouts: dict[tuple[int, ...], str] = {}
 
     def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
@@ -250,19 +250,3 @@ def create_task(
             "task.kind", f"unknown task kind {config.task.kind!r}; expected one of {sorted(_TASKS)}"
         ) from None
     return cls(config, input_spec, metadata, labels)
-
-
-def _labels_from_metadata(metadata: Mapping[str, str]) -> list[str]:
-    """Class names from an Ultralytics export's ``names`` metadata (``{0: 'person', ...}``)."""
-    raw = metadata.get("names")
-    if not raw:
-        return []
-    try:
-        names = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        return []
-    if isinstance(names, dict) and all(isinstance(k, int) for k in names):
-        return [str(names.get(i, i)) for i in range(max(names, default=-1) + 1)]
-    if isinstance(names, list):
-        return [str(v) for v in names]
-    return []

@@ -20,6 +20,11 @@ frame numbers start again at 0; an event adds ``/<n>``, its place among the
 frame's events) so a retry after a lost ack is de-duplicated by the server. A
 message is retried until acknowledged; the per-source publisher waits
 meanwhile, which backs pressure up the graph instead of dropping.
+
+Without a URL (a program embedding vidpipe without NATS, see docs/embedding.md)
+nothing connects anywhere: each message only goes to ``on_message``. With a URL,
+``on_message`` (when set) gets each message too, before it is sent, so the
+embedding program sees exactly what subscribers receive.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
@@ -59,7 +64,7 @@ def stream_name(prefix: str) -> str:
 class Publisher:
     """Owns the NATS connection and publishes frames in the mode the config asks for."""
 
-    def __init__(self, config: NatsConfig, url: str, pipeline: str, metrics: Metrics) -> None:
+    def __init__(self, config: NatsConfig, url: str | None, pipeline: str, metrics: Metrics) -> None:
         self.config = config
         self.url = url
         self.pipeline = pipeline
@@ -73,14 +78,22 @@ class Publisher:
         self.connected = asyncio.Event()
         # Told of every detections message that really left (sent, flushed from the outbox, or acked).
         self.on_sent: Callable[[str], None] | None = None
-        self.display_url = redact_url(url)
+        # Awaited with each message in publish order (per source); its wait is backpressure.
+        self.on_message: Callable[[dict[str, Any]], Awaitable[None]] | None = None
+        self.display_url = redact_url(url) if url is not None else "no NATS (messages to this process only)"
         self._errors = RateLimitedLog(logger=log)
 
     @property
     def mode(self) -> str:
-        return self.config.publish
+        return self.config.publish if self.url is not None else "local"
 
     async def connect(self, timeout: float = 5.0) -> None:
+        if self.url is None:
+            # Nothing to connect to: publishing (to on_message) is always possible.
+            self.connected.set()
+            return
+        url = self.url
+
         async def on_disconnect() -> None:
             self.connected.clear()
             if not self._closing:
@@ -97,7 +110,7 @@ class Publisher:
         try:
             # The client retries a first connection forever when reconnects are unlimited;
             # a broker that is not there at start is an operator error to report now.
-            self.nc = await asyncio.wait_for(self._open(on_disconnect, on_reconnect, on_error), timeout)
+            self.nc = await asyncio.wait_for(self._open(url, on_disconnect, on_reconnect, on_error), timeout)
         except Exception as exc:
             reason = "timed out" if isinstance(exc, TimeoutError) else (str(exc) or exc.__class__.__name__)
             raise PublishError(
@@ -111,9 +124,9 @@ class Publisher:
         else:
             self._flusher = asyncio.create_task(self._flush_outbox(), name="nats-outbox")
 
-    async def _open(self, on_disconnect: Any, on_reconnect: Any, on_error: Any) -> NatsClient:
+    async def _open(self, url: str, on_disconnect: Any, on_reconnect: Any, on_error: Any) -> NatsClient:
         return await nats.connect(
-            self.url,
+            url,
             connect_timeout=2,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.25,
@@ -146,9 +159,19 @@ class Publisher:
         de-duplication never mistakes a new frame for a retry of an old one.
         """
         message = build_message(self.pipeline, frame, time.time())
-        subject = subject_for(self.config.subject_prefix, self.pipeline, frame.source)
+        if self.on_message is not None:
+            await self.on_message(message)
         for obj in frame.objects:
             self.metrics.objects.labels(self.pipeline, frame.source, obj.label).inc()
+        if self.url is None:
+            # No NATS: the message went to this process only.
+            self._sent(frame.source, "detections")
+            self.metrics.e2e_latency.labels(self.pipeline, frame.source).observe(
+                max(0.0, message["publish_ts"] - frame.capture_ts)
+            )
+            return
+        assert self.nc is not None
+        subject = subject_for(self.config.subject_prefix, self.pipeline, frame.source)
         msg_id = f"{self.pipeline}/{frame.source}/{stream_id}/{frame.index}"
         if await self._send(
             subject, frame.source, encode(message), msg_id, "detections", f"frame {frame.index}"

@@ -187,7 +187,7 @@ async def test_precision_in_use_is_reported_by_status_and_listing(tmp_path: Path
         assert (status["ppocr_rec"].backend, status["ppocr_rec"].precision) == ("onnxruntime", "native")
     finally:
         await models.close()
-    rows = {line.split()[0]: line.split() for line in describe_repository(tmp_path).splitlines()[1:]}
+    rows = {line.split()[0]: line.split() for line in describe_repository(tmp_path).text.splitlines()[1:]}
     assert rows["ppocr_det"][3:5] == ["openvino", AUTO]
     assert rows["ppocr_cls"][3:5] == ["openvino", "f32"]
     assert rows["ppocr_rec"][3:5] == ["onnxruntime", "native"]

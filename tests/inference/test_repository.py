@@ -504,8 +504,9 @@ def test_describe_repository(tmp_path: Path) -> None:
     write_config(
         tmp_path, "broken", CONFIG.format(name="broken").replace("max_batch_size: 4", "max_batch_size: x")
     )
-    text = describe_repository(tmp_path)
-    lines = text.splitlines()
+    table = describe_repository(tmp_path)
+    assert table.unavailable == ["broken"]
+    lines = table.text.splitlines()
     assert lines[0].split() == [
         "NAME",
         "VERSION",
@@ -515,9 +516,11 @@ def test_describe_repository(tmp_path: Path) -> None:
         "INPUTS",
         "OUTPUTS",
         "BATCH",
+        "TASK",
+        "LABELS",
     ]
-    assert lines[1].split() == ["broken", "-", "unavailable", "-", "-", "-", "-", "-"]
-    assert lines[2].split() == [
+    assert lines[1].split() == ["broken", "-", "unavailable", "-", "-", "-", "-", "-", "-", "-"]
+    assert [c.strip() for c in lines[2].split("  ") if c.strip()] == [
         "cls",
         "2",
         "ready",
@@ -526,9 +529,11 @@ def test_describe_repository(tmp_path: Path) -> None:
         "x:float32[?,3,8,8]",
         "y:float32[?,3]",
         "4",
+        "classify",
+        "3 (red, green, blue)",
     ]
     assert lines[3] == ""
     assert lines[4].startswith(
         f"broken: {tmp_path / 'broken' / 'config.yaml'}:3: max_batch_size: expected an integer"
     )
-    assert describe_repository(tmp_path / "empty").startswith("no models in")
+    assert describe_repository(tmp_path / "empty").text.startswith("no models in")

@@ -22,8 +22,12 @@ def test_models_list_shows_each_model_its_io_and_state(sample_models: Path) -> N
         "INPUTS",
         "OUTPUTS",
         "BATCH",
+        "TASK",
+        "LABELS",
     ]
     rows = {line.split()[0]: line for line in lines[1:]}
+    assert rows["squares"].endswith("  yolo/yolov8     1 (square)")
+    assert rows["ppocr_cls"].endswith("  classify        2 (0, 180)")
     assert sorted(rows) == ["ppocr_cls", "ppocr_det", "ppocr_rec", "squares"]
     assert "images:float32[?,3,320,320]" in rows["squares"] and "output0:float32[?,5,1]" in rows["squares"]
     assert all(" ready " in row for row in rows.values())

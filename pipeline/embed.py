@@ -1,0 +1,339 @@
+"""vidpipe inside another program: a pipeline built from a file or a dict, results in Python.
+
+::
+
+    import pipeline
+
+    async with pipeline.Pipeline.from_dict(
+        {"pipeline": "app", "models": "samples/models",
+         "stages": [{"name": "objects", "type": "infer", "model": "squares"}]},
+    ) as pipe:
+        pipe.add_source("test://?frames=10")
+        async for message in pipe.results():
+            print(message["frame"], message["objects"])
+
+Each result is the ``vidpipe.detections/v1`` message (docs/messages.md), the
+same dict a NATS subscriber decodes. Without a NATS URL (``nats_url=`` or the
+config's ``nats.url``) nothing connects anywhere and no server is started:
+results reach only this program. With one, every message is also published,
+and the program sees exactly what subscribers receive.
+
+Results come through :meth:`Pipeline.results` (an async iterator; several may
+run at once) and :meth:`Pipeline.on_result` (a callback, plain or async). Both
+are called in frame order per source. An iterator's queue holds ``max_queue``
+messages; while it is full the pipeline waits for the reader (files lose
+nothing; live sources drop their oldest frames, counted as ``queue_full``),
+except while stopping, when the oldest queued message is dropped instead
+(counted in ``ResultStream.dropped``). An iterator that is left (``break``) or
+closed stops receiving.
+
+The pipeline ends once every source it ran has ended (as ``vidpipe run`` does)
+and then the iterators finish; ``keep_running=True`` keeps it up for sources
+added later, until :meth:`Pipeline.stop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from inference.schema import build
+from pipeline.config import PipelineConfig, SourceConfig, _unique_ids, load_config
+from pipeline.ratelimit import RateLimitedLog
+from pipeline.runtime import Runtime
+from pipeline.sources.schemes import resolve_url
+from pipeline.stats import PipelineReport
+
+__all__ = ["Message", "Pipeline", "ResultCallback", "ResultStream"]
+
+log = logging.getLogger("vidpipe.embed")
+
+Message = dict[str, Any]
+ResultCallback = Callable[[Message], Awaitable[None] | None]
+
+
+class _Channel:
+    """One reader's bounded queue, held by the pipeline (the reader holds a :class:`ResultStream`)."""
+
+    def __init__(self, limit: int) -> None:
+        self.items: collections.deque[Message] = collections.deque()
+        self.limit = limit
+        self.readable = asyncio.Event()
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.ended = False  # the pipeline finished: what is queued is still read
+        self.left = False  # the reader went away: nothing more is queued
+        self.blocking = True  # full: wait for the reader (False while stopping: drop the oldest)
+        self.dropped = 0
+
+    async def put(self, message: Message) -> None:
+        while self.blocking and len(self.items) >= self.limit and not self.left:
+            self.writable.clear()
+            await self.writable.wait()
+        if self.left or self.ended:
+            return
+        if len(self.items) >= self.limit:
+            self.items.popleft()
+            self.dropped += 1
+        self.items.append(message)
+        self.readable.set()
+
+    async def get(self) -> Message | None:
+        while not self.items:
+            if self.ended or self.left:
+                return None
+            self.readable.clear()
+            await self.readable.wait()
+        message = self.items.popleft()
+        self.writable.set()
+        return message
+
+    def end(self) -> None:
+        self.ended = True
+        self.readable.set()
+
+    def leave(self) -> None:
+        self.left = True
+        self.items.clear()
+        self.readable.set()
+        self.writable.set()
+
+
+class ResultStream:
+    """An async iterator of one reader's results; see the module docstring for its queue."""
+
+    def __init__(self, channel: _Channel) -> None:
+        self._channel = channel
+
+    @property
+    def dropped(self) -> int:
+        """Messages dropped because this reader's queue was full while the pipeline stopped."""
+        return self._channel.dropped
+
+    def __aiter__(self) -> ResultStream:
+        return self
+
+    async def __anext__(self) -> Message:
+        message = await self._channel.get()
+        if message is None:
+            raise StopAsyncIteration
+        return message
+
+    def close(self) -> None:
+        """Stop receiving; the pipeline no longer waits for this reader."""
+        self._channel.leave()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> ResultStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # A reader that broke out of `async for` drops its stream: it must not hold the pipeline.
+        self._channel.leave()
+
+
+class Pipeline:
+    """One pipeline run inside this program; use ``async with`` or :meth:`start` / :meth:`stop`."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        nats_url: str | None = None,
+        max_frames: int | None = None,
+        keep_running: bool = False,
+    ) -> None:
+        self.config = config
+        # No URL here or in the config: no NATS at all (no embedded server either).
+        self.nats_url = nats_url or config.nats.url
+        self.runtime = Runtime(config, nats_url=self.nats_url, max_frames=max_frames)
+        self.runtime.publisher.on_message = self._deliver
+        self._keep_running = keep_running
+        self._callbacks: list[ResultCallback] = []
+        self._channels: set[_Channel] = set()
+        self._errors = RateLimitedLog(logger=log)
+        self._started = False
+        self._stopping = False
+        self._watch: asyncio.Task[None] | None = None
+        self._shutdown: asyncio.Task[None] | None = None
+        self._done = asyncio.Event()
+
+    # -- building ------------------------------------------------------------------------
+
+    @classmethod
+    def from_file(cls, path: str | Path, *, sources: list[str] | None = None, **options: Any) -> Pipeline:
+        """A pipeline YAML file; ``sources`` replaces its sources (like ``vidpipe run --source``).
+
+        ``options`` are :class:`Pipeline`'s (``nats_url``, ``max_frames``, ``keep_running``).
+        Raises :class:`~inference.schema.ConfigError` (``FILE:LINE: ...``) for a bad file.
+        """
+        return cls(load_config(path, sources=sources), **options)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, base_dir: str | Path = ".", **options: Any) -> Pipeline:
+        """A config as a dict, keyed as the YAML file is; relative paths start at ``base_dir``."""
+        return cls(load_config(Path(base_dir) / "<config>", data=dict(data)), **options)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> Pipeline:
+        """Load the models, connect NATS (when there is a URL) and start the config's sources."""
+        if self._started:
+            raise RuntimeError("the pipeline was already started")
+        self._started = True
+        if self._keep_running:
+            self.runtime.keep_running()
+        try:
+            await self.runtime.start()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.runtime.stop()
+            self._finish_streams()
+            raise
+        if self.runtime.sources:
+            self._watch_sources()
+        return self
+
+    def add_source(self, url: str, *, id: str | None = None, **options: Any) -> str:
+        """Start a source (``url`` and any ``sources:`` key as keyword arguments); returns its id.
+
+        Relative file paths start at the config's folder. Raises
+        :class:`~inference.schema.ConfigError` for bad options, ``ValueError`` for an id
+        in use and :class:`~pipeline.runtime.SourceLimitError` at ``runtime.max_sources``.
+        """
+        if not self._started or self._shutdown is not None:
+            raise RuntimeError("add_source needs a started pipeline that has not finished")
+        data = {"url": url, **({"id": id} if id is not None else {}), **options}
+        config = build(data, SourceConfig, "add_source", path="sources")
+        config = dataclasses.replace(config, url=resolve_url(config.url, Path(self.config.base_dir)))
+        if config.id is None:
+            config = _unique_ids([run.config for run in self.runtime.sources.values()] + [config])[-1]
+        run = self.runtime.add_source(config)
+        self._watch_sources()
+        return run.source.id
+
+    async def remove_source(self, source_id: str) -> bool:
+        """Stop a source after its frames in flight are published; False if there is none."""
+        return await self.runtime.remove_source(source_id)
+
+    async def wait(self) -> None:
+        """Until the pipeline has finished (its sources ended, or :meth:`stop`)."""
+        await self._done.wait()
+
+    def request_stop(self) -> None:
+        """Begin a graceful stop without waiting (safe inside a result callback)."""
+        if self._started:
+            self._begin_shutdown()
+
+    async def stop(self) -> None:
+        """Stop intake, finish and deliver the frames in flight, close NATS; iterators then end."""
+        if not self._started:
+            return
+        await asyncio.shield(self._begin_shutdown())
+
+    async def __aenter__(self) -> Pipeline:
+        return await self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    def _watch_sources(self) -> None:
+        if self._keep_running or self._watch is not None:
+            return
+
+        async def watch() -> None:
+            await self.runtime.wait()
+            self._begin_shutdown()
+
+        self._watch = asyncio.create_task(watch(), name=f"embed-watch-{self.config.pipeline}")
+
+    def _begin_shutdown(self) -> asyncio.Task[None]:
+        if self._shutdown is None:
+            self._stopping = True
+            for channel in self._channels:
+                channel.blocking = False
+                channel.writable.set()  # a writer waiting for room drops the oldest instead
+            self.runtime.request_stop()
+            self._shutdown = asyncio.create_task(self._stop_runtime(), name="embed-stop")
+        return self._shutdown
+
+    async def _stop_runtime(self) -> None:
+        try:
+            await self.runtime.stop()
+        finally:
+            self._finish_streams()
+            if self._watch is not None:
+                self._watch.cancel()
+
+    def _finish_streams(self) -> None:
+        for channel in self._channels:
+            channel.end()
+        self._channels.clear()
+        self._done.set()
+
+    # -- results -------------------------------------------------------------------------
+
+    def results(self, *, max_queue: int = 256) -> ResultStream:
+        """An async iterator of results from now on; it ends when the pipeline finishes."""
+        if max_queue < 1:
+            raise ValueError("max_queue must be at least 1")
+        channel = _Channel(max_queue)
+        channel.blocking = not self._stopping
+        if self._done.is_set():
+            channel.end()
+        else:
+            self._channels.add(channel)
+        return ResultStream(channel)
+
+    def on_result(self, callback: ResultCallback) -> ResultCallback:
+        """Call ``callback(message)`` for every result (usable as a decorator).
+
+        An async callback is awaited before the source's next message; an exception
+        is logged and the pipeline goes on. Do not await :meth:`stop` inside one:
+        it waits for this very callback; call :meth:`request_stop`.
+        """
+        self._callbacks.append(callback)
+        return callback
+
+    async def _deliver(self, message: Message) -> None:
+        for callback in self._callbacks:
+            try:
+                result = callback(message)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception as exc:
+                self._errors(
+                    f"callback:{type(exc).__name__}",
+                    f"result callback {getattr(callback, '__name__', callback)!r} failed on frame "
+                    f"{message.get('frame')} of {message.get('source')}: {type(exc).__name__}: {exc}",
+                )
+        for channel in list(self._channels):
+            if channel.left:
+                self._channels.discard(channel)
+                continue
+            await channel.put(message)
+
+    # -- state ---------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    def report(self) -> PipelineReport:
+        """Sources, models and totals as they are now (what ``/v1/stats`` shows)."""
+        return self.runtime.report()

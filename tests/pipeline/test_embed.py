@@ -1,0 +1,157 @@
+"""The embedding API: results in Python from a real pipeline, with and without NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from inference.schema import ConfigError
+from pipeline import Pipeline
+from pipeline.nats_server import EmbeddedNats
+from pipeline.sources.pattern import pattern_square_box
+from tests.conftest import ROOT, Collector
+
+
+def squares(models: Path) -> dict[str, Any]:
+    return {
+        "pipeline": "embedded",
+        "models": str(models),
+        "stages": [{"name": "objects", "type": "infer", "model": "squares"}],
+    }
+
+
+def child_nats_servers() -> list[int]:
+    """nats-server processes started by this test process."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+        except OSError:
+            continue
+        if fields.get("Name", "").strip() == "nats-server" and int(fields["PPid"]) == os.getpid():
+            found.append(int(status.parent.name))
+    return found
+
+
+def boxes_of(messages: list[dict[str, Any]]) -> list[tuple[int, str, list[float]]]:
+    return [(m["frame"], o["label"], o["bbox"]) for m in messages for o in m["objects"]]
+
+
+def truth(frames: int, width: int = 320, height: int = 240) -> list[tuple[int, str, list[float]]]:
+    return [(i, "square", [float(v) for v in pattern_square_box(i, width, height)]) for i in range(frames)]
+
+
+async def test_results_without_nats_come_only_to_the_caller(sample_models: Path) -> None:
+    async with Pipeline.from_dict(squares(sample_models)) as pipe:
+        assert pipe.runtime.publisher.mode == "local" and pipe.runtime.publisher.nc is None
+        assert child_nats_servers() == []
+        sid = pipe.add_source("test://?width=320&height=240&fps=50&frames=12", queue_size=64)
+        assert sid == "test"
+        messages = [m async for m in pipe.results()]
+    assert pipe.finished
+    assert [m["frame"] for m in messages] == list(range(12))
+    assert {m["source"] for m in messages} == {"test"}
+    assert {m["schema"] for m in messages} == {"vidpipe.detections/v1"}
+    assert boxes_of(messages) == truth(12)
+    assert pipe.report().published == 12
+
+
+async def test_with_nats_the_caller_and_subscribers_get_the_same_messages(
+    squares_config: Path, nats_server: EmbeddedNats, collector: Collector
+) -> None:
+    await collector.start(nats_server.url, "vidpipe.demo.>")
+    seen: list[dict[str, Any]] = []
+    pipe = Pipeline.from_file(
+        squares_config, sources=["test://?width=320&height=240&fps=50&frames=10"], nats_url=nats_server.url
+    )
+    pipe.on_result(seen.append)
+    stream = None
+    async with pipe:
+        stream = pipe.results()
+        await pipe.wait()
+    iterated = [m async for m in stream]
+    await collector.wait_for(10)
+    assert collector.messages == seen == iterated
+    assert boxes_of(seen) == truth(10)
+
+
+async def test_async_callbacks_are_awaited_in_frame_order_and_a_failing_one_does_not_stop_the_run(
+    sample_models: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    order: list[int] = []
+    pipe = Pipeline.from_dict(squares(sample_models))
+
+    @pipe.on_result
+    async def slow(message: dict[str, Any]) -> None:
+        await asyncio.sleep(0.01 if message["frame"] % 2 == 0 else 0)
+        order.append(message["frame"])
+
+    @pipe.on_result
+    def broken(message: dict[str, Any]) -> None:
+        raise RuntimeError("consumer bug")
+
+    async with pipe:
+        pipe.add_source("test://?width=320&height=240&fps=100&frames=8", queue_size=64)
+        await pipe.wait()
+    assert order == list(range(8))
+    assert "result callback 'broken' failed on frame 0 of test: RuntimeError: consumer bug" in caplog.text
+
+
+async def test_a_reader_that_breaks_out_never_holds_the_pipeline(sample_models: Path) -> None:
+    async with Pipeline.from_dict(squares(sample_models), keep_running=True) as pipe:
+        pipe.add_source("test://?width=320&height=240&fps=100", id="endless")
+        async for message in pipe.results(max_queue=1):
+            if message["frame"] >= 2:
+                break
+        # The abandoned reader's queue is full; the pipeline must go on publishing.
+        before = pipe.report().published
+        deadline = time.monotonic() + 10
+        while pipe.report().published < before + 20:
+            assert time.monotonic() < deadline, "publishing stalled behind an abandoned reader"
+            await asyncio.sleep(0.05)
+        started = time.monotonic()
+    assert time.monotonic() - started < 5  # stop() drained without waiting for anybody
+
+
+async def test_stop_inside_the_loop_finishes_and_the_iterator_ends(sample_models: Path) -> None:
+    pipe = await Pipeline.from_dict(squares(sample_models), keep_running=True).start()
+    pipe.add_source("test://?width=320&height=240&fps=100", id="endless")
+    frames = []
+    async for message in pipe.results(max_queue=2):
+        frames.append(message["frame"])
+        if len(frames) == 3:
+            await asyncio.wait_for(pipe.stop(), 10)
+    # Frames still in flight at the stop were delivered, in order, then the iterator ended.
+    assert frames == list(range(len(frames))) and len(frames) >= 3
+    with pytest.raises(RuntimeError, match="started pipeline that has not finished"):
+        pipe.add_source("test://")
+
+
+def test_a_bad_dict_is_a_config_error_naming_the_key(sample_models: Path) -> None:
+    data = squares(sample_models) | {"stages": [{"name": "objects", "type": "infer", "modle": "squares"}]}
+    with pytest.raises(ConfigError) as err:
+        Pipeline.from_dict(data)
+    assert str(err.value) == "<config>:1: stages[0].modle: unknown key (hint: did you mean 'model'?)"
+
+
+def test_the_documented_example_runs_as_written() -> None:
+    text = (ROOT / "docs" / "embedding.md").read_text()
+    example = re.findall(r"```python\n(.*?)```", text, re.S)[0]
+    proc = subprocess.run(
+        [sys.executable, "-c", example], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [line.split(" ", 3) for line in proc.stdout.splitlines()]
+    assert [(int(f), label, json.loads(box)) for source, f, label, box in lines if source == "door"] == truth(
+        10
+    )
+    assert len(lines) == 10

@@ -1,0 +1,156 @@
+"""``vidpipe models add`` and ``models list`` through the real CLI, with ultralytics-style exports.
+
+The exports are the sample square detector (samples/build_models.py) carrying the
+metadata Ultralytics writes, so a run on the test pattern has a known answer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+
+from pipeline.nats_server import EmbeddedNats
+from pipeline.sources.pattern import pattern_square_box
+from samples.build_models import square_detector
+from tests.conftest import Collector, run_cli
+from tests.pipeline.test_end_to_end import assert_box, run_async
+
+
+def ultralytics_export(path: Path, layout: str, *, batch: int | None = None) -> Path:
+    """The square detector as an ultralytics export: metadata_props, and a fixed batch when asked."""
+    model = square_detector(320, 320, layout=layout)  # type: ignore[arg-type]
+    if batch is not None:
+        for value in (*model.graph.input, *model.graph.output):
+            value.type.tensor_type.shape.dim[0].dim_value = batch
+    meta = {"stride": "32", "names": "{0: 'square'}"}
+    if layout == "yolov8":
+        meta |= {"task": "detect", "imgsz": "[320, 320]", "batch": str(batch or 1), "author": "Ultralytics"}
+    onnx.helper.set_model_props(model, meta)
+    onnx.save(model, str(path))
+    return path
+
+
+V8_CONFIG = """\
+# Written by `vidpipe models add` from yolov8-squares.onnx (ultralytics detect export).
+# Input: images[?, 3, 320, 320] float32. Output: output0[?, 5, 1] float32.
+# Layout: YOLOv8 [N, 4+C, A] (boxes and class scores, no objectness).
+name: squares8
+backend: onnxruntime
+model_file: {path: model.onnx}
+max_batch_size: 8
+input: {name: images, shape: [3, 320, 320], dtype: float32, resize: letterbox}
+task: {kind: yolo, layout: yolov8, confidence: 0.25, iou: 0.45}
+labels: [square]
+dynamic_batching: {max_queue_delay_microseconds: 2000}
+instance_group: [{count: 1, kind: KIND_CPU}]
+"""
+
+V5_CONFIG = """\
+# Written by `vidpipe models add` from yolov5-squares.onnx (no task metadata).
+# Input: images[1, 3, 320, 320] float32. Output: output0[1, 1, 6] float32.
+# Layout: YOLOv5 [N, A, 5+C] (boxes, objectness and class scores).
+# A fixed batch of 1: re-export with a dynamic batch axis to batch images.
+name: yolov5-squares
+backend: onnxruntime
+model_file: {path: model.onnx}
+max_batch_size: 1
+input: {name: images, shape: [3, 320, 320], dtype: float32, resize: letterbox}
+task: {kind: yolo, layout: yolov5, confidence: 0.25, iou: 0.45}
+labels: [square]
+instance_group: [{count: 1, kind: KIND_CPU}]
+"""
+
+PIPELINE = """\
+pipeline: added
+models: {repo}
+stages:
+  - {{name: objects, type: infer, model: {model}}}
+"""
+
+
+async def run_on_pattern(tmp_path: Path, repo: Path, model: str, nats: EmbeddedNats) -> list[dict]:  # type: ignore[type-arg]
+    config = tmp_path / f"{model}.yaml"
+    config.write_text(PIPELINE.format(repo=repo, model=model))
+    collector = await Collector().start(nats.url, "vidpipe.added.>")
+    try:
+        code, _, err = await run_async(
+            "run", str(config), "--source", "test://?width=320&height=240&fps=20&frames=6", "--nats", nats.url
+        )
+        assert code == 0, err
+        await collector.wait_for(6)
+        return collector.messages
+    finally:
+        await collector.close()
+
+
+@pytest.mark.parametrize(
+    ("layout", "batch", "name", "expected"),
+    [("yolov8", None, "squares8", V8_CONFIG), ("yolov5", 1, None, V5_CONFIG)],
+)
+async def test_models_add_writes_the_config_from_the_export_and_the_model_runs(
+    tmp_path: Path, nats_server: EmbeddedNats, layout: str, batch: int | None, name: str | None, expected: str
+) -> None:
+    export = ultralytics_export(tmp_path / f"{layout}-squares.onnx", layout, batch=batch)
+    repo = tmp_path / "models"
+    proc = run_cli("models", "add", str(export), "--repo", str(repo), *(["--name", name] if name else []))
+    assert proc.returncode == 0, proc.stderr
+    added = name or export.stem
+    config = repo / added / "config.yaml"
+    assert config.read_text() == expected
+    assert (repo / added / "1" / "model.onnx").read_bytes() == export.read_bytes()
+    assert proc.stdout == (
+        f"wrote {config}:\n{expected}model file: {repo / added / '1' / 'model.onnx'}\n"
+        f"model {added} loads: ready on onnxruntime\n"
+    )
+
+    messages = await run_on_pattern(tmp_path, repo, added, nats_server)
+    assert [m["frame"] for m in messages] == list(range(6))
+    for m in messages:
+        (obj,) = m["objects"]
+        assert (obj["label"], obj["class_id"]) == ("square", 0)
+        assert_box(obj["bbox"], pattern_square_box(m["frame"], 320, 240))
+
+
+def test_models_add_refuses_what_it_cannot_serve_and_writes_nothing(tmp_path: Path) -> None:
+    export = ultralytics_export(tmp_path / "seg.onnx", "yolov8")
+    model = onnx.load(str(export))
+    for prop in model.metadata_props:
+        if prop.key == "task":
+            prop.value = "segment"
+    onnx.save(model, str(export))
+    repo = tmp_path / "models"
+    proc = run_cli("models", "add", str(export), "--repo", str(repo))
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "vidpipe: seg.onnx: an ultralytics 'segment' export; vidpipe serves detect and classify models, "
+        "so export the detect or classify variant\n"
+    )
+    assert not repo.exists() or not any(repo.iterdir())
+
+
+def test_models_add_never_overwrites_a_model(tmp_path: Path) -> None:
+    export = ultralytics_export(tmp_path / "sq.onnx", "yolov8")
+    repo = tmp_path / "models"
+    assert run_cli("models", "add", str(export), "--repo", str(repo)).returncode == 0
+    again = run_cli("models", "add", str(export), "--repo", str(repo))
+    assert again.returncode == 2
+    assert again.stderr == f"vidpipe: {repo / 'sq'} already exists; pass --name or remove it first\n"
+
+
+def test_models_list_shows_task_and_labels_and_exits_1_when_a_model_is_unavailable(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    export = ultralytics_export(tmp_path / "sq.onnx", "yolov8")
+    assert run_cli("models", "add", str(export), "--repo", str(repo)).returncode == 0
+    proc = run_cli("models", "list", str(repo))
+    assert proc.returncode == 0, proc.stdout
+    header, row = proc.stdout.splitlines()
+    assert header.split()[-2:] == ["TASK", "LABELS"]
+    assert row.split()[:3] == ["sq", "1", "ready"] and row.endswith("yolo/yolov8  1 (square)")
+
+    (repo / "sq" / "1" / "model.onnx").unlink()
+    proc = run_cli("models", "list", str(repo))
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines()[1].split()[:3] == ["sq", "1", "unavailable"]
+    assert f"sq: {repo / 'sq' / 'config.yaml'}:" in proc.stdout and "model file not found" in proc.stdout
