@@ -85,6 +85,14 @@ def parse_url(config: ModelConfig) -> str:
             "backend_options", "backend triton needs backend_options.url", "add url: grpc://HOST:PORT"
         )
     parts = urlsplit(url)
+    if "@" in parts.netloc:
+        # gRPC to Triton carries no user info; one here is a password that would end up
+        # in every error message that names the server.
+        raise config.error(
+            "backend_options.url",
+            "the URL has a user or password, which Triton's gRPC endpoint does not take",
+            "write it as grpc://HOST:PORT",
+        )
     try:
         port = parts.port
     except ValueError:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from inference.errors import VidpipeError
 from pipeline.outputs.relay import FrameRelay, Subscription
 
 log = logging.getLogger("vidpipe.whep")
@@ -27,7 +28,7 @@ WHEP_FPS = 30.0
 VIDEO_CLOCK = 90000
 
 
-class WhepError(Exception):
+class WhepError(VidpipeError):
     """A WHEP request that cannot be served: ``status`` and a message for the client."""
 
     def __init__(self, status: int, message: str) -> None:

@@ -1,0 +1,1 @@
+"""The graph's node kinds: infer, track, zones and publish; ``registry`` knows them all."""

@@ -262,3 +262,15 @@ async def test_url_must_be_grpc(tmp_path: Path) -> None:
     config = tmp_path / "squares" / "config.yaml"
     assert status.reason.startswith(f"{config}:18: backend_options.url: 'http://127.0.0.1:8000' is not")
     await repo.close()
+
+
+async def test_url_with_credentials_is_refused_without_echoing_them(tmp_path: Path) -> None:
+    repo = remote_repo(tmp_path, "grpc://admin:Secret9@127.0.0.1:8001")
+    status = await repo.load("squares")
+    config = tmp_path / "squares" / "config.yaml"
+    assert status.reason == (
+        f"{config}:18: backend_options.url: the URL has a user or password, which Triton's gRPC "
+        "endpoint does not take (hint: write it as grpc://HOST:PORT)"
+    )
+    assert "Secret9" not in status.reason
+    await repo.close()

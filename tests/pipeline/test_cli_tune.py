@@ -34,8 +34,12 @@ def test_tune_searches_prints_the_table_and_writes_only_the_tuned_keys(
 ) -> None:
     shutil.copytree(sample_models / "squares", tmp_path / "squares")
     config = tmp_path / "squares" / "config.yaml"
+    # A starting point the pick cannot be: 4 callers never fill a batch of 8, so every
+    # batch waits the full 0.9 s delay, past the 500 ms budget.
     original = "# Tuned by hand before; the tuner must keep this line.\n" + config.read_text().replace(
         "labels: [square]", "labels: [square]   # one class"
+    ).replace("max_queue_delay_microseconds: 2000", "max_queue_delay_microseconds: 900000").replace(
+        "preferred_batch_size: [4, 8]", "preferred_batch_size: [8]"
     )
     config.write_text(original)
     proc = run_cli(
@@ -68,7 +72,9 @@ def test_tune_searches_prints_the_table_and_writes_only_the_tuned_keys(
     assert all(line.startswith(TUNED) for line in changed), changed
     assert new.startswith("# Tuned by hand before; the tuner must keep this line.\n")
     assert "labels: [square]   # one class\n" in new
-    assert ("wrote " in proc.stdout) == bool(changed)
+    assert changed and "wrote " in proc.stdout
+    start = "max_queue_delay_microseconds: 900000" in new and "preferred_batch_size: [8]" in new
+    assert not start, "the slow starting point was kept"
 
 
 def test_tune_refuses_bad_arguments_as_usage_errors(tmp_path: Path, sample_models: Path) -> None:
