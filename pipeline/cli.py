@@ -112,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config)
+    # Everything `run` would refuse, the model repository and source files included.
+    cfg = load_config(args.config, require_sources=True, check_resources=True)
     print(
         f"{args.config}: ok (pipeline {cfg.pipeline}: {len(cfg.sources)} source(s), "
         f"{len(cfg.stages)} stage(s))"
@@ -163,7 +164,7 @@ async def cmd_subscribe(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, sources=args.source)
+    cfg = load_config(args.config, sources=args.source, require_sources=not args.http)
     if args.publish:
         cfg = dataclasses.replace(cfg, nats=dataclasses.replace(cfg.nats, publish=args.publish))
     env_token = os.environ.get("VIDPIPE_HTTP_TOKEN")
@@ -186,10 +187,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError("--max-frames", None, "", "must be at least 1")
     if args.duration is not None and args.duration <= 0:
         raise ConfigError("--duration", None, "", "must be greater than 0")
-    if not cfg.sources and cfg.http is None:
-        raise ConfigError(
-            cfg.file, None, "sources", "no sources", "add sources: in the file, or pass --source URL"
-        )
     return asyncio.run(run_pipeline(cfg, args))
 
 

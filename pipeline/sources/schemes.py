@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SCHEMES",
+    "SCHEME_OPTIONS",
     "Scheme",
     "check_url",
     "create_source",
@@ -83,6 +84,22 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("rtsps", live=True, id_from=_id_from_camera, source="pipeline.sources.rtsp:RtspSource"),
         Scheme("whip", live=True, id_from=_id_from_whip, source="pipeline.sources.whip:WhipSource"),
     )
+}
+
+
+# The scheme-specific source keys each scheme takes: SourceConfig fields beyond url, id,
+# queue_size, max_fps and max_pixels, which every scheme takes. A key that some scheme
+# takes and a source's scheme does not (``transport:`` on a file) is a config error.
+# A scheme missing here is not checked.
+_RTSP_OPTIONS = (
+    "transport", "open_timeout", "read_timeout", "stall_timeout", "reconnect", "allow_redirects", "decode",
+)  # fmt: skip
+SCHEME_OPTIONS: dict[str, tuple[str, ...]] = {
+    "file": ("loop", "realtime", "decode"),
+    "test": (),
+    "rtsp": _RTSP_OPTIONS,
+    "rtsps": _RTSP_OPTIONS,
+    "whip": ("open_timeout", "stall_timeout"),
 }
 
 
