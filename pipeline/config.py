@@ -254,7 +254,11 @@ def _unique_ids(sources: list[SourceConfig]) -> list[SourceConfig]:
 
 
 def _check_graph(
-    cfg: PipelineConfig, raw: Any, file: str, stages: list[tuple[int, StageOptions]]
+    cfg: PipelineConfig,
+    raw: Any,
+    file: str,
+    stages: list[tuple[int, StageOptions]],
+    source_index: list[int],
 ) -> list[ConfigError]:
     """Whole-graph checks that single fields cannot express.
 
@@ -268,7 +272,7 @@ def _check_graph(
 
     raw_sources = raw.get("sources") if isinstance(raw, dict) else None
     ids: dict[str, int] = {}
-    for i, src in enumerate(cfg.sources):
+    for i, src in zip(source_index, cfg.sources, strict=True):
         line = line_of(raw_sources, i) if raw_sources is not None else None
         sid = src.source_id
         if sid in ids:
@@ -323,7 +327,7 @@ def _check_graph(
 
 
 def _check_resources(
-    cfg: PipelineConfig, stages: list[tuple[int, StageOptions]], *, source_files: bool
+    cfg: PipelineConfig, stages: list[tuple[int, StageOptions]], source_index: list[int] | None
 ) -> list[ConfigError]:
     """What ``run`` would refuse once it looks outside the file: source files, the model
     repository, each model's own config.yaml, its model and labels files, and ``classes:``
@@ -334,8 +338,10 @@ def _check_resources(
         line = cfg.line(key) or cfg.line(key.rsplit(".", 1)[0]) or None
         errors.append(ConfigError(cfg.file, line, key, problem, hint))
 
-    if source_files:
-        for i, src in enumerate(cfg.sources):
+    # Sources from the command line (source_index None) are not checked: run goes on
+    # without a missing one, as with a camera that is down.
+    if source_index is not None:
+        for i, src in zip(source_index, cfg.sources, strict=True):
             if src.scheme == "file" and not Path(src.url).is_file():
                 err(f"sources[{i}].url", f"file not found: {src.url}",
                     "relative paths start at the folder of this file")  # fmt: skip
@@ -412,8 +418,8 @@ def _source_key_errors(item: Any, path: str, file: str) -> list[ConfigError]:
     ]
 
 
-def _build_sources(raw: Any, file: str, errors: list[ConfigError]) -> list[SourceConfig]:
-    """Each ``sources[]`` entry validated on its own, so every bad entry is reported."""
+def _build_sources(raw: Any, file: str, errors: list[ConfigError]) -> list[tuple[int, SourceConfig]]:
+    """Each ``sources[]`` entry validated on its own, so every bad entry is reported; with its index."""
     if raw is None:
         return []
     if not isinstance(raw, list):
@@ -432,7 +438,7 @@ def _build_sources(raw: Any, file: str, errors: list[ConfigError]) -> list[Sourc
         # A key of another scheme is an error, but the source is still checked further.
         errors.extend(_source_key_errors(item, path, file))
         try:
-            out.append(build(item, SourceConfig, file, path=path))
+            out.append((i, build(item, SourceConfig, file, path=path)))
         except ConfigError as exc:
             errors.append(exc)
     return out
@@ -629,9 +635,11 @@ def load_config(
         )
     else:
         base = p.parent.resolve()
-        cfg = replace(cfg, sources=[replace(s, url=resolve_url(s.url, base)) for s in file_sources])
+        cfg = replace(cfg, sources=[replace(s, url=resolve_url(s.url, base)) for _, s in file_sources])
     cfg = replace(cfg, sources=_unique_ids(cfg.sources), file=file)
-    errors.extend(_check_graph(cfg, raw, file, stages))
+    # Where each source is in the file (an entry that did not build is not among them).
+    source_index = [i for i, _ in file_sources] if sources is None else list(range(len(cfg.sources)))
+    errors.extend(_check_graph(cfg, raw, file, stages, source_index))
     if (
         require_sources
         and not cfg.sources
@@ -648,6 +656,6 @@ def load_config(
             )
         )
     if check_resources:
-        errors.extend(_check_resources(cfg, stages, source_files=sources is None))
+        errors.extend(_check_resources(cfg, stages, source_index if sources is None else None))
     raise_errors(errors)
     return cfg
