@@ -47,6 +47,52 @@ class ConfigError(VidpipeError, ValueError):
         what = f"{self.path}: {self.problem}" if self.path else self.problem
         return f"{where}: {what}" + (f" (hint: {self.hint})" if self.hint else "")
 
+    @property
+    def errors(self) -> list[ConfigError]:
+        """Every problem this error stands for: itself (:class:`ConfigErrors` holds several)."""
+        return [self]
+
+
+# Enough to fix a file in one pass without burying the first problems under the rest.
+MAX_REPORTED_ERRORS = 20
+
+
+class ConfigErrors(ConfigError):
+    """Several configuration problems found in one pass, in file and line order.
+
+    ``file``, ``line``, ``path``, ``problem`` and ``hint`` are the first problem's
+    (for callers that show one); ``str()`` is one ``FILE:LINE: ...`` line per
+    problem, at most :data:`MAX_REPORTED_ERRORS`, then a count of the rest.
+    """
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        flat = [e for err in errors for e in err.errors]
+        self._errors = sorted(flat, key=lambda e: (e.file, e.line or 0))
+        first = self._errors[0]
+        super().__init__(first.file, first.line, first.path, first.problem, first.hint)
+
+    @property
+    def errors(self) -> list[ConfigError]:
+        return list(self._errors)
+
+    def render(self) -> str:
+        if not getattr(self, "_errors", None):
+            return super().render()
+        shown = [e.render() for e in self._errors[:MAX_REPORTED_ERRORS]]
+        rest = len(self._errors) - len(shown)
+        if rest:
+            shown.append(f"... and {rest} more problem(s)")
+        return "\n".join(shown)
+
+
+def raise_errors(errors: list[ConfigError]) -> None:
+    """Raise nothing for no errors, the error itself for one, :class:`ConfigErrors` for more."""
+    flat = [e for err in errors for e in err.errors]
+    if len(flat) == 1:
+        raise flat[0]
+    if flat:
+        raise ConfigErrors(flat)
+
 
 @dataclass(frozen=True, eq=False)
 class ConfigOrigin:
@@ -333,10 +379,14 @@ def _convert(value: Any, tp: Any, ctx: _Ctx, meta: Mapping[str, Any]) -> Any:
             raise ctx.error(f"expected a list, got {_shown(value)}", meta.get("help", ""))
         item_tp = (get_args(tp) or (Any,))[0]
         lines = getattr(value, "item_lines", [None] * len(value))
-        items = [
-            _convert(v, item_tp, ctx.child(i, lines[i] if i < len(lines) else None), {})
-            for i, v in enumerate(value)
-        ]
+        items: list[Any] = []
+        item_errors: list[ConfigError] = []
+        for i, v in enumerate(value):
+            try:
+                items.append(_convert(v, item_tp, ctx.child(i, lines[i] if i < len(lines) else None), {}))
+            except ConfigError as exc:
+                item_errors.append(exc)
+        raise_errors(item_errors)
         return tuple(items) if origin is tuple else items
     if origin in (dict, Mapping):
         if not isinstance(value, dict):
@@ -392,21 +442,30 @@ def _build_dataclass(data: dict[str, Any], cls: type[T], ctx: _Ctx) -> T:
         if f.init and f.metadata.get("yaml", True)
     }
     key_lines: dict[str, int] = getattr(data, "key_lines", {})
+    # Every problem of this mapping (and those below it) is collected, not just the first.
+    errors: list[ConfigError] = []
+    suggested: set[str] = set()  # a missing key an unknown one was taken for is not said twice
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1)
+            suggested.update(close)
             hint = f"did you mean {close[0]!r}?" if close else "allowed keys: " + ", ".join(fields)
-            raise ctx.child(key, key_lines.get(key)).error("unknown key", hint)
+            errors.append(ctx.child(key, key_lines.get(key)).error("unknown key", hint))
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         child = ctx.child(name, key_lines.get(name))
         if name not in data:
-            if f.default is MISSING and f.default_factory is MISSING:
-                raise ctx.error(f"missing required key {name!r}", f.metadata.get("help", ""))
+            if f.default is MISSING and f.default_factory is MISSING and name not in suggested:
+                errors.append(ctx.error(f"missing required key {name!r}", f.metadata.get("help", "")))
             continue
-        value = _convert(data[name], hints[name], child, f.metadata)
-        _check_bounds(value, child, f.metadata)
+        try:
+            value = _convert(data[name], hints[name], child, f.metadata)
+            _check_bounds(value, child, f.metadata)
+        except ConfigError as exc:
+            errors.append(exc)
+            continue
         kwargs[name] = value
+    raise_errors(errors)
     try:
         obj = cls(**kwargs)
     except ValueError as exc:  # __post_init__ cross-field checks

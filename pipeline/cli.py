@@ -4,6 +4,7 @@
 
     vidpipe run CONFIG [--source URL ...] [--nats URL] [--http HOST:PORT]
                        [--max-frames N] [--duration S] [--publish core|jetstream] [--summary]
+                       [--no-progress]
     vidpipe validate CONFIG
     vidpipe subscribe [--nats URL] [SUBJECT] [--count N] [--timeout S]
     vidpipe models list REPO
@@ -12,7 +13,11 @@
                             [--latency-budget-ms MS] [--write]
 
 Exit codes: 0 done, 1 runtime failure (no source produced anything, NATS
-unreachable, a model unavailable), 2 bad config or usage (``FILE:LINE: ...``).
+unreachable, a model unavailable), 2 bad config or usage (``FILE:LINE: ...``,
+every problem of a file at once), 130 forced exit (a second Ctrl-C).
+
+``--log-format json`` makes everything vidpipe itself writes JSON, one object a
+line: logs, the embedded server's URL, the summary, errors.
 """
 
 from __future__ import annotations
@@ -26,22 +31,53 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from inference.schema import ConfigError
+import pipeline
+from inference.schema import MAX_REPORTED_ERRORS, ConfigError
 from pipeline.config import HttpConfig, PipelineConfig, load_config
 from pipeline.redact import redact_url
+from pipeline.sources.schemes import SCHEME_OPTIONS
 
 log = logging.getLogger("vidpipe")
 
 EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
+EXIT_FORCED = 130  # a second Ctrl-C: 128 + SIGINT, as shells report it
+
+EXAMPLES = """\
+examples:
+  vidpipe validate configs/demo.yaml            check a config (and its models and files)
+  vidpipe run configs/demo.yaml --summary       run it; an embedded NATS server on 127.0.0.1:4222
+  vidpipe run configs/demo.yaml --source clip.mp4 --max-frames 100
+  vidpipe run configs/demo.yaml --source rtsp://cam/stream --http 127.0.0.1:8080
+  vidpipe subscribe                             print what a running pipeline publishes
+  vidpipe models list samples/models            the model repository and each model's state
+"""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Examples kept as written, every option with its default.
+
+    A default argparse would show as ``None`` or ``False`` is written into the
+    option's help instead, in words (``default: no limit``).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool) or action.default == argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> Any:  # argparse's own exit code is already 2
         self.print_usage(sys.stderr)
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -49,41 +85,80 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="vidpipe", description="Streaming video analytics: cameras in, detections out.")
+    parser = _Parser(
+        prog="vidpipe", description="Streaming video analytics: cameras in, detections out.", epilog=EXAMPLES
+    )
+    parser.add_argument("--version", action="version", version=f"vidpipe {pipeline.__version__}")
     # Logging options go after the command (`vidpipe run --debug ...`), on every command.
     common = _Parser(add_help=False)
-    common.add_argument("--log-format", choices=["plain", "json"], default="plain")
-    common.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    common.add_argument("--debug", action="store_true", help="show tracebacks")
+    common.add_argument(
+        "--log-format", choices=["plain", "json"], default="plain", help="json: every line a JSON object"
+    )
+    common.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="debug adds the config, each source's parameters and each model's instances",
+    )
+    common.add_argument("--debug", action="store_true", help="show tracebacks (default: off)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    run = sub.add_parser("run", help="run a pipeline", parents=[common])
+    run = sub.add_parser("run", help="run a pipeline", parents=[common], epilog=EXAMPLES)
     run.add_argument("config", help="pipeline YAML")
     run.add_argument(
-        "--source", action="append", metavar="URL", help="replace the config's sources (repeatable)"
+        "--source",
+        action="append",
+        metavar="URL",
+        help="replace the config's sources (repeatable; default: the config's)",
     )
-    run.add_argument("--nats", metavar="URL", help="NATS server; default: config, else an embedded one")
-    run.add_argument("--http", metavar="HOST:PORT", help="serve metrics, health, API and WHIP here")
-    run.add_argument("--max-frames", type=int, metavar="N", help="stop each source after N frames")
-    run.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
-    run.add_argument("--publish", choices=["core", "jetstream"], help="override nats.publish")
-    run.add_argument("--summary", action="store_true", help="print a line per second from the output")
+    run.add_argument(
+        "--nats",
+        metavar="URL",
+        help="NATS server (default: nats.url, else an embedded one on 127.0.0.1:4222 or a free port)",
+    )
+    run.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="serve metrics, health, API and WHIP here (default: http.listen if set, else none)",
+    )
+    run.add_argument(
+        "--max-frames", type=int, metavar="N", help="stop each source after N frames (default: no limit)"
+    )
+    run.add_argument(
+        "--duration", type=float, metavar="S", help="stop after S seconds (default: when the sources end)"
+    )
+    run.add_argument(
+        "--publish", choices=["core", "jetstream"], help="override nats.publish (default: the config's)"
+    )
+    run.add_argument(
+        "--summary",
+        action="store_true",
+        help="print a line per second from the output, totals per label (default: off)",
+    )
+    run.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress line (default: shown for files when stderr is a terminal)",
+    )
 
-    validate = sub.add_parser("validate", help="check a pipeline YAML and exit", parents=[common])
-    validate.add_argument("config")
+    validate = sub.add_parser(
+        "validate", help="check a pipeline YAML, its models and files, and exit", parents=[common]
+    )
+    validate.add_argument("config", help="pipeline YAML")
 
     subscribe = sub.add_parser("subscribe", help="print detections as JSON lines", parents=[common])
-    subscribe.add_argument("subject", nargs="?", default="vidpipe.>")
-    subscribe.add_argument("--nats", default="nats://127.0.0.1:4222", metavar="URL")
-    subscribe.add_argument("--count", type=int, help="exit after N messages")
-    subscribe.add_argument("--timeout", type=float, help="exit after S seconds")
+    subscribe.add_argument("subject", nargs="?", default="vidpipe.>", help="NATS subject (wildcards allowed)")
+    subscribe.add_argument("--nats", default="nats://127.0.0.1:4222", metavar="URL", help="NATS server")
+    subscribe.add_argument("--count", type=int, help="exit after N messages (default: no limit)")
+    subscribe.add_argument("--timeout", type=float, help="exit after S seconds (default: at Ctrl-C)")
 
     models = sub.add_parser("models", help="model repository tools", parents=[common])
     models_sub = models.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
     models_list = models_sub.add_parser(
         "list", help="list models, their inputs/outputs and state", parents=[common]
     )
-    models_list.add_argument("repo")
+    models_list.add_argument("repo", help="model repository folder")
     models_add = models_sub.add_parser(
         "add",
         help="add an ONNX model: write its config.yaml from the file, then load it",
@@ -127,23 +202,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "tune":
             return cmd_tune(args)
     except ConfigError as exc:
-        print(str(exc), file=sys.stderr)
+        if args.log_format == "json":
+            for err in exc.errors[:MAX_REPORTED_ERRORS]:
+                _say(
+                    args,
+                    err.render(),
+                    level="error",
+                    stream=sys.stderr,
+                    file=err.file,
+                    line=err.line,
+                    key=err.path,
+                )
+        else:
+            print(str(exc), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_OK
     except Exception as exc:
         if args.debug:
             raise
-        print(f"vidpipe: {exc} (run with --debug for details)", file=sys.stderr)
+        _say(args, f"vidpipe: {exc} (run with --debug for details)", level="error", stream=sys.stderr)
         return EXIT_RUNTIME
     return EXIT_USAGE
 
 
+def _say(
+    args: argparse.Namespace, text: str, *, level: str = "info", stream: Any = None, **fields: Any
+) -> None:
+    """A line for the operator: as is, or with ``--log-format json`` one JSON object like a log record."""
+    if getattr(args, "log_format", "plain") == "json":
+        record = {"ts": round(time.time(), 3), "level": level, "logger": "vidpipe", "msg": text}
+        text = json.dumps({**record, **{k: v for k, v in fields.items() if v not in (None, "")}})
+    print(text, file=stream or sys.stdout, flush=True)
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config)
-    print(
+    # Everything `run` would refuse, the model repository and source files included.
+    cfg = load_config(args.config, require_sources=True, check_resources=True)
+    _say(
+        args,
         f"{args.config}: ok (pipeline {cfg.pipeline}: {len(cfg.sources)} source(s), "
-        f"{len(cfg.stages)} stage(s))"
+        f"{len(cfg.stages)} stage(s))",
     )
     return EXIT_OK
 
@@ -256,14 +355,22 @@ async def cmd_subscribe(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)
+    started = time.monotonic()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(done.wait(), timeout=args.timeout)
     await nc.close()
+    if received == 0:
+        # Silence is the one answer a newcomer cannot read: say what was listened to, and where.
+        print(
+            f"vidpipe: no messages on {args.subject} at {redact_url(args.nats)} in "
+            f"{time.monotonic() - started:.0f}s (is a pipeline running and publishing there?)",
+            file=sys.stderr,
+        )
     return EXIT_OK
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, sources=args.source)
+    cfg = load_config(args.config, sources=args.source, require_sources=not args.http)
     if args.publish:
         cfg = dataclasses.replace(cfg, nats=dataclasses.replace(cfg.nats, publish=args.publish))
     env_token = os.environ.get("VIDPIPE_HTTP_TOKEN")
@@ -286,26 +393,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError("--max-frames", None, "", "must be at least 1")
     if args.duration is not None and args.duration <= 0:
         raise ConfigError("--duration", None, "", "must be greater than 0")
-    if not cfg.sources and cfg.http is None:
-        raise ConfigError(
-            cfg.file, None, "sources", "no sources", "add sources: in the file, or pass --source URL"
-        )
     return asyncio.run(run_pipeline(cfg, args))
 
 
 async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     from pipeline.nats_server import EmbeddedNats
+    from pipeline.progress import Progress
     from pipeline.runtime import Runtime
     from pipeline.summary import Summary
 
     embedded: EmbeddedNats | None = None
     nats_url = args.nats or cfg.nats.url
     if nats_url is None:
-        embedded = EmbeddedNats().start()
+        embedded = EmbeddedNats(prefer_default_port=True).start()
         nats_url = embedded.url
-        print(f"embedded NATS server at {nats_url}", flush=True)
+        _say(args, f"embedded NATS server at {nats_url}", url=nats_url)
+    _log_config(cfg)
     runtime = Runtime(cfg, nats_url=nats_url, max_frames=args.max_frames)
     summary: Summary | None = None
+    progress: Progress | None = None
     api: Any = None
     loop = asyncio.get_running_loop()
     signals = 0
@@ -318,15 +424,29 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
             runtime.request_stop()
         else:
             log.warning("forced exit")
-            os._exit(EXIT_RUNTIME if runtime.published_total() == 0 else EXIT_OK)
+            if embedded is not None:
+                # os._exit skips every finally: stop the server and remove its store here.
+                embedded.stop(kill=True)
+                embedded.cleanup()
+            os._exit(EXIT_FORCED)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     try:
         if args.summary:
-            summary = Summary(nats_url, f"{cfg.nats.subject_prefix}.{cfg.pipeline}.>", sys.stdout)
+            summary = Summary(
+                nats_url,
+                f"{cfg.nats.subject_prefix}.{cfg.pipeline}.>",
+                sys.stdout,
+                json_lines=args.log_format == "json",
+            )
             await summary.start()
         await runtime.start()
+        _log_models(runtime)
+        if getattr(args, "progress", False) and _wants_progress(cfg):
+            total = await asyncio.to_thread(_total_frames, cfg, args.max_frames)
+            progress = Progress(runtime.published_total, total, sys.stderr)
+            progress.start()
         if cfg.http is not None:
             from pipeline.api import ApiServer
 
@@ -337,6 +457,9 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
                 runtime.keep_running()
         await runtime.wait(args.duration)
         await runtime.stop()
+        if progress is not None:
+            await progress.stop()
+            progress = None
         if summary is not None:
             await summary.stop()
             summary = None
@@ -345,11 +468,13 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        print(f"vidpipe: {exc}", file=sys.stderr)
+        _say(args, f"vidpipe: {exc}", level="error", stream=sys.stderr)
         with contextlib.suppress(Exception):
             await runtime.stop()
         return EXIT_RUNTIME
     finally:
+        if progress is not None:
+            await progress.stop()
         if api is not None:
             await api.stop()
         if summary is not None:
@@ -362,12 +487,85 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     log.info(
         "done: %d frame(s) published from %d source(s)%s",
         published,
-        len(runtime.sources),
+        len(runtime.source_ids_seen),
         f"; failed: {', '.join(failed)}" if failed else "",
     )
     if published == 0 and runtime.sources:
         return EXIT_RUNTIME
     return EXIT_OK
+
+
+def _wants_progress(cfg: PipelineConfig) -> bool:
+    """A progress line for a run of files (not looped) when a person watches stderr."""
+    if not cfg.sources or not sys.stderr.isatty():
+        return False
+    return all(s.scheme == "file" and not s.loop for s in cfg.sources)
+
+
+def _total_frames(cfg: PipelineConfig, max_frames: int | None) -> int | None:
+    """All the frames the run will publish, from the containers; None when one does not say."""
+    from pipeline.progress import file_frame_count
+
+    total = 0
+    for src in cfg.sources:
+        count = file_frame_count(src.url)
+        if count is None:
+            return None
+        total += min(count, max_frames) if max_frames else count
+    return total
+
+
+_SCHEME_KEYS = {key for keys in SCHEME_OPTIONS.values() for key in keys}
+
+
+def _log_config(cfg: PipelineConfig) -> None:
+    """``--log-level debug``: what was loaded and how each source will be opened (redacted)."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    log.debug(
+        "config %s: pipeline %s, %d source(s), stages %s, models %s, nats publish %s, runtime %s",
+        cfg.file,
+        cfg.pipeline,
+        len(cfg.sources),
+        " -> ".join(f"{s.name} ({s.type})" for s in cfg.stages) or "none",
+        cfg.models_path() or "none",
+        cfg.nats.publish,
+        dataclasses.asdict(cfg.runtime),
+    )
+    for src in cfg.sources:
+        # The keys this scheme takes (SCHEME_OPTIONS), not those of every other scheme.
+        takes = SCHEME_OPTIONS.get(src.scheme)
+        params = {
+            k: v
+            for k, v in dataclasses.asdict(src).items()
+            if k not in ("id", "url") and (takes is None or k in takes or k not in _SCHEME_KEYS)
+        }
+        log.debug(
+            "source %s: %s (%s, %s) %s",
+            src.source_id,
+            redact_url(src.url),
+            src.scheme,
+            "live" if src.live else "file",
+            " ".join(f"{k}={v}" for k, v in params.items()),
+        )
+
+
+def _log_models(runtime: Any) -> None:
+    """``--log-level debug``: each model's version, backend, instances and batching."""
+    if not log.isEnabledFor(logging.DEBUG) or runtime.models is None:
+        return
+    for status in runtime.models.status():
+        log.debug(
+            "model %s: version %s, %s %s, %d instance(s), max_batch_size %d, inputs %s, state %s",
+            status.name,
+            status.version or "-",
+            status.backend,
+            status.precision or "",
+            status.instance_count,
+            status.max_batch_size,
+            ", ".join(f"{t.name}{list(t.shape)}" for t in status.inputs),
+            status.state.value,
+        )
 
 
 if __name__ == "__main__":

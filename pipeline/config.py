@@ -21,8 +21,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from inference.schema import ConfigError, LineDict, build, line_of, load_yaml, spec
-from pipeline.sources.schemes import SCHEMES, check_url, derive_id, resolve_live, resolve_url, scheme_of
+from inference.model import load_labels, resolve_model_file
+from inference.repository import CONFIG_FILE, read_source
+from inference.schema import ConfigError, LineDict, build, line_of, load_yaml, raise_errors, spec
+from pipeline.sources.schemes import (
+    SCHEME_OPTIONS,
+    SCHEMES,
+    check_url,
+    derive_id,
+    resolve_live,
+    resolve_url,
+    scheme_of,
+)
 from pipeline.stages.base import NAME_HELP, StageOptions, check_name
 from pipeline.stages.registry import stage_kinds
 
@@ -246,10 +256,10 @@ class PipelineConfig:
     # Annotated recordings and event clips (FileOutputConfig, ClipsOutputConfig; pipeline.outputs).
     outputs: list[OutputConfig] = field(default_factory=list)
     # Where the file lives; relative paths in it resolve against this.
-    base_dir: str = field(default=".", metadata=spec(help="set by the loader"))
-    file: str = field(default="<config>", metadata=spec(help="set by the loader"))
+    base_dir: str = field(default=".", metadata={"yaml": False})
+    file: str = field(default="<config>", metadata={"yaml": False})
     # The line of every key in the file (``stages[1].model`` -> 14), for errors found later.
-    lines: dict[str, int] = field(default_factory=dict, metadata=spec(help="set by the loader"))
+    lines: dict[str, int] = field(default_factory=dict, metadata={"yaml": False})
 
     def models_path(self) -> Path | None:
         if self.models is None:
@@ -285,26 +295,35 @@ def _unique_ids(sources: list[SourceConfig]) -> list[SourceConfig]:
     return out
 
 
-def _check_graph(cfg: PipelineConfig, raw: Any, file: str) -> None:
-    """Whole-graph checks that single fields cannot express."""
+def _check_graph(
+    cfg: PipelineConfig,
+    raw: Any,
+    file: str,
+    stages: list[tuple[int, StageOptions]],
+    source_index: list[int],
+) -> list[ConfigError]:
+    """Whole-graph checks that single fields cannot express.
 
-    def err(path: str, line: int | None, problem: str, hint: str = "") -> ConfigError:
-        return ConfigError(file, line, path, problem, hint)
+    ``stages`` are the entries that built, with their index in the file; one that
+    did not build is already an error, and references to it are not reported again.
+    """
+    errors: list[ConfigError] = []
+
+    def err(path: str, line: int | None, problem: str, hint: str = "") -> None:
+        errors.append(ConfigError(file, line, path, problem, hint))
 
     raw_sources = raw.get("sources") if isinstance(raw, dict) else None
     ids: dict[str, int] = {}
-    for i, src in enumerate(cfg.sources):
+    for i, src in zip(source_index, cfg.sources, strict=True):
         line = line_of(raw_sources, i) if raw_sources is not None else None
         sid = src.source_id
         if sid in ids:
-            raise err(
-                f"sources[{i}].id", line, f"duplicate source id {sid!r}", "give each source a unique id"
-            )
+            err(f"sources[{i}].id", line, f"duplicate source id {sid!r}", "give each source a unique id")
         ids[sid] = i
     limit = cfg.runtime.max_sources
     if len(cfg.sources) > limit:
         line = line_of(raw_sources, limit) if raw_sources is not None else None
-        raise err(
+        err(
             "sources",
             line or cfg.line("runtime.max_sources") or line_of(raw),
             f"{len(cfg.sources)} sources, more than runtime.max_sources ({limit})",
@@ -312,41 +331,168 @@ def _check_graph(cfg: PipelineConfig, raw: Any, file: str) -> None:
         )
 
     raw_stages = raw.get("stages") if isinstance(raw, dict) else None
+    unbuilt = {
+        item.get("name")
+        for item in (raw_stages if isinstance(raw_stages, list) else [])
+        if isinstance(item, dict) and not any(s.name == item.get("name") for _, s in stages)
+    }
     kinds = stage_kinds()
     seen: dict[str, StageOptions] = {}
-    for i, stage in enumerate(cfg.stages):
-        item = raw_stages[i] if raw_stages is not None else None
+    for i, stage in stages:
+        item = raw_stages[i] if isinstance(raw_stages, list) else None
         path = f"stages[{i}]"
 
         def at(key: str, _item: Any = item, _path: str = path) -> tuple[str, int | None]:
             return f"{_path}.{key}", line_of(_item, key) or line_of(_item)
 
         if stage.name in seen:
-            raise err(*at("name"), f"duplicate stage name {stage.name!r}", "stage names must be unique")
+            err(*at("name"), f"duplicate stage name {stage.name!r}", "stage names must be unique")
         for key, problem in [*stage.problems(), *stage.order_problems(list(seen.values()))]:
-            raise err(*at(key), problem)
+            err(*at(key), problem)
         for ref_key, ref in stage.references().items():
             if ref not in seen:
-                later = any(s.name == ref for s in cfg.stages)
+                if ref in unbuilt:
+                    continue
+                later = any(s.name == ref for _, s in stages)
                 hint = (
                     "stages run in order: move it after the stage it refers to"
                     if later
                     else "name an earlier stage: " + (", ".join(seen) or "(none)")
                 )
-                raise err(*at(ref_key), f"unknown stage {ref!r}", hint)
-            if not kinds[seen[ref].type].finds_objects:
-                raise err(*at(ref_key), f"stage {ref!r} is a {seen[ref].type} stage and finds no objects")
-        seen[stage.name] = stage
+                err(*at(ref_key), f"unknown stage {ref!r}", hint)
+            elif not kinds[seen[ref].type].finds_objects:
+                err(*at(ref_key), f"stage {ref!r} is a {seen[ref].type} stage and finds no objects")
+        seen.setdefault(stage.name, stage)
     if cfg.models is None and cfg.models_used():
-        raise err("models", line_of(raw), "infer stages need a model repository", "add models: <folder>")
+        err("models", line_of(raw), "infer stages need a model repository", "add models: <folder>")
+    return errors
 
 
-def _build_stages(raw: Any, file: str) -> list[StageOptions]:
-    """Each ``stages[]`` entry validated against the options of its ``type``."""
+def _check_resources(
+    cfg: PipelineConfig, stages: list[tuple[int, StageOptions]], source_index: list[int] | None
+) -> list[ConfigError]:
+    """What ``run`` would refuse once it looks outside the file: source files, the model
+    repository, each model's own config.yaml, its model and labels files, and ``classes:``
+    that no model's labels contain. Nothing is loaded."""
+    errors: list[ConfigError] = []
+
+    def err(key: str, problem: str, hint: str = "") -> None:
+        line = cfg.line(key) or cfg.line(key.rsplit(".", 1)[0]) or None
+        errors.append(ConfigError(cfg.file, line, key, problem, hint))
+
+    # Sources from the command line (source_index None) are not checked: run goes on
+    # without a missing one, as with a camera that is down.
+    if source_index is not None:
+        for i, src in zip(source_index, cfg.sources, strict=True):
+            if src.scheme == "file" and not Path(src.url).is_file():
+                err(f"sources[{i}].url", f"file not found: {src.url}",
+                    "relative paths start at the folder of this file")  # fmt: skip
+    used = {name: i for i, s in reversed(stages) for name in s.models()}
+    root = cfg.models_path()
+    if not used or root is None:
+        return errors
+    if not root.is_dir():
+        err(
+            "models", f"repository folder {root} not found", "relative paths start at the folder of this file"
+        )
+        return errors
+    names = sorted(p.name for p in root.iterdir() if (p / CONFIG_FILE).is_file())
+    labels: dict[str, list[str] | None] = {}
+    for name, i in sorted(used.items(), key=lambda kv: kv[1]):
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"it has: {', '.join(names) or 'no models'}"
+            err(f"stages[{i}].model", f"model {name!r} is not in the repository {root}", hint)
+            continue
+        try:
+            model = read_source(root, name)
+            resolve_model_file(model.config, model.model_dir, model.version_dir)
+            found = load_labels(model.config, model.model_dir)
+        except ConfigError as exc:
+            errors.extend(exc.errors)
+            continue
+        # Without labels in the config, a text detector says "text"; other models name
+        # their classes inside the model file, which validation does not open.
+        labels[name] = found or (["text"] if model.config.task.kind == "text_detect" else None)
+    by_name = {s.name: s for _, s in stages}
+    for i, stage in stages:
+        classes = getattr(stage, "classes", None)
+        parent = by_name.get(getattr(stage, "on", None) or "", stage)
+        if not classes or stage.type != "infer" or not parent.models():
+            continue
+        model_name = parent.models()[0]
+        known = labels.get(model_name)
+        if not known:
+            continue
+        for c in classes:
+            if c not in known:
+                close = difflib.get_close_matches(c, known, n=1)
+                shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
+                hint = f"did you mean {close[0]!r}?" if close else f"its labels: {shown}"
+                err(f"stages[{i}].classes", f"{c!r} is not a label of model {model_name!r}", hint)
+    return errors
+
+
+# Every source takes these; the others belong to some schemes only (SCHEME_OPTIONS).
+_SCHEME_KEYS = {key for keys in SCHEME_OPTIONS.values() for key in keys}
+
+
+def _source_key_errors(item: Any, path: str, file: str) -> list[ConfigError]:
+    """Keys some scheme takes on a source whose scheme does not (``transport:`` on a file)."""
+    url = item.get("url")
+    if not isinstance(url, str) or check_url(url):
+        return []
+    scheme = scheme_of(url).name
+    takes = SCHEME_OPTIONS.get(scheme)
+    if takes is None:
+        return []
+    common = [f.name for f in dataclasses.fields(SourceConfig) if f.name not in _SCHEME_KEYS]
+    return [
+        ConfigError(
+            file,
+            line_of(item, key) or line_of(item),
+            f"{path}.{key}",
+            f"does not apply to a {scheme} source",
+            f"a {scheme} source takes: {', '.join(common + list(takes))}",
+        )
+        for key in item
+        if key in _SCHEME_KEYS and key not in takes
+    ]
+
+
+def _build_sources(raw: Any, file: str, errors: list[ConfigError]) -> list[tuple[int, SourceConfig]]:
+    """Each ``sources[]`` entry validated on its own, so every bad entry is reported; with its index."""
     if raw is None:
         return []
     if not isinstance(raw, list):
-        raise ConfigError(file, line_of(raw), "stages", f"expected a list, got {type(raw).__name__}")
+        errors.append(
+            ConfigError(file, line_of(raw), "sources", f"expected a list, got {type(raw).__name__}")
+        )
+        return []
+    out = []
+    for i, item in enumerate(raw):
+        path = f"sources[{i}]"
+        if not isinstance(item, dict):
+            errors.append(
+                ConfigError(file, line_of(raw, i), path, "expected a mapping", "e.g. {url: clip.mp4}")
+            )
+            continue
+        # A key of another scheme is an error, but the source is still checked further.
+        errors.extend(_source_key_errors(item, path, file))
+        try:
+            out.append((i, build(item, SourceConfig, file, path=path)))
+        except ConfigError as exc:
+            errors.append(exc)
+    return out
+
+
+def _build_stages(raw: Any, file: str, errors: list[ConfigError]) -> list[tuple[int, StageOptions]]:
+    """Each ``stages[]`` entry validated against the options of its ``type``, with its index."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        errors.append(ConfigError(file, line_of(raw), "stages", f"expected a list, got {type(raw).__name__}"))
+        return []
     kinds = stage_kinds()
     # Keys some kind takes: on another kind they are misplaced, not misspelled.
     known = {f.name: k for k, cls in kinds.items() for f in dataclasses.fields(cls.options_type)}
@@ -355,55 +501,101 @@ def _build_stages(raw: Any, file: str) -> list[StageOptions]:
         path = f"stages[{i}]"
         line = line_of(raw, i)
         if not isinstance(item, dict):
-            raise ConfigError(file, line, path, "expected a mapping", "e.g. {name: detect, type: infer}")
+            errors.append(
+                ConfigError(file, line, path, "expected a mapping", "e.g. {name: detect, type: infer}")
+            )
+            continue
         kind = item.get("type")
         if kind is None:
-            raise ConfigError(file, line, path, "missing required key 'type'", " or ".join(kinds))
+            errors.append(ConfigError(file, line, path, "missing required key 'type'", " or ".join(kinds)))
+            continue
         cls = kinds.get(kind) if isinstance(kind, str) else None
         if cls is None:
             close = difflib.get_close_matches(str(kind), list(kinds), n=1)
             hint = f"did you mean {close[0]!r}?" if close else ""
             choices = ", ".join(repr(k) for k in kinds)
-            raise ConfigError(
-                file,
-                line_of(item, "type") or line,
-                f"{path}.type",
-                f"expected one of {choices}, got {kind!r}",
-                hint,
+            errors.append(
+                ConfigError(
+                    file,
+                    line_of(item, "type") or line,
+                    f"{path}.type",
+                    f"expected one of {choices}, got {kind!r}",
+                    hint,
+                )
             )
+            continue
         takes = [f.name for f in dataclasses.fields(cls.options_type)]
-        for key in item:
-            if key not in takes and key in known:
-                raise ConfigError(
-                    file, line_of(item, key) or line, f"{path}.{key}",
-                    f"does not apply to a stage of type {kind}", f"type {kind} takes: {', '.join(takes)}",
-                )  # fmt: skip
-        out.append(build(item, cls.options_type, file, path=path))
+        misplaced = [
+            ConfigError(
+                file,
+                line_of(item, key) or line,
+                f"{path}.{key}",
+                f"does not apply to a stage of type {kind}",
+                f"type {kind} takes: {', '.join(takes)}",
+            )
+            for key in item
+            if key not in takes and key in known
+        ]
+        if misplaced:
+            # The kind's own unknown-key check would repeat them as typos.
+            errors.extend(misplaced)
+            continue
+        try:
+            out.append((i, build(item, cls.options_type, file, path=path)))
+        except ConfigError as exc:
+            errors.append(exc)
     return out
 
 
-def _build_outputs(raw: Any, file: str) -> list[OutputConfig]:
+def _build_outputs(raw: Any, file: str, errors: list[ConfigError]) -> list[OutputConfig]:
     """Each ``outputs[]`` entry validated against the options of its ``type``."""
     if raw is None:
         return []
     if not isinstance(raw, list):
-        raise ConfigError(file, line_of(raw), "outputs", f"expected a list, got {type(raw).__name__}")
+        errors.append(
+            ConfigError(file, line_of(raw), "outputs", f"expected a list, got {type(raw).__name__}")
+        )
+        return []
     out: list[OutputConfig] = []
     for i, item in enumerate(raw):
         path = f"outputs[{i}]"
         line = line_of(raw, i)
         if not isinstance(item, dict):
-            raise ConfigError(
-                file, line, path, "expected a mapping", 'e.g. {type: file, path: "out/{source}.mp4"}'
+            errors.append(
+                ConfigError(
+                    file, line, path, "expected a mapping", 'e.g. {type: file, path: "out/{source}.mp4"}'
+                )
             )
+            continue
         kind = item.get("type")
         cls = OUTPUT_TYPES.get(kind) if isinstance(kind, str) else None
         if cls is None:
             choices = " or ".join(repr(k) for k in OUTPUT_TYPES)
             problem = "missing required key 'type'" if kind is None else f"expected {choices}, got {kind!r}"
-            raise ConfigError(file, line_of(item, "type") or line, f"{path}.type", problem, choices)
-        out.append(build(item, cls, file, path=path))
+            errors.append(ConfigError(file, line_of(item, "type") or line, f"{path}.type", problem, choices))
+            continue
+        try:
+            out.append(build(item, cls, file, path=path))
+        except ConfigError as exc:
+            errors.append(exc)
     return out
+
+
+def _build_top(raw: LineDict, file: str, errors: list[ConfigError]) -> PipelineConfig | None:
+    """The top-level keys; a second try without the keys that failed lets the rest be checked."""
+    try:
+        return build(raw, PipelineConfig, file)
+    except ConfigError as exc:
+        errors.extend(exc.errors)
+        bad = {e.path.split(".")[0].split("[")[0] for e in exc.errors}
+    if "" in bad:  # a required key is missing: there is no config to check further
+        return None
+    rest = LineDict((k, v) for k, v in raw.items() if k not in bad)
+    rest.line, rest.key_lines = raw.line, raw.key_lines
+    try:
+        return build(rest, PipelineConfig, file)
+    except ConfigError:
+        return None
 
 
 def _key_lines(node: Any, path: str = "") -> dict[str, int]:
@@ -431,6 +623,8 @@ def load_config(
     *,
     sources: list[str] | None = None,
     data: Any = None,
+    require_sources: bool = False,
+    check_resources: bool = False,
 ) -> PipelineConfig:
     """Read, validate and resolve a pipeline file.
 
@@ -438,38 +632,75 @@ def load_config(
     ``data`` is a config already in memory (a dict, as YAML would parse): it is
     used instead of reading ``path``, which then only names it in errors and
     anchors its relative paths (at ``path``'s folder).
+
+    ``require_sources`` makes a pipeline without sources an error unless it
+    serves HTTP (sources may then come through the API). ``check_resources``
+    also checks what lies outside the file: the file sources, the model
+    repository and the model configs it uses (what ``vidpipe validate`` adds).
+    Every problem found is raised at once, as one
+    :class:`~inference.schema.ConfigErrors` when there are several.
     """
     p = Path(path)
     raw = load_yaml(p) if data is None else data
     file = str(path)
-    if isinstance(raw, dict):
-        for key in ("base_dir", "file", "lines"):
-            if key in raw:
-                raise ConfigError(file, line_of(raw, key), key, "unknown key", "this is set by vidpipe")
-    # Stages are validated per kind (each kind declares its own keys), the rest as one dataclass.
-    top = raw
-    # Outputs likewise: each type has its own keys.
-    own = ("stages", "outputs")
-    if isinstance(raw, dict) and any(k in raw for k in own):
-        top = LineDict((k, v) for k, v in raw.items() if k not in own)
-        top.line, top.key_lines = getattr(raw, "line", 1), getattr(raw, "key_lines", {})
-    cfg = build(top, PipelineConfig, file)
+    if not isinstance(raw, dict):
+        build(raw, PipelineConfig, file)  # says what the top level should be
+    errors: list[ConfigError] = []
+    internal = ("base_dir", "file", "lines")
+    for key in internal:
+        if key in raw:
+            errors.append(ConfigError(file, line_of(raw, key), key, "unknown key", "this is set by vidpipe"))
+    # Sources, stages and outputs are validated entry by entry (stages and outputs per
+    # kind, each kind declaring its own keys), the rest as one dataclass.
+    own = ("sources", "stages", "outputs", *internal)
+    top = LineDict((k, v) for k, v in raw.items() if k not in own)
+    top.line, top.key_lines = getattr(raw, "line", 1), getattr(raw, "key_lines", {})
+    cfg = _build_top(top, file, errors)
+    file_sources = _build_sources(raw.get("sources"), file, errors)
+    stages = _build_stages(raw.get("stages"), file, errors)
+    outputs = _build_outputs(raw.get("outputs"), file, errors)
+    if cfg is None:
+        raise_errors(errors)
+        raise AssertionError("unreachable: a config that did not build has errors")
     cfg = replace(
         cfg,
-        stages=_build_stages(raw.get("stages"), file),
-        outputs=_build_outputs(raw.get("outputs"), file),
+        stages=[s for _, s in stages],
+        outputs=outputs,
         lines=_key_lines(raw),
+        base_dir=str(p.parent.resolve()),
     )
     if sources is not None:
         for u in sources:
             problem = check_url(u)
             if problem:
-                raise ConfigError("--source", None, "", problem, "docs/sources.md lists the URLs")
+                errors.append(ConfigError("--source", None, "", problem, "docs/sources.md lists the URLs"))
         cwd = Path.cwd()
-        cfg = replace(cfg, sources=[SourceConfig(url=resolve_url(u, cwd)) for u in sources])
+        cfg = replace(
+            cfg, sources=[SourceConfig(url=resolve_url(u, cwd)) for u in sources if not check_url(u)]
+        )
     else:
         base = p.parent.resolve()
-        cfg = replace(cfg, sources=[replace(s, url=resolve_url(s.url, base)) for s in cfg.sources])
-    cfg = replace(cfg, sources=_unique_ids(cfg.sources), base_dir=str(p.parent.resolve()), file=file)
-    _check_graph(cfg, raw, file)
+        cfg = replace(cfg, sources=[replace(s, url=resolve_url(s.url, base)) for _, s in file_sources])
+    cfg = replace(cfg, sources=_unique_ids(cfg.sources), file=file)
+    # Where each source is in the file (an entry that did not build is not among them).
+    source_index = [i for i, _ in file_sources] if sources is None else list(range(len(cfg.sources)))
+    errors.extend(_check_graph(cfg, raw, file, stages, source_index))
+    if (
+        require_sources
+        and not cfg.sources
+        and cfg.http is None
+        and "sources" not in {e.path.split("[")[0] for e in errors}
+    ):
+        errors.append(
+            ConfigError(
+                file,
+                line_of(raw, "sources") or line_of(raw),
+                "sources",
+                "no sources",
+                "add sources: in the file, or pass --source URL to vidpipe run",
+            )
+        )
+    if check_resources:
+        errors.extend(_check_resources(cfg, stages, source_index if sources is None else None))
+    raise_errors(errors)
     return cfg

@@ -197,6 +197,7 @@ class Runtime:
         # Called on the event loop after each frame is published (embedding, benchmarks).
         self._on_published = on_published
         self._published = 0  # across every source, also removed ones
+        self.source_ids_seen: set[str] = set()  # every source started, also removed ones
         self._persistent = False
         # Live views, recordings and clips; idle for sources nobody watches or records.
         self.outputs = Outputs(config, publish=self._publish_raw)
@@ -332,6 +333,7 @@ class Runtime:
             self._forget(existing)  # an ended run with the same id makes room
         if len(self.sources) >= self.config.runtime.max_sources:
             raise SourceLimitError(self.config.runtime.max_sources)
+        self.source_ids_seen.add(sid)
         loop = asyncio.get_running_loop()
         policy: OverflowPolicy = "drop_oldest" if config.live else "block"
         pipeline = self.config.pipeline

@@ -5,6 +5,12 @@ consumer would and reads its detections messages (one per frame), so what it
 prints is what subscribers really receive::
 
     [  3s] lobby: 24.9 fps  2.0 obj/frame  latency p50 41 ms p99 77 ms | text: "EXIT 12", "GATE B"
+
+and at the end the totals, with the objects counted per label::
+
+    received 75 messages from 1 source(s); objects: square x75, text x150; most read text: "EXIT 12" x40
+
+With ``json_lines`` (``--log-format json``) each line is a JSON object instead.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ def percentile(values: list[float], q: float) -> float:
 class Summary:
     """Collects messages and prints one line per second."""
 
-    def __init__(self, nats_url: str, subject: str, out: TextIO) -> None:
+    def __init__(self, nats_url: str, subject: str, out: TextIO, *, json_lines: bool = False) -> None:
         self.nats_url = nats_url
+        self.json_lines = json_lines
+        self.labels: Counter[str] = Counter()
         self.subject = subject
         self.out = out
         self._nc: Any = None
@@ -79,6 +87,7 @@ class Summary:
             )
             for m in msgs:
                 for obj in m.get("objects", []):
+                    self.labels[str(obj.get("label", "?"))] += 1
                     text = obj.get("text")
                     if text:
                         self.texts[text] += 1
@@ -87,6 +96,12 @@ class Summary:
         line = f"[{elapsed:4.0f}s] " + ("; ".join(parts) if parts else "waiting for frames")
         if texts:
             line += " | text: " + ", ".join(f'"{t}"' for t in texts[:6])
+        self._print(line, elapsed_s=round(elapsed, 1), sources={s: len(window[s]) for s in sorted(window)})
+
+    def _print(self, line: str, **fields: Any) -> None:
+        if self.json_lines:
+            record = {"ts": round(time.time(), 3), "level": "info", "logger": "vidpipe.summary", "msg": line}
+            line = json.dumps({**record, **fields}, ensure_ascii=False)
         print(line, file=self.out, flush=True)
 
     async def stop(self) -> None:
@@ -102,9 +117,14 @@ class Summary:
             await self._nc.close()
         total = sum(self.totals.values())
         common = ", ".join(f'"{t}" x{n}' for t, n in self.texts.most_common(8))
-        print(
+        labels = ", ".join(
+            f"{label} x{n}" for label, n in sorted(self.labels.items(), key=lambda kv: (-kv[1], kv[0]))
+        )
+        self._print(
             f"received {total} messages from {len(self.totals)} source(s)"
+            + (f"; objects: {labels}" if labels else "")
             + (f"; most read text: {common}" if common else ""),
-            file=self.out,
-            flush=True,
+            messages=total,
+            sources=dict(self.totals),
+            labels=dict(self.labels),
         )

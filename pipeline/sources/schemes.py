@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SCHEMES",
+    "SCHEME_OPTIONS",
     "Scheme",
     "check_url",
     "create_source",
@@ -210,6 +211,30 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("srt", _id_from_port, live_source=_STREAM, requires=_needs_srt),
         Scheme("v4l2", _id_from_v4l2, live_source=_STREAM, requires=_needs_v4l2),
     )
+}
+
+
+# The scheme-specific source keys each scheme takes: SourceConfig fields beyond url, id,
+# queue_size, max_fps and max_pixels, which every scheme takes. A key that some scheme
+# takes and a source's scheme does not (``transport:`` on a file) is a config error.
+# A scheme missing here is not checked.
+_RTSP_OPTIONS = (
+    "transport", "open_timeout", "read_timeout", "stall_timeout", "reconnect", "allow_redirects", "decode",
+)  # fmt: skip
+_STREAM_OPTIONS = ("open_timeout", "read_timeout", "stall_timeout", "reconnect", "decode")
+_HTTP_OPTIONS = ("live", "tls_verify", "loop", "realtime", *_STREAM_OPTIONS)
+SCHEME_OPTIONS: dict[str, tuple[str, ...]] = {
+    "file": ("loop", "realtime", "decode"),
+    "test": (),
+    "rtsp": _RTSP_OPTIONS,
+    "rtsps": _RTSP_OPTIONS,
+    "whip": ("open_timeout", "stall_timeout"),
+    "http": _HTTP_OPTIONS,
+    "https": _HTTP_OPTIONS,
+    "udp": _STREAM_OPTIONS,
+    "rtp": _STREAM_OPTIONS,
+    "srt": _STREAM_OPTIONS,
+    "v4l2": ("open_timeout", "read_timeout", "stall_timeout", "reconnect"),
 }
 
 

@@ -94,19 +94,23 @@ def test_broken_config_names_file_line_and_problem(
 
 
 @pytest.mark.parametrize(("text", "line", "message"), BROKEN[:12])
-def test_validate_exits_2_with_one_line_and_no_traceback(
-    tmp_path: Path, text: str, line: int, message: str
+def test_validate_exits_2_with_file_line_errors_and_no_traceback(
+    tmp_path: Path, sample_models: Path, text: str, line: int, message: str
 ) -> None:
+    (tmp_path / "models").symlink_to(sample_models)
     path = write(tmp_path, text)
     proc = run_cli("validate", str(path))
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"{path}:{line}: ") and message in lines[0]
+    assert any(ln.startswith(f"{path}:{line}: ") and message in ln for ln in lines), proc.stderr
+    # Model `c` is not in the repository: validate says so too, on its own line.
+    assert len(lines) == (2 if "model: c" in text else 1), proc.stderr
+    assert all(ln.startswith(f"{path}:") for ln in lines)
     assert "Traceback" not in proc.stderr
 
 
-def test_validate_good_file_exits_0(tmp_path: Path) -> None:
+def test_validate_good_file_exits_0(tmp_path: Path, sample_models: Path) -> None:
+    (tmp_path / "models").symlink_to(sample_models)
     proc = run_cli("validate", str(write(tmp_path, GOOD)))
     assert proc.returncode == 0, proc.stderr
     assert "ok (pipeline shop: 1 source(s), 1 stage(s))" in proc.stdout
@@ -119,8 +123,18 @@ def test_validate_missing_file_exits_2(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_shipped_config_validates(path: Path) -> None:
-    proc = run_cli("validate", str(path))
+def test_every_shipped_config_validates(path: Path, tmp_path: Path) -> None:
+    # Validation opens what the config names: the model repository and the sample
+    # clip `make demo` writes. Lay out a copy where both exist.
+    from samples.make_clip import write_clip
+
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "samples").mkdir()
+    (tmp_path / "samples" / "models").symlink_to(ROOT / "samples" / "models")
+    write_clip(tmp_path / "samples" / "generated" / "demo.mp4", frames=2, width=64, height=64)
+    copy = tmp_path / "configs" / path.name
+    copy.write_text(path.read_text())
+    proc = run_cli("validate", str(copy))
     assert proc.returncode == 0, proc.stderr
 
 

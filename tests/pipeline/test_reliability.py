@@ -169,7 +169,7 @@ async def test_second_signal_forces_exit(
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert time.monotonic() - t0 < 5
     assert "forced exit" in err.decode()
-    assert proc.returncode == 0  # it had published frames
+    assert proc.returncode == 130  # forced: not a clean end, whatever was published
 
 
 @dataclass(frozen=True)

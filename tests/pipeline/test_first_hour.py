@@ -1,0 +1,368 @@
+"""An operator's first hour: the CLI catches mistakes at once and behaves in a terminal.
+
+Every test runs the real ``vidpipe`` command in a subprocess, against real
+nats-server processes and real model repositories.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pty
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import pipeline
+from pipeline.nats_server import DEFAULT_PORT, EmbeddedNats, free_port, port_is_free
+from samples.make_clip import write_clip
+from tests.conftest import ROOT, SQUARES, Collector, run_cli
+
+
+def test_validate_reports_every_error_at_once_with_file_and_line(tmp_path: Path, sample_models: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        textwrap.dedent(
+            f"""\
+            pipeline: shop
+            models: {sample_models}
+            sources:
+              - url: missing.mp4
+                transport: udp
+            stages:
+              - {{name: det, type: infer, model: squres}}
+              - {{name: text, type: infer, model: ppocr_det, classes: [txt]}}
+              - {{name: t, type: track, on: det}}
+            """
+        )
+    )
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"{path}:4: sources[0].url: file not found: {tmp_path / 'missing.mp4'} "
+        "(hint: relative paths start at the folder of this file)",
+        f"{path}:5: sources[0].transport: does not apply to a file source (hint: a file source takes: "
+        "url, id, max_fps, queue_size, max_pixels, loop, realtime, decode)",
+        f"{path}:7: stages[0].model: model 'squres' is not in the repository {sample_models} "
+        "(hint: did you mean 'squares'?)",
+        f"{path}:8: stages[1].classes: 'txt' is not a label of model 'ppocr_det' (hint: did you mean 'text'?)",
+        f"{path}:9: stages[2].on: does not apply to a stage of type track "
+        "(hint: type track takes: name, type, tracker, classes, match, iou, low_iou, high_score, low_score, new_score, min_hits, max_age)",
+    ]
+
+
+def test_validate_refuses_what_run_refuses(tmp_path: Path, sample_models: Path) -> None:
+    # No sources, and a repository folder that does not exist.
+    path = tmp_path / "p.yaml"
+    path.write_text("pipeline: shop\nmodels: nowhere\nstages:\n  - {name: d, type: infer, model: squares}\n")
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"{path}:1: sources: no sources (hint: add sources: in the file, or pass --source URL to vidpipe run)",
+        f"{path}:2: models: repository folder {tmp_path / 'nowhere'} not found "
+        "(hint: relative paths start at the folder of this file)",
+    ]
+
+
+def test_validate_checks_the_model_configs_the_pipeline_uses(tmp_path: Path, sample_models: Path) -> None:
+    repo = tmp_path / "models"
+    shutil.copytree(sample_models / "squares", repo / "squares")
+    model_cfg = repo / "squares" / "config.yaml"
+    text = model_cfg.read_text()
+    text = text.replace("max_batch_size: 8", "max_batch_size: -1").replace("task:", "tsak:")
+    model_cfg.write_text(text)
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        f"pipeline: shop\nmodels: {repo}\nsources: [{{url: 'test://'}}]\n"
+        "stages:\n  - {name: d, type: infer, model: squares}\n"
+    )
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    number = {line: i + 1 for i, line in enumerate(text.splitlines())}
+    tsak = next(n for line, n in number.items() if line.startswith("tsak:"))
+    batch = next(n for line, n in number.items() if line.startswith("max_batch_size:"))
+    assert lines == [
+        f"{model_cfg}:{batch}: max_batch_size: must be at least 0, got -1",
+        f"{model_cfg}:{tsak}: tsak: unknown key (hint: did you mean 'task'?)",
+    ]
+
+
+# -- the embedded NATS server ------------------------------------------------------------
+
+
+def _start(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
+    """``vidpipe`` in its own session, as a terminal runs a foreground job."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=kwargs.pop("stderr", subprocess.PIPE),
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
+
+
+def _embedded_url(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    match = re.search(r"embedded NATS server at (nats://127\.0\.0\.1:\d+)", line)
+    assert match, line
+    return match.group(1)
+
+
+def _nats_child(pid: int) -> tuple[int, Path]:
+    """The nats-server child of ``pid`` and its store folder (from its command line)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    for child in children:
+        argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        if argv[0].endswith(b"nats-server"):
+            return int(child), Path(argv[argv.index(b"-sd") + 1].decode())
+    raise AssertionError(f"no nats-server among the children of {pid}: {children}")
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):  # exited; whoever adopted it has not reaped it yet
+            return True
+        time.sleep(0.05)
+    return False
+
+
+async def test_ctrl_c_drains_into_the_embedded_server_then_stops_it(squares_config: Path) -> None:
+    proc = _start("run", str(squares_config), "--source", "test://?fps=30")
+    try:
+        url = _embedded_url(proc)
+        server_pid, store = _nats_child(proc.pid)
+        assert store.is_dir()
+        collector = await Collector().start(url)
+        await collector.wait_for(10, timeout=60)
+        # Ctrl-C in a terminal signals the whole foreground process group.
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = await asyncio.to_thread(proc.communicate, timeout=60)
+        await collector.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    published = int(re.findall(r"done: (\d+) frame\(s\) published", err)[0])
+    # The server outlived the signal: every frame the drain published reached a subscriber.
+    assert len(collector.messages) == published, err
+    assert [m["frame"] for m in collector.messages] == list(range(published))
+    assert _gone(server_pid, within=5) and not store.exists()
+
+
+async def test_a_second_ctrl_c_exits_130_and_still_stops_the_server(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    # Frames wait 30 s in the batcher for a batch of 8 that 2 frames in flight never make:
+    # the drain after the first Ctrl-C is slow, so the second one forces the exit.
+    repo = tmp_path / "models"
+    shutil.copytree(sample_models / "squares", repo / "squares")
+    model_cfg = repo / "squares" / "config.yaml"
+    text = model_cfg.read_text().replace(
+        "max_queue_delay_microseconds: 2000", "max_queue_delay_microseconds: 30000000"
+    )
+    model_cfg.write_text(text.replace("preferred_batch_size: [4, 8]", "preferred_batch_size: [8]"))
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(SQUARES.format(models=repo) + "runtime: {max_in_flight: 2, drain_timeout: 60}\n")
+    proc = _start("run", str(cfg), "--source", "test://?fps=30")
+    try:
+        _embedded_url(proc)
+        server_pid, store = _nats_child(proc.pid)
+        assert proc.stderr is not None
+        while "source test: up" not in (line := proc.stderr.readline()):
+            assert line, "vidpipe ended before its source came up"
+        os.killpg(proc.pid, signal.SIGINT)
+        while "stopping: finishing frames in flight" not in (line := proc.stderr.readline()):
+            assert line, "vidpipe ended before it said it was stopping"
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.monotonic() - t0 < 10
+    assert "forced exit" in err
+    assert proc.returncode == 130
+    assert _gone(server_pid, within=5) and not store.exists()
+
+
+def test_a_killed_vidpipe_takes_its_server_along(squares_config: Path) -> None:
+    proc = _start("run", str(squares_config), "--source", "test://?fps=10")
+    try:
+        _embedded_url(proc)
+        server_pid, store = _nats_child(proc.pid)
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _gone(server_pid, within=5)
+    # Nothing ran vidpipe's cleanup; the next embedded server removes the store left behind.
+    assert store.exists()
+    EmbeddedNats().cleanup()
+    assert not store.exists()
+
+
+def test_the_embedded_server_takes_4222_so_subscribe_needs_no_flags(squares_config: Path) -> None:
+    if not port_is_free(DEFAULT_PORT):
+        pytest.skip("port 4222 is taken on this machine")
+    proc = _start("run", str(squares_config), "--source", "test://?fps=10", "--duration", "20")
+    try:
+        assert _embedded_url(proc) == "nats://127.0.0.1:4222"
+        sub = run_cli("subscribe", "--count", "3", "--timeout", "15")
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=30)
+    assert sub.returncode == 0, sub.stderr
+    frames = [json.loads(line) for line in sub.stdout.splitlines()]
+    assert len(frames) == 3 and all(f["source"] == "test" for f in frames)
+
+
+# -- feedback ------------------------------------------------------------------------------
+
+
+def test_a_file_run_on_a_terminal_shows_progress(
+    tmp_path: Path, squares_config: Path, nats_server: EmbeddedNats
+) -> None:
+    clip = write_clip(tmp_path / "clip.mp4", frames=30, fps=15, width=160, height=120)
+    master, slave = pty.openpty()
+    try:
+        proc = _start(
+            "run", str(squares_config), "--source", str(clip), "--nats", nats_server.url, stderr=slave
+        )
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: the last writer closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        proc.wait(timeout=60)
+    finally:
+        os.close(master)
+    shown = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, shown
+    assert re.search(r"\r30/30 frames \(100%\)  [\d.]+ fps  ETA 0:00", shown), shown
+    # Not on a pipe, and not when asked not to.
+    piped = run_cli("run", str(squares_config), "--source", str(clip), "--nats", nats_server.url)
+    assert piped.returncode == 0 and " frames (" not in piped.stderr
+
+
+def test_summary_counts_objects_per_label(squares_config: Path, nats_server: EmbeddedNats) -> None:
+    proc = run_cli("run", str(squares_config), "--source", "test://?fps=50&frames=10", "--summary",
+                   "--nats", nats_server.url)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "received 10 messages from 1 source(s); objects: square x10" in proc.stdout
+
+
+def test_version_and_help_with_examples_and_defaults() -> None:
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"vidpipe {pipeline.__version__}"
+    top = run_cli("--help").stdout
+    assert "examples:" in top and "vidpipe validate configs/demo.yaml" in top
+    run_help = " ".join(run_cli("run", "--help").stdout.split())
+    for expected in ("(default: info)", "(default: plain)", "(default: no limit)", "(default: off)",
+                     "(default: when the sources end)", "examples:"):  # fmt: skip
+        assert expected in run_help, run_help
+    assert "(default: None)" not in run_help and "(default: False)" not in run_help
+
+
+def test_debug_log_names_config_sources_and_model_instances(
+    squares_config: Path, nats_server: EmbeddedNats
+) -> None:
+    proc = run_cli(
+        "run", str(squares_config), "--source", "test://?fps=50&frames=3",
+        "--source", "rtsp://admin:s3cret@127.0.0.1:9/cam", "--nats", nats_server.url,
+        "--duration", "3", "--log-level", "debug",
+    )  # fmt: skip
+    assert "s3cret" not in proc.stderr
+    assert f"config {squares_config}: pipeline demo, 2 source(s), stages objects (infer)" in proc.stderr
+    # Each source with the keys its scheme takes: a test pattern has no transport.
+    (test,) = [line for line in proc.stderr.splitlines() if "source test: test://" in line]
+    assert test.endswith(
+        "source test: test://?fps=50&frames=3 (test, live) max_fps=None queue_size=8 max_pixels=33177600"
+    )
+    assert "source cam: rtsp://***@127.0.0.1:9/cam (rtsp, live) max_fps=None queue_size=8" in proc.stderr
+    assert " transport=tcp open_timeout=10.0 read_timeout=5.0" in proc.stderr
+    assert re.search(
+        r"model squares: version \S+, openvino \S*, 1 instance\(s\), max_batch_size 8", proc.stderr
+    )
+
+
+def test_json_format_makes_every_line_json_with_the_server_url(squares_config: Path) -> None:
+    proc = run_cli("run", str(squares_config), "--source", "test://?fps=50&frames=5", "--summary",
+                   "--log-format", "json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = [json.loads(line) for line in proc.stdout.splitlines()]
+    err = [json.loads(line) for line in proc.stderr.splitlines()]
+    assert out[0]["msg"].startswith("embedded NATS server at nats://127.0.0.1:")
+    assert out[0]["url"] == out[0]["msg"].rsplit(" ", 1)[1]
+    assert out[-1]["messages"] == 5 and out[-1]["labels"] == {"square": 5}
+    assert any(r["msg"].startswith("done: 5 frame(s)") for r in err)
+    bad = run_cli("validate", "/nonexistent.yaml", "--log-format", "json")
+    assert bad.returncode == 2
+    assert json.loads(bad.stderr) | {"ts": 0} == {
+        "ts": 0, "level": "error", "logger": "vidpipe", "file": "/nonexistent.yaml",
+        "msg": "/nonexistent.yaml: file not found (hint: check the path)",
+    }  # fmt: skip
+
+
+def test_subscribe_that_received_nothing_says_so(nats_server: EmbeddedNats) -> None:
+    proc = run_cli("subscribe", "--nats", nats_server.url, "--timeout", "1")
+    assert proc.returncode == 0
+    assert proc.stdout == ""
+    assert proc.stderr.startswith(f"vidpipe: no messages on vidpipe.> at {nats_server.url} in 1s")
+
+
+def test_done_line_counts_sources_added_and_removed_through_the_api(
+    tmp_path: Path, squares_config: Path, nats_server: EmbeddedNats
+) -> None:
+    port = free_port()
+    proc = _start("run", str(squares_config), "--http", f"127.0.0.1:{port}", "--nats", nats_server.url,
+                  "--duration", "8")  # fmt: skip
+    try:
+        api = f"http://127.0.0.1:{port}/v1/sources"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(api, timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the API did not come up"
+                time.sleep(0.1)
+        body = json.dumps({"url": "test://?fps=50&frames=5&id=once"}).encode()
+        post = urllib.request.Request(api, body, {"Content-Type": "application/json"}, method="POST")
+        urllib.request.urlopen(post, timeout=5).close()
+        while True:
+            sources = json.load(urllib.request.urlopen(api, timeout=5))
+            if sources and sources[0]["state"] in ("stopped", "failed"):
+                break
+            time.sleep(0.1)
+        urllib.request.urlopen(urllib.request.Request(f"{api}/once", method="DELETE"), timeout=5).close()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "done: 5 frame(s) published from 1 source(s)" in err
