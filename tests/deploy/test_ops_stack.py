@@ -51,6 +51,8 @@ ZERO_BY_NATURE = {
     "vidpipe_publish_errors_total": "publishing to a healthy nats-server does not fail",
     "vidpipe_zone_objects": "the demo graph has no zones stage",
     "vidpipe_line_crossings_total": "the demo graph has no lines",
+    "vidpipe_active_tracks": "a zones stage counts the active tracks; the demo graph has none",
+    "vidpipe_events_total": "events come from a zones stage; the demo graph has none",
 }
 
 needs_prometheus = pytest.mark.skipif(
