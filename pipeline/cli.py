@@ -7,6 +7,8 @@
     vidpipe validate CONFIG
     vidpipe subscribe [--nats URL] [SUBJECT] [--count N] [--timeout S]
     vidpipe models list REPO
+    vidpipe run CONFIG --fleet NAME ...      share the sources with other workers (docs/fleet.md)
+    vidpipe fleet add URL [--id ID] | remove ID | list [--json]   --nats URL --fleet NAME
 
 Exit codes: 0 done, 1 runtime failure (no source produced anything, NATS
 unreachable, a model unavailable), 2 bad config or usage (``FILE:LINE: ...``).
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     run.add_argument("--publish", choices=["core", "jetstream"], help="override nats.publish")
     run.add_argument("--summary", action="store_true", help="print a line per second from the output")
+    run.add_argument("--fleet", metavar="NAME", help="join the fleet NAME (JetStream on the NATS server)")
 
     validate = sub.add_parser("validate", help="check a pipeline YAML and exit", parents=[common])
     validate.add_argument("config")
@@ -81,6 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
         "list", help="list models, their inputs/outputs and state", parents=[common]
     )
     models_list.add_argument("repo")
+
+    fleet = sub.add_parser("fleet", help="a fleet's desired sources, workers and leases", parents=[common])
+    fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True, parser_class=_Parser)
+    fleet_common = _Parser(add_help=False, parents=[common])
+    fleet_common.add_argument("--nats", default="nats://127.0.0.1:4222", metavar="URL")
+    fleet_common.add_argument("--fleet", required=True, metavar="NAME")
+    fleet_add = fleet_sub.add_parser("add", help="add a desired source", parents=[fleet_common])
+    fleet_add.add_argument("url")
+    fleet_add.add_argument("--id", help="source id; default: derived from the URL")
+    fleet_remove = fleet_sub.add_parser("remove", help="remove a desired source", parents=[fleet_common])
+    fleet_remove.add_argument("id")
+    fleet_list = fleet_sub.add_parser("list", help="workers and who runs each source", parents=[fleet_common])
+    fleet_list.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
@@ -98,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(cmd_subscribe(args))
         if args.command == "models":
             return cmd_models(args)
+        if args.command == "fleet":
+            return asyncio.run(cmd_fleet(args))
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_USAGE
@@ -166,6 +184,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, sources=args.source)
     if args.publish:
         cfg = dataclasses.replace(cfg, nats=dataclasses.replace(cfg.nats, publish=args.publish))
+    cfg = _with_fleet(cfg, args.fleet)
     env_token = os.environ.get("VIDPIPE_HTTP_TOKEN")
     if args.http:
         token = env_token or (cfg.http.token if cfg.http else None)
@@ -186,7 +205,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError("--max-frames", None, "", "must be at least 1")
     if args.duration is not None and args.duration <= 0:
         raise ConfigError("--duration", None, "", "must be greater than 0")
-    if not cfg.sources and cfg.http is None:
+    if not cfg.sources and cfg.http is None and cfg.fleet is None:
         raise ConfigError(
             cfg.file, None, "sources", "no sources", "add sources: in the file, or pass --source URL"
         )
@@ -205,6 +224,7 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         nats_url = embedded.url
         print(f"embedded NATS server at {nats_url}", flush=True)
     runtime = Runtime(cfg, nats_url=nats_url, max_frames=args.max_frames)
+    fleet: Any = None
     summary: Summary | None = None
     api: Any = None
     loop = asyncio.get_running_loop()
@@ -226,16 +246,21 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         if args.summary:
             summary = Summary(nats_url, f"{cfg.nats.subject_prefix}.{cfg.pipeline}.>", sys.stdout)
             await summary.start()
-        await runtime.start()
+        if cfg.fleet is not None:
+            fleet = await _start_fleet(runtime, cfg, nats_url)
+        else:
+            await runtime.start()
         if cfg.http is not None:
             from pipeline.api import ApiServer
 
-            api = ApiServer(runtime, cfg.http)
+            api = ApiServer(runtime, cfg.http, fleet=fleet)
             await api.start()
             if not cfg.sources:
                 # A server waiting for sources added through the API.
                 runtime.keep_running()
         await runtime.wait(args.duration)
+        if fleet is not None:
+            await fleet.stop()  # hand every source over before the runtime closes
         await runtime.stop()
         if summary is not None:
             await summary.stop()
@@ -268,6 +293,82 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     if published == 0 and runtime.sources:
         return EXIT_RUNTIME
     return EXIT_OK
+
+
+# -- fleet ------------------------------------------------------------------------------------
+
+
+def _with_fleet(cfg: PipelineConfig, name: str | None) -> PipelineConfig:
+    """``--fleet NAME`` joins (or renames) the config's ``fleet:``."""
+    if name is None:
+        return cfg
+    from pipeline.config import FleetConfig
+    from pipeline.stages.base import check_name
+
+    problem = check_name(name)
+    if problem:
+        raise ConfigError("--fleet", None, "", problem)
+    fleet = dataclasses.replace(cfg.fleet, name=name) if cfg.fleet else FleetConfig(name=name)
+    return dataclasses.replace(cfg, fleet=fleet)
+
+
+async def _start_fleet(runtime: Any, cfg: PipelineConfig, nats_url: str) -> Any:
+    """Prepare the runtime without its sources, then join the fleet, which starts them."""
+    from pipeline.fleet.worker import FleetWorker
+
+    assert cfg.fleet is not None
+    await runtime.prepare()
+    fleet = FleetWorker(runtime, cfg.fleet, nats_url)
+    await fleet.start()
+    print(f"fleet {fleet.name}: worker {fleet.id}", flush=True)
+    return fleet
+
+
+async def cmd_fleet(args: argparse.Namespace) -> int:
+    import nats
+
+    from pipeline.config import SourceConfig
+    from pipeline.fleet.buckets import open_bucket
+    from pipeline.fleet.desired import DesiredSources
+    from pipeline.fleet.status import format_status, read_status
+    from pipeline.sources.schemes import check_url, derive_id, resolve_url
+    from pipeline.stages.base import check_name
+
+    problem = check_name(args.fleet)
+    if problem:
+        raise ConfigError("--fleet", None, "", problem)
+    try:
+        nc = await nats.connect(args.nats, connect_timeout=5, max_reconnect_attempts=3)
+    except Exception as exc:
+        print(f"vidpipe: cannot connect to NATS at {redact_url(args.nats)}: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    try:
+        js = nc.jetstream()
+        if args.fleet_command == "list":
+            status = await read_status(js, args.fleet)
+            print(json.dumps(status, indent=2) if args.json else format_status(status))
+            return EXIT_OK
+        desired = DesiredSources(await open_bucket(js, args.fleet, "sources"))
+        if args.fleet_command == "add":
+            problem = check_url(args.url)
+            if problem:
+                raise ConfigError("url", None, "", problem)
+            if args.id is not None and check_name(args.id):
+                raise ConfigError("--id", None, "", str(check_name(args.id)))
+            url = resolve_url(args.url, Path.cwd())
+            source = SourceConfig(url=url, id=args.id or derive_id(url))
+            if not await desired.add(source):
+                print(f"vidpipe: fleet {args.fleet} already has a source {source.source_id}", file=sys.stderr)
+                return EXIT_USAGE
+            print(f"fleet {args.fleet}: source {source.source_id} added")
+            return EXIT_OK
+        if not await desired.remove(args.id):
+            print(f"vidpipe: fleet {args.fleet} has no source {args.id}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"fleet {args.fleet}: source {args.id} removed")
+        return EXIT_OK
+    finally:
+        await nc.close()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ frame numbers start again at 0; an event adds ``/<n>``, its place among the
 frame's events) so a retry after a lost ack is de-duplicated by the server. A
 message is retried until acknowledged; the per-source publisher waits
 meanwhile, which backs pressure up the graph instead of dropping.
+
+In a fleet (docs/fleet.md) a :class:`Fence` is asked before every message,
+retries included: a worker whose lease on a source may have passed to another
+worker sends nothing more for it. Detections then carry ``worker`` and ``lease``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -50,6 +54,18 @@ log = logging.getLogger("vidpipe.publish")
 
 class PublishError(VidpipeError):
     """NATS could not be reached or set up; the message says where and what to do."""
+
+
+class Fence(Protocol):
+    """Who may publish for a source right now (a fleet worker's leases)."""
+
+    def may_publish(self, source: str) -> bool:
+        """False once this process's lease on ``source`` may have passed to another."""
+        ...
+
+    def owner(self, source: str) -> tuple[str, int] | None:
+        """``(worker id, lease revision)`` to stamp on ``source``'s messages; None outside a fleet."""
+        ...
 
 
 def stream_name(prefix: str) -> str:
@@ -73,6 +89,8 @@ class Publisher:
         self.connected = asyncio.Event()
         # Told of every detections message that really left (sent, flushed from the outbox, or acked).
         self.on_sent: Callable[[str], None] | None = None
+        # Asked before every message when this process is one worker of a fleet.
+        self.fence: Fence | None = None
         self.display_url = redact_url(url)
         self._errors = RateLimitedLog(logger=log)
 
@@ -145,7 +163,8 @@ class Publisher:
         and added again) whose frame numbers start again at 0, so JetStream's
         de-duplication never mistakes a new frame for a retry of an old one.
         """
-        message = build_message(self.pipeline, frame, time.time())
+        owner = self.fence.owner(frame.source) if self.fence is not None else None
+        message = build_message(self.pipeline, frame, time.time(), owner)
         subject = subject_for(self.config.subject_prefix, self.pipeline, frame.source)
         for obj in frame.objects:
             self.metrics.objects.labels(self.pipeline, frame.source, obj.label).inc()
@@ -175,6 +194,8 @@ class Publisher:
     ) -> bool:
         """One message, the way the mode asks; True when it left now (not queued, not dropped)."""
         assert self.nc is not None
+        if self.fence is not None and not self.fence.may_publish(source):
+            return False  # the fence counts what it refused
         if self.js is not None:
             await self._publish_acked(subject, source, what, payload, msg_id)
         elif self.nc.is_connected and not self._outbox:
@@ -198,6 +219,8 @@ class Publisher:
         headers = {"Nats-Msg-Id": msg_id}
         delay = 0.1
         while True:
+            if self.fence is not None and not self.fence.may_publish(source):
+                return  # the lease ran out while retrying: another worker may own the source now
             try:
                 await self.js.publish(subject, payload, headers=headers, timeout=2.0)
                 return
@@ -215,6 +238,9 @@ class Publisher:
             await self.connected.wait()
             while self._outbox and self.nc is not None and self.nc.is_connected:
                 subject, source, payload, kind = self._outbox[0]
+                if self.fence is not None and not self.fence.may_publish(source):
+                    self._outbox.popleft()  # queued under a lease that may have passed on
+                    continue
                 try:
                     await self.nc.publish(subject, payload)
                 except Exception:
