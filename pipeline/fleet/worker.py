@@ -148,10 +148,20 @@ class FleetWorker:
             ) from None
         js = self._nc.jetstream(timeout=max(1.0, self.ttl / 4))
         replicas = self.config.replicas
-        sources = await open_bucket(js, self.name, "sources", replicas=replicas)
-        leases = await open_bucket(js, self.name, "leases", replicas=replicas)
-        # Heartbeats of workers that died unannounced are dropped by the server after a while.
-        workers = await open_bucket(js, self.name, "workers", ttl=max(60.0, 10 * self.ttl), replicas=replicas)
+        try:
+            sources = await open_bucket(js, self.name, "sources", replicas=replicas)
+            leases = await open_bucket(js, self.name, "leases", replicas=replicas)
+            # Heartbeats of workers that died unannounced are dropped by the server after a while.
+            workers = await open_bucket(
+                js, self.name, "workers", ttl=max(60.0, 10 * self.ttl), replicas=replicas
+            )
+        except Exception as exc:
+            await self._nc.close()
+            raise RuntimeError(
+                f"fleet {self.name}: cannot open its JetStream KV buckets at {redact_url(self.nats_url)}: "
+                f"{type(exc).__name__}: {exc}; the server needs JetStream (nats-server -js)"
+                + (f" with {replicas} node(s) for fleet.replicas" if replicas > 1 else "")
+            ) from None
         self.desired = DesiredSources(sources)
         self.leases = LeaseTable(leases, self.id, self.ttl)
         self._workers_kv = workers
@@ -404,13 +414,16 @@ class FleetWorker:
         alive = self.alive_workers(now)
         workers = []
         for key, seen in sorted(self._views["workers"].entries.items()):
+            if key == self.id:
+                continue  # this worker's own line is current, not its last heartbeat
             try:
                 info = WorkerInfo.parse(key, seen.value)
             except ValueError:
                 continue
             workers.append(worker_json(info, key in alive))
-        if self.id not in self._views["workers"].entries and self.id in alive:
+        if self.id in alive:
             workers.append(worker_json(alive[self.id], True))
+            workers.sort(key=lambda w: str(w["id"]))
         placed = self.placement(now)
         sources = []
         for sid in sorted(self._views["sources"].entries):

@@ -23,6 +23,7 @@ from typing import Any
 
 import nats
 import pytest
+from nats.js.errors import NoKeysError
 
 from pipeline.fleet.buckets import open_bucket
 from pipeline.fleet.leases import LeaseTable, parse_lease
@@ -372,3 +373,84 @@ async def test_a_fleet_runs_each_source_once_and_survives_kill_pause_drain_and_j
     for w in fleet.workers:
         if w is not victim:
             assert w.proc.wait(timeout=15) == 0, w.log.read_text()[-2000:]
+
+
+# --- one worker in process: the API in a fleet -----------------------------------------
+
+
+async def test_sources_api_changes_the_fleet_desired_set_and_v1_fleet_shows_owners(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    import aiohttp
+
+    from pipeline.api import ApiServer
+    from pipeline.config import HttpConfig, load_config
+    from pipeline.fleet.worker import FleetWorker
+    from pipeline.runtime import Runtime
+
+    path = tmp_path / "one.yaml"
+    path.write_text(
+        "pipeline: fleet\nfleet: {name: api, lease_ttl: 2, worker_id: only}\n"
+        "sources:\n  - url: test://?id=cam1&width=64&height=48&fps=20\n"
+    )
+    cfg = load_config(path)
+    assert cfg.fleet is not None and cfg.fleet.lease_ttl == 2 and cfg.fleet.worker_id == "only"
+    runtime = Runtime(cfg, nats_url=nats_server.url)
+    await runtime.prepare()
+    fleet = FleetWorker(runtime, cfg.fleet, nats_server.url)
+    await fleet.start()
+    api = ApiServer(runtime, HttpConfig(listen="127.0.0.1:0"), fleet=fleet)
+    await api.start()
+
+    async def until(check: Any, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not check():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    try:
+        await until(lambda: "cam1" in runtime.sources, "the config's source never started")
+        async with aiohttp.ClientSession() as http:
+            body = {"url": "test://?width=64&height=48&fps=20", "id": "cam2"}
+            async with http.post(f"{api.url}/v1/sources", json=body) as r:
+                assert r.status == 202
+                assert await r.json() == {"id": "cam2", "fleet": "api", "desired": True}
+            async with http.post(f"{api.url}/v1/sources", json=body) as r:
+                assert r.status == 409
+                assert "already exists in fleet api" in (await r.json())["error"]
+            await until(lambda: "cam2" in runtime.sources, "cam2 never started")
+            async with http.get(f"{api.url}/v1/fleet") as r:
+                status = await r.json()
+            assert status["workers"] == [
+                {"id": "only", "alive": True, "load": 2, "capacity": 64, "version": fleet.version}
+            ]
+            assert [(s["id"], s["owner"], s["placed_on"]) for s in status["sources"]] == [
+                ("cam1", "only", "only"),
+                ("cam2", "only", "only"),
+            ]
+            assert all(s["lease"] >= 1 and s["owned_since"] > 0 for s in status["sources"])
+            async with http.delete(f"{api.url}/v1/sources/cam2") as r:
+                assert r.status == 204
+            async with http.delete(f"{api.url}/v1/sources/cam2") as r:
+                assert r.status == 404
+            await until(
+                lambda: "cam2" not in runtime.sources and "cam2" not in fleet.owned, "cam2 kept running"
+            )
+            async with http.get(f"{api.url}/metrics") as r:
+                metrics = await r.text()
+        assert 'vidpipe_fleet_takeovers_total{fleet="api",reason="new"} 2.0' in metrics
+        assert 'vidpipe_fleet_releases_total{fleet="api",reason="removed"} 1.0' in metrics
+        assert 'vidpipe_fleet_sources_owned{fleet="api"} 1.0' in metrics
+        assert 'vidpipe_fleet_lease_renew_seconds_count{fleet="api"}' in metrics
+    finally:
+        await api.stop()
+        await fleet.stop()
+        await runtime.stop()
+    # The drain released every lease: nothing is left for anyone to wait out.
+    nc = await nats.connect(nats_server.url)
+    try:
+        kv = await open_bucket(nc.jetstream(), "api", "leases")
+        with pytest.raises(NoKeysError):
+            await kv.keys()
+    finally:
+        await nc.close()
