@@ -116,6 +116,8 @@ class FleetWorker:
         self._workers_kv: KeyValue | None = None
         # When this worker first saw each never-leased source free.
         self._free_since: dict[str, float] = {}
+        # Sources that failed to start here, and when to try again (others may meanwhile).
+        self._retry_at: dict[str, float] = {}
 
     # -- the Fence the publisher asks ------------------------------------------------------
 
@@ -330,7 +332,7 @@ class FleetWorker:
                 if peer is not None and now - peer.created >= self.ttl / 4 and not self.owned[sid].fenced:
                     self._spawn(sid, self._release(sid, "rebalance"))
                 continue
-            if load >= self.capacity:
+            if load >= self.capacity or self._retry_at.get(sid, 0.0) > now:
                 continue
             entry = leases.entries.get(sid)
             if entry is not None:
@@ -376,6 +378,7 @@ class FleetWorker:
             self.runtime.add_source(config)
         except Exception as exc:
             log.error("fleet %s: source %s cannot start here: %s; lease released", self.name, sid, exc)
+            self._retry_at[sid] = time.monotonic() + 2 * self.ttl
             del self.owned[sid]
             await self.leases.release(lease)
             return
