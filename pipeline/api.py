@@ -23,6 +23,7 @@
 ``GET /v1/sources/{id}/snapshot.jpg``      latest published frame, annotated
 ``GET /v1/sources/{id}/stream.mjpeg``      live annotated view, multipart JPEG (``?fps=``)
 ``GET /v1/stats``                          per-source fps/latency/drops, per-model batching
+``GET /v1/fleet``                          in a fleet: workers (alive, load, version), sources (owner, since)
 ``GET /v1/models``                         the model repository's status
 ``POST /whip/{id}``                        WHIP: SDP offer in, answer out
 ``DELETE /whip/{id}/{session}``            WHIP: end a session
@@ -70,6 +71,7 @@ from inference.errors import VidpipeError
 from inference.model import ModelState
 from inference.schema import ConfigError, build
 from pipeline.config import HttpConfig, SourceConfig, _unique_ids
+from pipeline.fleet.worker import FleetWorker
 from pipeline.frames import Frame
 from pipeline.health import readiness_problems
 from pipeline.http_guard import GuardedSite
@@ -211,8 +213,17 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 class ApiServer:
     """One aiohttp server for a :class:`~pipeline.runtime.Runtime`."""
 
-    def __init__(self, runtime: Runtime, config: HttpConfig, *, max_body: int = MAX_BODY_BYTES) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        config: HttpConfig,
+        *,
+        max_body: int = MAX_BODY_BYTES,
+        fleet: FleetWorker | None = None,
+    ) -> None:
         self.runtime = runtime
+        # In a fleet, POST/DELETE /v1/sources change the fleet's desired sources instead.
+        self.fleet = fleet
         self.config = config
         self.host, self._requested_port = check_http_config(config)
         self._token = config.token.encode() if config.token else None
@@ -240,6 +251,7 @@ class ApiServer:
         r.add_get("/v1/sources/{id}/snapshot.jpg", self.snapshot)
         r.add_get("/v1/sources/{id}/stream.mjpeg", self.stream_mjpeg)
         r.add_get("/v1/stats", self.stats)
+        r.add_get("/v1/fleet", self.fleet_status)
         r.add_get("/v1/models", self.models)
         r.add_post("/v1/models/{name}/reload", self.reload_model)
         r.add_post("/whip/{name}", self.whip_offer)
@@ -442,6 +454,8 @@ class ApiServer:
             if not any(path.is_relative_to(root) for root in roots):
                 return _error(403, _FILE_ROOTS_REFUSAL)
             config = dataclasses.replace(config, url=str(path))
+        if self.fleet is not None:
+            return await self._add_desired(config)
         sources = self.runtime.sources
         if config.id is None:
             # The same derivation as the YAML loader, unique among the running sources.
@@ -464,12 +478,45 @@ class ApiServer:
 
     async def delete_source(self, request: web.Request) -> web.Response:
         sid = request.match_info["id"]
+        if self.fleet is not None:
+            return await self._remove_desired(sid)
         if not await self.runtime.remove_source(sid):
             return _error(404, f"no source {sid!r}")
         self._snapshots.pop(sid, None)
         self._rates.pop(sid, None)
         log.info("source %s removed over the API", sid)
         return web.Response(status=204)
+
+    # -- fleet -------------------------------------------------------------------------------
+
+    async def _add_desired(self, config: SourceConfig) -> web.Response:
+        """Add to the fleet's desired sources; the worker placement picks starts it (202)."""
+        assert self.fleet is not None and self.fleet.desired is not None
+        if config.id is None:
+            config = _unique_ids([*self.fleet.desired_configs(), config])[-1]
+        sid = config.source_id
+        if not await self.fleet.desired.add(config):
+            return _error(
+                409, f"sources.id: source {sid!r} already exists in fleet {self.fleet.name}; DELETE it first"
+            )
+        log.info("source %s added to fleet %s over the API", sid, self.fleet.name)
+        return web.json_response(
+            {"id": sid, "fleet": self.fleet.name, "desired": True},
+            status=202,
+            headers={"Location": f"/v1/sources/{sid}"},
+        )
+
+    async def _remove_desired(self, sid: str) -> web.Response:
+        assert self.fleet is not None and self.fleet.desired is not None
+        if not await self.fleet.desired.remove(sid):
+            return _error(404, f"no source {sid!r} in fleet {self.fleet.name}")
+        log.info("source %s removed from fleet %s over the API", sid, self.fleet.name)
+        return web.Response(status=204)
+
+    async def fleet_status(self, request: web.Request) -> web.Response:
+        if self.fleet is None:
+            return _error(404, "not in a fleet; run with --fleet NAME or fleet: in the config")
+        return web.json_response(self.fleet.status())
 
     async def snapshot(self, request: web.Request) -> web.Response:
         sid = request.match_info["id"]

@@ -11,6 +11,8 @@
     vidpipe models add MODEL.onnx [--repo DIR] [--name NAME] [--link]
     vidpipe tune REPO MODEL [--concurrency N] [--seconds S] [--trial-seconds S]
                             [--latency-budget-ms MS] [--write]
+    vidpipe run CONFIG --fleet NAME ...      share the sources with other workers (docs/fleet.md)
+    vidpipe fleet add URL [--id ID] | remove ID | list [--json]   --nats URL --fleet NAME
 
 Exit codes: 0 done, 1 runtime failure (no source produced anything, NATS
 unreachable, a model unavailable), 2 bad config or usage (``FILE:LINE: ...``,
@@ -141,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="no progress line (default: shown for files when stderr is a terminal)",
     )
+    run.add_argument("--fleet", metavar="NAME", help="join the fleet NAME (JetStream on the NATS server)")
 
     validate = sub.add_parser(
         "validate", help="check a pipeline YAML, its models and files, and exit", parents=[common]
@@ -182,6 +185,19 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--trial-seconds", type=float, default=2.0, metavar="S", help="each point (2)")
     tune.add_argument("--latency-budget-ms", type=float, metavar="MS", help="p99 limit for the pick")
     tune.add_argument("--write", action="store_true", help="write the pick into the model's config.yaml")
+
+    fleet = sub.add_parser("fleet", help="a fleet's desired sources, workers and leases", parents=[common])
+    fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True, parser_class=_Parser)
+    fleet_common = _Parser(add_help=False, parents=[common])
+    fleet_common.add_argument("--nats", default="nats://127.0.0.1:4222", metavar="URL")
+    fleet_common.add_argument("--fleet", required=True, metavar="NAME")
+    fleet_add = fleet_sub.add_parser("add", help="add a desired source", parents=[fleet_common])
+    fleet_add.add_argument("url")
+    fleet_add.add_argument("--id", help="source id; default: derived from the URL")
+    fleet_remove = fleet_sub.add_parser("remove", help="remove a desired source", parents=[fleet_common])
+    fleet_remove.add_argument("id")
+    fleet_list = fleet_sub.add_parser("list", help="workers and who runs each source", parents=[fleet_common])
+    fleet_list.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
@@ -201,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_models(args)
         if args.command == "tune":
             return cmd_tune(args)
+        if args.command == "fleet":
+            return asyncio.run(cmd_fleet(args))
     except ConfigError as exc:
         if args.log_format == "json":
             for err in exc.errors[:MAX_REPORTED_ERRORS]:
@@ -370,9 +388,10 @@ async def cmd_subscribe(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, sources=args.source, require_sources=not args.http)
+    cfg = load_config(args.config, sources=args.source, require_sources=not (args.http or args.fleet))
     if args.publish:
         cfg = dataclasses.replace(cfg, nats=dataclasses.replace(cfg.nats, publish=args.publish))
+    cfg = _with_fleet(cfg, args.fleet)
     env_token = os.environ.get("VIDPIPE_HTTP_TOKEN")
     if args.http:
         token = env_token or (cfg.http.token if cfg.http else None)
@@ -410,6 +429,7 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         _say(args, f"embedded NATS server at {nats_url}", url=nats_url)
     _log_config(cfg)
     runtime = Runtime(cfg, nats_url=nats_url, max_frames=args.max_frames)
+    fleet: Any = None
     summary: Summary | None = None
     progress: Progress | None = None
     api: Any = None
@@ -441,7 +461,10 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
                 json_lines=args.log_format == "json",
             )
             await summary.start()
-        await runtime.start()
+        if cfg.fleet is not None:
+            fleet = await _start_fleet(runtime, cfg, nats_url)
+        else:
+            await runtime.start()
         _log_models(runtime)
         if getattr(args, "progress", False) and _wants_progress(cfg):
             total = await asyncio.to_thread(_total_frames, cfg, args.max_frames)
@@ -450,12 +473,14 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         if cfg.http is not None:
             from pipeline.api import ApiServer
 
-            api = ApiServer(runtime, cfg.http)
+            api = ApiServer(runtime, cfg.http, fleet=fleet)
             await api.start()
             if not cfg.sources:
                 # A server waiting for sources added through the API.
                 runtime.keep_running()
         await runtime.wait(args.duration)
+        if fleet is not None:
+            await fleet.stop()  # hand every source over before the runtime closes
         await runtime.stop()
         if progress is not None:
             await progress.stop()
@@ -566,6 +591,82 @@ def _log_models(runtime: Any) -> None:
             ", ".join(f"{t.name}{list(t.shape)}" for t in status.inputs),
             status.state.value,
         )
+
+
+# -- fleet ------------------------------------------------------------------------------------
+
+
+def _with_fleet(cfg: PipelineConfig, name: str | None) -> PipelineConfig:
+    """``--fleet NAME`` joins (or renames) the config's ``fleet:``."""
+    if name is None:
+        return cfg
+    from pipeline.config import FleetConfig
+    from pipeline.stages.base import check_name
+
+    problem = check_name(name)
+    if problem:
+        raise ConfigError("--fleet", None, "", problem)
+    fleet = dataclasses.replace(cfg.fleet, name=name) if cfg.fleet else FleetConfig(name=name)
+    return dataclasses.replace(cfg, fleet=fleet)
+
+
+async def _start_fleet(runtime: Any, cfg: PipelineConfig, nats_url: str) -> Any:
+    """Prepare the runtime without its sources, then join the fleet, which starts them."""
+    from pipeline.fleet.worker import FleetWorker
+
+    assert cfg.fleet is not None
+    await runtime.prepare()
+    fleet = FleetWorker(runtime, cfg.fleet, nats_url)
+    await fleet.start()
+    print(f"fleet {fleet.name}: worker {fleet.id}", flush=True)
+    return fleet
+
+
+async def cmd_fleet(args: argparse.Namespace) -> int:
+    import nats
+
+    from pipeline.config import SourceConfig
+    from pipeline.fleet.buckets import open_bucket
+    from pipeline.fleet.desired import DesiredSources
+    from pipeline.fleet.status import format_status, read_status
+    from pipeline.sources.schemes import check_url, derive_id, resolve_url
+    from pipeline.stages.base import check_name
+
+    problem = check_name(args.fleet)
+    if problem:
+        raise ConfigError("--fleet", None, "", problem)
+    try:
+        nc = await nats.connect(args.nats, connect_timeout=5, max_reconnect_attempts=3)
+    except Exception as exc:
+        print(f"vidpipe: cannot connect to NATS at {redact_url(args.nats)}: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    try:
+        js = nc.jetstream()
+        if args.fleet_command == "list":
+            status = await read_status(js, args.fleet)
+            print(json.dumps(status, indent=2) if args.json else format_status(status))
+            return EXIT_OK
+        desired = DesiredSources(await open_bucket(js, args.fleet, "sources"))
+        if args.fleet_command == "add":
+            problem = check_url(args.url)
+            if problem:
+                raise ConfigError("url", None, "", problem)
+            if args.id is not None and check_name(args.id):
+                raise ConfigError("--id", None, "", str(check_name(args.id)))
+            url = resolve_url(args.url, Path.cwd())
+            source = SourceConfig(url=url, id=args.id or derive_id(url))
+            if not await desired.add(source):
+                print(f"vidpipe: fleet {args.fleet} already has a source {source.source_id}", file=sys.stderr)
+                return EXIT_USAGE
+            print(f"fleet {args.fleet}: source {source.source_id} added")
+            return EXIT_OK
+        if not await desired.remove(args.id):
+            print(f"vidpipe: fleet {args.fleet} has no source {args.id}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"fleet {args.fleet}: source {args.id} removed")
+        return EXIT_OK
+    finally:
+        await nc.close()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -201,6 +202,36 @@ class HttpConfig:
     )
 
 
+def _check_worker_id(value: str) -> str | None:
+    ok = re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}", value)
+    return None if ok else f"{value!r} is not a valid worker id (letters, digits, '_', '-', '.')"
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """Workers that share the sources over NATS JetStream (docs/fleet.md).
+
+    ::
+
+        fleet:
+          name: cameras          # workers with the same name and NATS server share the sources
+          lease_ttl: 6           # seconds; a dead worker's sources move after about this long
+          max_sources: 16        # sources this worker runs at most; default runtime.max_sources
+          worker_id: cam-host-1  # default: <hostname>-<pid>
+          replicas: 3            # copies of the fleet's buckets (a 3-node JetStream cluster)
+    """
+
+    name: str = field(metadata=spec(check=check_name, help=NAME_HELP))
+    lease_ttl: float = field(
+        default=6.0, metadata=spec(ge=1, le=300, help="seconds a lease lives without renewal")
+    )
+    max_sources: int | None = field(default=None, metadata=spec(ge=1, le=4096))
+    worker_id: str | None = field(default=None, metadata=spec(check=_check_worker_id))
+    replicas: int = field(
+        default=1, metadata=spec(ge=1, le=5, help="copies of the fleet's KV buckets in a JetStream cluster")
+    )
+
+
 ClipEvent = Literal["track_start", "detection", "zone_enter", "zone_exit", "line_cross"]
 
 
@@ -253,6 +284,8 @@ class PipelineConfig:
     nats: NatsConfig = field(default_factory=NatsConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     http: HttpConfig | None = None
+    # Sources shared with other workers through JetStream (pipeline.fleet); None: run them all here.
+    fleet: FleetConfig | None = None
     # Annotated recordings and event clips (FileOutputConfig, ClipsOutputConfig; pipeline.outputs).
     outputs: list[OutputConfig] = field(default_factory=list)
     # Where the file lives; relative paths in it resolve against this.
@@ -634,7 +667,8 @@ def load_config(
     anchors its relative paths (at ``path``'s folder).
 
     ``require_sources`` makes a pipeline without sources an error unless it
-    serves HTTP (sources may then come through the API). ``check_resources``
+    serves HTTP or joins a fleet (sources may then come through the API or the
+    fleet's desired set). ``check_resources``
     also checks what lies outside the file: the file sources, the model
     repository and the model configs it uses (what ``vidpipe validate`` adds).
     Every problem found is raised at once, as one
@@ -689,6 +723,7 @@ def load_config(
         require_sources
         and not cfg.sources
         and cfg.http is None
+        and cfg.fleet is None
         and "sources" not in {e.path.split("[")[0] for e in errors}
     ):
         errors.append(

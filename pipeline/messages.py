@@ -21,9 +21,15 @@ def subject_for(prefix: str, pipeline: str, source: str) -> str:
     return f"{prefix}.{pipeline}.{source}.detections"
 
 
-def build_message(pipeline: str, frame: Frame, publish_ts: float) -> dict[str, Any]:
-    """The payload for one processed frame."""
-    return {
+def build_message(
+    pipeline: str, frame: Frame, publish_ts: float, owner: tuple[str, int] | None = None
+) -> dict[str, Any]:
+    """The payload for one processed frame.
+
+    ``owner`` is ``(worker, lease)`` in a fleet: the worker that published it and the
+    revision of the lease it held (docs/fleet.md); a newer owner has a larger lease.
+    """
+    message: dict[str, Any] = {
         "schema": SCHEMA_ID,
         "pipeline": pipeline,
         "source": frame.source,
@@ -35,6 +41,9 @@ def build_message(pipeline: str, frame: Frame, publish_ts: float) -> dict[str, A
         "height": frame.height,
         "objects": [obj.to_message() for obj in frame.objects],
     }
+    if owner is not None:
+        message["worker"], message["lease"] = owner
+    return message
 
 
 def encode(message: dict[str, Any]) -> bytes:

@@ -21,6 +21,7 @@ from inference.config import (
 from pipeline.config import (
     ClipsOutputConfig,
     FileOutputConfig,
+    FleetConfig,
     HttpConfig,
     NatsConfig,
     PipelineConfig,
@@ -31,6 +32,7 @@ from pipeline.config import (
 from pipeline.stages.base import StageOptions
 from pipeline.stages.infer import InferOptions
 from pipeline.stages.track import TrackOptions
+from pipeline.stages.zones import LineConfig, ZoneConfig, ZonesOptions
 from tests.conftest import ROOT
 
 LOADER_FIELDS = {"base_dir", "file", "lines"}  # set by the loader, refused in YAML
@@ -39,7 +41,8 @@ LOADER_FIELDS = {"base_dir", "file", "lines"}  # set by the loader, refused in Y
 @pytest.mark.parametrize(
     ("doc", "classes"),
     [
-        ("config.md", [PipelineConfig, SourceConfig, ReconnectConfig, StageOptions, InferOptions, TrackOptions, NatsConfig, RuntimeConfig, HttpConfig]),
+        ("config.md", [PipelineConfig, SourceConfig, ReconnectConfig, StageOptions, InferOptions, TrackOptions,
+                       ZonesOptions, ZoneConfig, LineConfig, NatsConfig, RuntimeConfig, HttpConfig, FleetConfig]),
         ("models.md", [ModelConfig, ModelFile, InputConfig, TaskConfig, DynamicBatching, QueuePolicy, InstanceGroup, BackendOptions]),
         ("outputs.md", [FileOutputConfig, ClipsOutputConfig]),
     ],

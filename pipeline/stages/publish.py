@@ -25,6 +25,10 @@ Without a URL (a program embedding vidpipe without NATS, see docs/embedding.md)
 nothing connects anywhere: each message only goes to ``on_message``. With a URL,
 ``on_message`` (when set) gets each message too, before it is sent, so the
 embedding program sees exactly what subscribers receive.
+
+In a fleet (docs/fleet.md) a :class:`Fence` is asked before every message,
+retries included: a worker whose lease on a source may have passed to another
+worker sends nothing more for it. Detections then carry ``worker`` and ``lease``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import collections
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -55,6 +59,18 @@ log = logging.getLogger("vidpipe.publish")
 
 class PublishError(VidpipeError):
     """NATS could not be reached or set up; the message says where and what to do."""
+
+
+class Fence(Protocol):
+    """Who may publish for a source right now (a fleet worker's leases)."""
+
+    def may_publish(self, source: str) -> bool:
+        """False once this process's lease on ``source`` may have passed to another."""
+        ...
+
+    def owner(self, source: str) -> tuple[str, int] | None:
+        """``(worker id, lease revision)`` to stamp on ``source``'s messages; None outside a fleet."""
+        ...
 
 
 def stream_name(prefix: str) -> str:
@@ -80,6 +96,8 @@ class Publisher:
         self.on_sent: Callable[[str], None] | None = None
         # Awaited with each message in publish order (per source); its wait is backpressure.
         self.on_message: Callable[[dict[str, Any]], Awaitable[None]] | None = None
+        # Asked before every message when this process is one worker of a fleet.
+        self.fence: Fence | None = None
         self.display_url = redact_url(url) if url is not None else "no NATS (messages to this process only)"
         self._errors = RateLimitedLog(logger=log)
 
@@ -158,7 +176,8 @@ class Publisher:
         and added again) whose frame numbers start again at 0, so JetStream's
         de-duplication never mistakes a new frame for a retry of an old one.
         """
-        message = build_message(self.pipeline, frame, time.time())
+        owner = self.fence.owner(frame.source) if self.fence is not None else None
+        message = build_message(self.pipeline, frame, time.time(), owner)
         if self.on_message is not None:
             await self.on_message(message)
         for obj in frame.objects:
@@ -198,6 +217,8 @@ class Publisher:
     ) -> bool:
         """One message, the way the mode asks; True when it left now (not queued, not dropped)."""
         assert self.nc is not None
+        if self.fence is not None and not self.fence.may_publish(source):
+            return False  # the fence counts what it refused
         if self.js is not None:
             await self._publish_acked(subject, source, what, payload, msg_id)
         elif self.nc.is_connected and not self._outbox:
@@ -221,6 +242,8 @@ class Publisher:
         headers = {"Nats-Msg-Id": msg_id}
         delay = 0.1
         while True:
+            if self.fence is not None and not self.fence.may_publish(source):
+                return  # the lease ran out while retrying: another worker may own the source now
             try:
                 await self.js.publish(subject, payload, headers=headers, timeout=2.0)
                 return
@@ -238,6 +261,9 @@ class Publisher:
             await self.connected.wait()
             while self._outbox and self.nc is not None and self.nc.is_connected:
                 subject, source, payload, kind = self._outbox[0]
+                if self.fence is not None and not self.fence.may_publish(source):
+                    self._outbox.popleft()  # queued under a lease that may have passed on
+                    continue
                 try:
                     await self.nc.publish(subject, payload)
                 except Exception:

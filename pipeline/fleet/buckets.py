@@ -1,0 +1,120 @@
+"""The fleet's three JetStream KV buckets and a watched, local view of each.
+
+For a fleet named ``cameras``:
+
+=================================  ==========================================
+``vidpipe_fleet_cameras_sources``  the desired sources: id -> source config (JSON)
+``vidpipe_fleet_cameras_leases``   who runs each source: id -> lease (JSON)
+``vidpipe_fleet_cameras_workers``  heartbeats: worker id -> capacity, load, version
+=================================  ==========================================
+
+A :class:`BucketView` keeps every key's latest value with the local monotonic
+time its revision was first seen. Lease and heartbeat expiry is judged on that
+clock alone ("this revision has not changed for ``lease_ttl``"), never by
+comparing clocks of different hosts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig
+from nats.js.errors import BucketNotFoundError
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+log = logging.getLogger("vidpipe.fleet")
+
+
+def bucket_name(fleet: str, kind: str) -> str:
+    """``vidpipe_fleet_<fleet>_<kind>``; ``kind`` is sources, leases or workers."""
+    return f"vidpipe_fleet_{fleet}_{kind}"
+
+
+async def open_bucket(
+    js: JetStreamContext, fleet: str, kind: str, *, ttl: float | None = None, replicas: int = 1
+) -> KeyValue:
+    """The bucket, created when missing. An existing bucket keeps its own settings."""
+    name = bucket_name(fleet, kind)
+    try:
+        return await js.key_value(name)
+    except BucketNotFoundError:
+        pass
+    try:
+        return await js.create_key_value(KeyValueConfig(bucket=name, history=1, ttl=ttl, replicas=replicas))
+    except Exception:
+        # Another worker created it first with other settings: use theirs.
+        return await js.key_value(name)
+
+
+@dataclass
+class Seen:
+    """A key's latest value, its revision and when this process first saw that revision."""
+
+    value: bytes
+    revision: int
+    seen: float
+    created: float  # when the key (not this revision) appeared here
+
+
+class BucketView:
+    """Every key of a bucket as this process last saw it, kept current by a watcher."""
+
+    def __init__(self, kv: KeyValue, name: str) -> None:
+        self.kv = kv
+        self.name = name
+        self.entries: dict[str, Seen] = {}
+        # When each key was last seen deleted (a released lease, a departed worker).
+        self.deleted: dict[str, float] = {}
+        self.ready = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._watcher: KeyValue.KeyWatcher | None = None
+
+    async def start(self, timeout: float = 5.0) -> None:
+        self._watcher = await self.kv.watchall()
+        self._task = asyncio.create_task(self._run(), name=f"watch-{self.name}")
+        await asyncio.wait_for(self.ready.wait(), timeout)
+
+    async def _run(self) -> None:
+        assert self._watcher is not None
+        async for entry in self._watcher:
+            if entry is None:  # the initial values are all in
+                self.ready.set()
+                continue
+            self.note(entry.key, entry.value, entry.revision, deleted=entry.operation in (KV_DEL, KV_PURGE))
+            self.ready.set()
+
+    def note(self, key: str, value: bytes | None, revision: int, *, deleted: bool = False) -> None:
+        """Record what the watcher (or a direct read) says about ``key``."""
+        now = time.monotonic()
+        old = self.entries.get(key)
+        if old is not None and revision < old.revision:
+            return  # an older answer than the one kept
+        if deleted or value is None:
+            if old is not None or key not in self.deleted:
+                self.deleted[key] = now
+            self.entries.pop(key, None)
+            return
+        if old is not None and old.revision == revision:
+            return
+        created = old.created if old is not None else now
+        self.entries[key] = Seen(value=value, revision=revision, seen=now, created=created)
+        self.deleted.pop(key, None)
+
+    def age(self, key: str, now: float) -> float | None:
+        """Seconds since the key's current revision was first seen here; None when absent."""
+        entry = self.entries.get(key)
+        return None if entry is None else now - entry.seen
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            with contextlib.suppress(Exception):
+                await self._watcher.stop()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task

@@ -1,0 +1,60 @@
+"""Which worker should run each source: rendezvous hashing under capacity.
+
+A pure function of the source ids and the live workers' capacities, so every
+worker that sees the same fleet computes the same answer without talking to
+the others. Each worker first gets a quota, a fair share of the sources capped
+by its ``max_sources``; then source-worker pairs are taken in descending hash
+order, each source going to the best-scoring worker that still has room. A
+worker that joins or leaves changes only the placements its quota forces.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+
+
+def score(source: str, worker: str) -> int:
+    """The rendezvous weight of a source on a worker: a 64-bit hash of the pair."""
+    digest = hashlib.blake2b(f"{source}\0{worker}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def quotas(count: int, capacities: Mapping[str, int]) -> dict[str, int]:
+    """How many of ``count`` sources each worker takes: shares that differ by at most one.
+
+    Units go round in an order fixed by each worker id's hash (so who gets the
+    larger shares does not depend on start order), skipping workers at their
+    capacity. The shares sum to ``count`` unless the capacities sum to less.
+    """
+    order = sorted(capacities, key=lambda w: (score("", w), w))
+    share = dict.fromkeys(order, 0)
+    left = count
+    while left > 0:
+        gave = False
+        for worker in order:
+            if left == 0:
+                break
+            if share[worker] < capacities[worker]:
+                share[worker] += 1
+                left -= 1
+                gave = True
+        if not gave:
+            break
+    return share
+
+
+def place(sources: Iterable[str], capacities: Mapping[str, int]) -> dict[str, str]:
+    """``{source: worker}`` for every source that fits; sources over the total capacity are left out."""
+    ids = sorted(set(sources))
+    room = quotas(len(ids), capacities)
+    pairs = sorted(((score(s, w), s, w) for s in ids for w in room if room[w] > 0), reverse=True)
+    placed: dict[str, str] = {}
+    for _, source, worker in pairs:
+        if source in placed or room[worker] == 0:
+            continue
+        placed[source] = worker
+        room[worker] -= 1
+        if len(placed) == len(ids):
+            break
+    return placed

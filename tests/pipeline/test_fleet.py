@@ -1,0 +1,456 @@
+"""A fleet of real worker processes on a real nats-server with JetStream.
+
+Three (then four) ``vidpipe run --fleet`` processes share six ``test://`` sources;
+a separate subscriber reads every message and tells the workers apart by the
+``worker`` and ``lease`` fields. Placement and lease races are tested alone too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.js.errors import NoKeysError
+
+from pipeline.fleet.buckets import open_bucket
+from pipeline.fleet.leases import LeaseTable, parse_lease
+from pipeline.fleet.placement import place, quotas
+from pipeline.fleet.worker import default_worker_id
+from pipeline.nats_server import EmbeddedNats, free_port
+from tests.conftest import ROOT, run_cli, validate_message
+
+TTL = 3.0
+SOURCES = [f"cam{i}" for i in range(1, 7)]
+
+
+# --- placement, alone -------------------------------------------------------------------
+
+
+def test_placement_is_the_same_whatever_order_workers_and_sources_come_in() -> None:
+    caps = {"w1": 10, "w2": 10, "w3": 10}
+    a = place(SOURCES, caps)
+    b = place(list(reversed(SOURCES)), dict(reversed(list(caps.items()))))
+    assert a == b
+    assert sorted(a) == SOURCES
+
+
+def test_placement_gives_every_worker_a_fair_share_within_its_capacity() -> None:
+    placed = place(SOURCES, {"w1": 10, "w2": 10, "w3": 10})
+    assert sorted(list(placed.values()).count(w) for w in ("w1", "w2", "w3")) == [2, 2, 2]
+    placed = place(SOURCES, {"w1": 1, "w2": 10, "w3": 10})
+    counts = {w: list(placed.values()).count(w) for w in ("w1", "w2", "w3")}
+    assert counts["w1"] == 1 and counts["w2"] + counts["w3"] == 5 and abs(counts["w2"] - counts["w3"]) <= 1
+    # Over the fleet's total capacity: the rest waits, unplaced.
+    placed = place(SOURCES, {"w1": 2, "w2": 2})
+    assert len(placed) == 4
+    shares = quotas(7, {"a": 9, "b": 9, "c": 9, "d": 1})
+    assert shares["d"] == 1 and sorted(shares.values()) == [1, 2, 2, 2]
+
+
+def test_a_joining_worker_takes_only_its_share_and_the_rest_stay() -> None:
+    sources = [f"s{i}" for i in range(40)]
+    before = place(sources, {"w1": 64, "w2": 64, "w3": 64})
+    after = place(sources, {"w1": 64, "w2": 64, "w3": 64, "w4": 64})
+    moved = [s for s in sources if before[s] != after[s]]
+    to_new = [s for s in moved if after[s] == "w4"]
+    assert list(after.values()).count("w4") == 10
+    # Most moves go to the new worker; quotas shift a few among the others.
+    assert len(to_new) == 10 and len(moved) <= 14
+
+
+def test_a_leaving_worker_moves_only_its_own_sources_when_shares_allow() -> None:
+    sources = [f"s{i}" for i in range(12)]
+    before = place(sources, {"w1": 64, "w2": 64, "w3": 64, "w4": 64})
+    after = place(sources, {"w1": 64, "w2": 64, "w3": 64})
+    moved = [s for s in sources if before[s] != after[s]]
+    assert {s for s in sources if before[s] == "w4"} <= set(moved)
+    assert all(after[s] != "w4" for s in sources)
+
+
+# --- leases against a real JetStream ---------------------------------------------------
+
+
+async def test_concurrent_claims_of_one_source_let_exactly_one_worker_win(nats_server: EmbeddedNats) -> None:
+    conns = [await nats.connect(nats_server.url) for _ in range(5)]
+    try:
+        kvs = [await open_bucket(nc.jetstream(), "race", "leases") for nc in conns]
+        tables = [LeaseTable(kv, f"w{i}", TTL) for i, kv in enumerate(kvs)]
+        results = await asyncio.gather(*(t.claim("cam1") for t in tables))
+        winners = [r for r in results if r is not None]
+        assert len(winners) == 1
+        entry = await kvs[0].get("cam1")
+        assert entry.value is not None
+        worker, _, number = parse_lease(entry.value)
+        assert (worker, number) == (winners[0].worker, winners[0].number)
+    finally:
+        for nc in conns:
+            await nc.close()
+
+
+async def test_a_takeover_fences_the_old_holder_out_of_renew_and_release(nats_server: EmbeddedNats) -> None:
+    nc = await nats.connect(nats_server.url)
+    try:
+        kv = await open_bucket(nc.jetstream(), "race", "leases")
+        old_table, new_table, late_table = (LeaseTable(kv, w, TTL) for w in ("old", "new", "late"))
+        old = await old_table.claim("cam1")
+        assert old is not None and old.valid()
+        # Two workers saw the same stale revision; only one takeover lands.
+        taken = await asyncio.gather(
+            new_table.claim("cam1", last=old.revision), late_table.claim("cam1", last=old.revision)
+        )
+        assert sum(t is not None for t in taken) == 1
+        new = next(t for t in taken if t is not None)
+        assert new.number > old.number
+        assert await old_table.renew(old) is False
+        assert await old_table.release(old) is False and old.fenced and not old.valid()
+        entry = await kv.get("cam1")
+        assert entry.value is not None and parse_lease(entry.value)[0] == new.worker
+        assert await new_table.renew(new) is True
+        assert await new_table.release(new) is True
+        again = await old_table.claim("cam1")
+        assert again is not None and again.number > new.number
+    finally:
+        await nc.close()
+
+
+async def test_a_lease_not_renewed_stops_being_valid_before_others_may_take_it(
+    nats_server: EmbeddedNats,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    try:
+        kv = await open_bucket(nc.jetstream(), "race", "leases")
+        table = LeaseTable(kv, "w", 1.0)
+        sent = time.monotonic()
+        lease = await table.claim("cam1")
+        assert lease is not None
+        # Valid now; invalid once ttl minus the margin has passed since the request left.
+        assert lease.valid()
+        assert sent + 1.0 - table.margin <= lease.deadline < time.monotonic() + 1.0
+        await asyncio.sleep(lease.deadline - time.monotonic() + 0.01)
+        assert not lease.valid()
+    finally:
+        await nc.close()
+
+
+# --- the fleet as processes ------------------------------------------------------------
+
+
+@dataclass
+class Seen:
+    """Every message the outside subscriber got, with the local time it arrived."""
+
+    messages: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+
+    def since(self, t: float) -> list[tuple[float, dict[str, Any]]]:
+        return [(at, m) for at, m in self.messages if at >= t]
+
+    def owners(self, window: float = 1.0) -> dict[str, str]:
+        """The worker that published each source's latest message within ``window`` seconds."""
+        cutoff = time.monotonic() - window
+        out: dict[str, str] = {}
+        for at, m in self.messages:
+            if at >= cutoff:
+                out[m["source"]] = m["worker"]
+        return out
+
+    def first_from_other(self, source: str, worker: str, after: float) -> float | None:
+        for at, m in self.messages:
+            if at >= after and m["source"] == source and m["worker"] != worker:
+                return at
+        return None
+
+
+@dataclass
+class Worker:
+    proc: subprocess.Popen[bytes]
+    http: int
+    log: Path
+
+    @property
+    def id(self) -> str:
+        return default_worker_id().rsplit("-", 1)[0] + f"-{self.proc.pid}"
+
+
+class Fleet:
+    def __init__(self, url: str, config: Path, tmp: Path) -> None:
+        self.url = url
+        self.config = config
+        self.tmp = tmp
+        self.workers: list[Worker] = []
+
+    def start_worker(self) -> Worker:
+        port = free_port()
+        log = self.tmp / f"worker-{len(self.workers)}.log"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", "run", str(self.config), "--fleet", "cams",
+             "--nats", self.url, "--http", f"127.0.0.1:{port}"],
+            cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        worker = Worker(proc, port, log)
+        self.workers.append(worker)
+        return worker
+
+    def by_id(self, wid: str) -> Worker:
+        return next(w for w in self.workers if w.id == wid)
+
+    def stop(self) -> None:
+        for w in self.workers:
+            if w.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.proc.pid, signal.SIGCONT)
+                w.proc.kill()
+                w.proc.wait()
+
+
+@pytest.fixture
+async def seen(nats_server: EmbeddedNats) -> AsyncIterator[Seen]:
+    result = Seen()
+    nc = await nats.connect(nats_server.url)
+
+    async def on_msg(msg: Any) -> None:
+        result.messages.append((time.monotonic(), json.loads(msg.data)))
+
+    await nc.subscribe("vidpipe.fleet.*.detections", cb=on_msg)
+    await nc.flush()
+    yield result
+    await nc.close()
+
+
+@pytest.fixture
+def fleet(nats_server: EmbeddedNats, tmp_path: Path) -> Any:
+    config = tmp_path / "fleet.yaml"
+    lines = ["pipeline: fleet", f"fleet: {{name: cams, lease_ttl: {TTL:g}}}", "sources:"]
+    lines += [f"  - url: test://?id={s}&width=64&height=48&fps=20" for s in SOURCES]
+    config.write_text("\n".join(lines) + "\n")
+    f = Fleet(nats_server.url, config, tmp_path)
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+async def settle(
+    seen: Seen, want: dict[str, int] | None, n_workers: int, timeout: float = 30.0
+) -> dict[str, str]:
+    """Until every source publishes, from ``n_workers`` workers, and owners held still for 1.5 s."""
+    deadline = time.monotonic() + timeout
+    last: dict[str, str] = {}
+    still_since = time.monotonic()
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
+        owners = seen.owners(0.6)
+        if owners != last:
+            last, still_since = owners, time.monotonic()
+            continue
+        counts = sorted(list(owners.values()).count(w) for w in set(owners.values()))
+        if (
+            sorted(owners) == SOURCES
+            and len(set(owners.values())) == n_workers
+            and (want is None or counts == sorted(want.values()))
+            and time.monotonic() - still_since >= 1.5
+        ):
+            return owners
+    raise AssertionError(f"fleet did not settle: {last}")
+
+
+def owner_changes(seen: Seen, source: str, after: float) -> list[str]:
+    """The sequence of distinct consecutive workers that published ``source`` after ``after``."""
+    seq: list[str] = []
+    for _, m in seen.since(after):
+        if m["source"] == source and (not seq or seq[-1] != m["worker"]):
+            seq.append(m["worker"])
+    return seq
+
+
+async def test_a_fleet_runs_each_source_once_and_survives_kill_pause_drain_and_join(
+    fleet: Fleet, seen: Seen, nats_server: EmbeddedNats
+) -> None:
+    a, b, c = fleet.start_worker(), fleet.start_worker(), fleet.start_worker()
+    owners = await settle(seen, {"x": 2, "y": 2, "z": 2}, 3)
+    assert set(owners.values()) == {a.id, b.id, c.id}
+
+    # Each source is published by exactly one worker while nothing changes.
+    t0 = time.monotonic()
+    await asyncio.sleep(2.0)
+    window = seen.since(t0)
+    for source in SOURCES:
+        workers = {m["worker"] for _, m in window if m["source"] == source}
+        assert workers == {owners[source]}, (source, workers)
+    for _, m in window[:20]:
+        validate_message(m)
+        assert isinstance(m["lease"], int) and m["lease"] >= 1
+
+    # /v1/fleet on any worker names the same owners; `vidpipe fleet list` too.
+    with urllib.request.urlopen(f"http://127.0.0.1:{b.http}/v1/fleet", timeout=5) as r:
+        status = json.load(r)
+    assert {s["id"]: s["owner"] for s in status["sources"]} == owners
+    assert {w["id"] for w in status["workers"] if w["alive"]} == {a.id, b.id, c.id}
+    assert all(w["version"] and w["load"] == 2 for w in status["workers"])
+    listed = run_cli("fleet", "list", "--nats", nats_server.url, "--fleet", "cams", "--json", timeout=30)
+    assert listed.returncode == 0, listed.stderr
+    assert {s["id"]: s["owner"] for s in json.loads(listed.stdout)["sources"]} == owners
+
+    # A 4th worker joins: it takes its share, and each moved source moves once.
+    t_join = time.monotonic()
+    d = fleet.start_worker()
+    owners = await settle(seen, {"w": 2, "x": 2, "y": 1, "z": 1}, 4)
+    assert 1 <= list(owners.values()).count(d.id) <= 2
+    for source in SOURCES:
+        assert len(owner_changes(seen, source, t_join)) <= 2, (source, owner_changes(seen, source, t_join))
+
+    # kill -9: its sources resume on the others within lease_ttl + 2 s.
+    victim = a if a.id in owners.values() else b
+    lost = [s for s, w in owners.items() if w == victim.id]
+    t_kill = time.monotonic()
+    victim.proc.kill()
+    await asyncio.sleep(TTL + 2.0)
+    for source in lost:
+        resumed = seen.first_from_other(source, victim.id, t_kill)
+        assert resumed is not None and resumed - t_kill <= TTL + 2.0, (source, resumed and resumed - t_kill)
+    owners = await settle(seen, None, 3)
+
+    # SIGSTOP past the TTL, then SIGCONT: nothing more under its old leases once taken over.
+    paused = next(w for w in fleet.workers if w.proc.poll() is None and w.id in owners.values())
+    taken = {s for s, w in owners.items() if w == paused.id}
+    old_lease = {m["source"]: m["lease"] for _, m in seen.messages if m["worker"] == paused.id}
+    t_stop = time.monotonic()
+    os.kill(paused.proc.pid, signal.SIGSTOP)
+    await asyncio.sleep(TTL + 2.5)
+    takeover = {s: seen.first_from_other(s, paused.id, t_stop) for s in taken}
+    assert all(t is not None for t in takeover.values()), takeover
+    os.kill(paused.proc.pid, signal.SIGCONT)
+    await asyncio.sleep(3.0)
+    stale = [
+        m for at, m in seen.messages
+        if m["worker"] == paused.id and m["source"] in taken
+        and m["lease"] == old_lease[m["source"]] and at >= (takeover[m["source"]] or 0)
+    ]  # fmt: skip
+    assert stale == []
+    owners = await settle(seen, None, 3)
+
+    # SIGTERM: a drain hands its sources over within 3 s, and the worker exits 0.
+    leaving = next(w for w in fleet.workers if w.proc.poll() is None and w.id in owners.values())
+    moving = [s for s, w in owners.items() if w == leaving.id]
+    t_term = time.monotonic()
+    leaving.proc.send_signal(signal.SIGTERM)
+    assert leaving.proc.wait(timeout=15) == 0
+    await asyncio.sleep(max(0.0, t_term + 3.0 - time.monotonic()))
+    for source in moving:
+        moved = seen.first_from_other(source, leaving.id, t_term)
+        assert moved is not None and moved - t_term <= 3.0, (source, moved and moved - t_term)
+
+    # The desired set changes from the CLI: a 7th source starts somewhere, then stops.
+    added = run_cli("fleet", "add", "test://?id=cam7&width=64&height=48&fps=20",
+                    "--nats", nats_server.url, "--fleet", "cams", timeout=30)  # fmt: skip
+    assert added.returncode == 0, added.stderr
+    t_add = time.monotonic()
+    while not any(m["source"] == "cam7" for _, m in seen.since(t_add)):
+        assert time.monotonic() - t_add < 10, "cam7 never published"
+        await asyncio.sleep(0.1)
+    removed = run_cli("fleet", "remove", "cam7", "--nats", nats_server.url, "--fleet", "cams", timeout=30)
+    assert removed.returncode == 0, removed.stderr
+    await asyncio.sleep(2.0)
+    t_gone = time.monotonic()
+    await asyncio.sleep(1.0)
+    assert not any(m["source"] == "cam7" for _, m in seen.since(t_gone))
+
+    for w in fleet.workers:
+        if w.proc.poll() is None:
+            w.proc.send_signal(signal.SIGTERM)
+    for w in fleet.workers:
+        if w is not victim:
+            assert w.proc.wait(timeout=15) == 0, w.log.read_text()[-2000:]
+
+
+# --- one worker in process: the API in a fleet -----------------------------------------
+
+
+async def test_sources_api_changes_the_fleet_desired_set_and_v1_fleet_shows_owners(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    import aiohttp
+
+    from pipeline.api import ApiServer
+    from pipeline.config import HttpConfig, load_config
+    from pipeline.fleet.worker import FleetWorker
+    from pipeline.runtime import Runtime
+
+    path = tmp_path / "one.yaml"
+    path.write_text(
+        "pipeline: fleet\nfleet: {name: api, lease_ttl: 2, worker_id: only}\n"
+        "sources:\n  - url: test://?id=cam1&width=64&height=48&fps=20\n"
+    )
+    cfg = load_config(path)
+    assert cfg.fleet is not None and cfg.fleet.lease_ttl == 2 and cfg.fleet.worker_id == "only"
+    runtime = Runtime(cfg, nats_url=nats_server.url)
+    await runtime.prepare()
+    fleet = FleetWorker(runtime, cfg.fleet, nats_server.url)
+    await fleet.start()
+    api = ApiServer(runtime, HttpConfig(listen="127.0.0.1:0"), fleet=fleet)
+    await api.start()
+
+    async def until(check: Any, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not check():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    try:
+        await until(lambda: "cam1" in runtime.sources, "the config's source never started")
+        async with aiohttp.ClientSession() as http:
+            body = {"url": "test://?width=64&height=48&fps=20", "id": "cam2"}
+            async with http.post(f"{api.url}/v1/sources", json=body) as r:
+                assert r.status == 202
+                assert await r.json() == {"id": "cam2", "fleet": "api", "desired": True}
+            async with http.post(f"{api.url}/v1/sources", json=body) as r:
+                assert r.status == 409
+                assert "already exists in fleet api" in (await r.json())["error"]
+            await until(lambda: "cam2" in runtime.sources, "cam2 never started")
+            async with http.get(f"{api.url}/v1/fleet") as r:
+                status = await r.json()
+            assert status["workers"] == [
+                {"id": "only", "alive": True, "load": 2, "capacity": 64, "version": fleet.version}
+            ]
+            assert [(s["id"], s["owner"], s["placed_on"]) for s in status["sources"]] == [
+                ("cam1", "only", "only"),
+                ("cam2", "only", "only"),
+            ]
+            assert all(s["lease"] >= 1 and s["owned_since"] > 0 for s in status["sources"])
+            async with http.delete(f"{api.url}/v1/sources/cam2") as r:
+                assert r.status == 204
+            async with http.delete(f"{api.url}/v1/sources/cam2") as r:
+                assert r.status == 404
+            await until(
+                lambda: "cam2" not in runtime.sources and "cam2" not in fleet.owned, "cam2 kept running"
+            )
+            async with http.get(f"{api.url}/metrics") as r:
+                metrics = await r.text()
+        assert 'vidpipe_fleet_takeovers_total{fleet="api",reason="new"} 2.0' in metrics
+        assert 'vidpipe_fleet_releases_total{fleet="api",reason="removed"} 1.0' in metrics
+        assert 'vidpipe_fleet_sources_owned{fleet="api"} 1.0' in metrics
+        assert 'vidpipe_fleet_lease_renew_seconds_count{fleet="api"}' in metrics
+    finally:
+        await api.stop()
+        await fleet.stop()
+        await runtime.stop()
+    # The drain released every lease: nothing is left for anyone to wait out.
+    nc = await nats.connect(nats_server.url)
+    try:
+        kv = await open_bucket(nc.jetstream(), "api", "leases")
+        with pytest.raises(NoKeysError):
+            await kv.keys()
+    finally:
+        await nc.close()
