@@ -31,11 +31,11 @@ import logging
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from pipeline.config import SourceConfig
 from pipeline.sources.base import SourceError, StateListener
 from pipeline.sources.decode import AvSource, frame_rate
+from pipeline.sources.schemes import file_path
 
 log = logging.getLogger("vidpipe.source")
 
@@ -47,11 +47,10 @@ class FileSource(AvSource):
 
     def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
         super().__init__(config, on_state)
-        parts = urlsplit(config.url)
         # None for a file fetched over http(s): FFmpeg opens the URL itself.
         self.path: Path | None = None
         if config.scheme == "file":
-            self.path = Path(parts.netloc + parts.path) if parts.scheme == "file" else Path(config.url)
+            self.path = file_path(config.url)
             self.url = str(self.path)
         self._warned_short = False
 

@@ -46,11 +46,13 @@ __all__ = [
     "check_url",
     "create_source",
     "derive_id",
+    "file_path",
     "is_live",
     "resolve_live",
     "resolve_url",
     "scheme_of",
     "v4l2_device",
+    "whip_name",
 ]
 
 # An http(s) URL whose path ends in one of these is a finite file (lossless, ends);
@@ -62,9 +64,20 @@ _V4L2_PATH = re.compile(r"/dev/video\d+")
 V4L2_OPTIONS = ("video_size", "framerate", "input_format", "pixel_format", "standard")
 
 
-def _id_from_file(url: str) -> str:
+def file_path(url: str) -> Path:
+    """The path a file source reads: a plain path, or ``file://`` (host part included, as written)."""
     parts = urlsplit(url)
-    return Path(parts.path if parts.scheme == "file" else url).stem
+    return Path(parts.netloc + parts.path) if parts.scheme == "file" else Path(url)
+
+
+def whip_name(url: str) -> str:
+    """The ``<id>`` of ``whip://<id>``: the name publishers use in ``/whip/<id>``."""
+    parts = urlsplit(url)
+    return parts.netloc or parts.path.strip("/")
+
+
+def _id_from_file(url: str) -> str:
+    return file_path(url).stem
 
 
 def _id_from_test(url: str) -> str:
@@ -74,11 +87,6 @@ def _id_from_test(url: str) -> str:
 def _id_from_camera(url: str) -> str:
     parts = urlsplit(url)
     return parts.path.strip("/").replace("/", "_") or parts.hostname or "camera"
-
-
-def _id_from_whip(url: str) -> str:
-    parts = urlsplit(url)
-    return parts.netloc or parts.path.strip("/")
 
 
 def _id_from_http(url: str) -> str:
@@ -203,7 +211,7 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("test", _id_from_test, live_source="pipeline.sources.pattern:TestPatternSource"),
         Scheme("rtsp", _id_from_camera, live_source="pipeline.sources.rtsp:RtspSource"),
         Scheme("rtsps", _id_from_camera, live_source="pipeline.sources.rtsp:RtspSource"),
-        Scheme("whip", _id_from_whip, live_source="pipeline.sources.whip:WhipSource"),
+        Scheme("whip", whip_name, live_source="pipeline.sources.whip:WhipSource"),
         Scheme("http", _id_from_http, live_source=_STREAM, finite_source=_FILE, live_by_url=_http_live),
         Scheme("https", _id_from_http, live_source=_STREAM, finite_source=_FILE, live_by_url=_http_live),
         Scheme("udp", _id_from_port, live_source=_STREAM),
@@ -264,6 +272,9 @@ def check_url(url: str) -> str | None:
             return f"{scheme.name}:// sources are not available: {missing}"
     if scheme.name == "v4l2":
         return _v4l2_problem(url)
+    if scheme.name == "whip" and "@" in urlsplit(url).netloc:
+        # The name is what publishers put in /whip/<name>: it has no user or password.
+        return "a whip:// URL is whip://<name>: it takes no user or password"
     return None
 
 
@@ -331,8 +342,7 @@ def resolve_url(url: str, base: Path) -> str:
     """Make a relative file path absolute against ``base``; other URLs pass through."""
     if _scheme_name(url) != "file":
         return url
-    parts = urlsplit(url)
-    path = Path(parts.netloc + parts.path) if parts.scheme == "file" else Path(url)
+    path = file_path(url)
     return str(path if path.is_absolute() else (base / path).resolve())
 
 

@@ -39,7 +39,6 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from inference.errors import VidpipeError
 from inference.memory import BufferHandle
@@ -48,6 +47,7 @@ from pipeline.frames import Frame
 from pipeline.queues import FrameQueue
 from pipeline.sources.base import ReconnectReason, Source, SourceError, SourceState, StateListener
 from pipeline.sources.decode import copy_rgb
+from pipeline.sources.schemes import whip_name
 
 log = logging.getLogger("vidpipe.whip")
 
@@ -64,12 +64,6 @@ class WhipError(VidpipeError):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-def whip_name(url: str) -> str:
-    """The ``<id>`` of ``whip://<id>``: the name publishers use in ``/whip/<id>``."""
-    parts = urlsplit(url)
-    return parts.netloc or parts.path.strip("/")
 
 
 @dataclass(eq=False)
@@ -360,4 +354,4 @@ def _video_accepted(answer: str) -> bool:
     return False
 
 
-__all__ = ["WhipError", "WhipSession", "WhipSource", "whip_name"]
+__all__ = ["WhipError", "WhipSession", "WhipSource"]

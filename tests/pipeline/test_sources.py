@@ -77,3 +77,21 @@ def test_copy_rgb_skips_the_row_padding(width: int) -> None:
     # An RGB frame is copied as it is, without a conversion.
     copy_rgb(av.VideoFrame.from_ndarray(image, format="rgb24"), out)
     assert np.array_equal(out, image)
+
+
+def test_a_whip_name_takes_no_user_info_and_names_the_route_and_id_alike() -> None:
+    # Before, whip://u:p@door became source id "door" but listened at /whip/u:p@door.
+    assert check_url("whip://u:p@door") == "a whip:// URL is whip://<name>: it takes no user or password"
+    source = create_source(SourceConfig(url="whip://door", id=derive_id("whip://door")))
+    assert isinstance(source, WhipSource)
+    assert (source.id, source.name) == ("door", "door")
+
+
+def test_file_urls_keep_their_host_part_everywhere(tmp_path: Path) -> None:
+    # One parser for file:// URLs: the id, the resolved path and the opened path agree.
+    url = "file://clips/lobby.mp4"
+    assert derive_id(url) == "lobby"
+    assert resolve_url(url, tmp_path) == str(tmp_path / "clips" / "lobby.mp4")
+    source = create_source(SourceConfig(url=resolve_url(url, tmp_path), id="lobby"))
+    assert isinstance(source, FileSource)
+    assert source.path == tmp_path / "clips" / "lobby.mp4"
