@@ -26,7 +26,7 @@ $(BIN)/python:
 # nvidia-pytriton wheel. The wheel pins numpy<2, which would pull the whole environment
 # back to NumPy 1, so it goes in without its pins, and its Python-backend stub gets a
 # NumPy 1 of its own (a folder the tests put first on the stub's path).
-TRITON_TEST_DEPS := pyzmq sh typer typing_inspect wrapt importlib_metadata
+TRITON_TEST_DEPS := 'tritonclient[http]' pyzmq sh typer typing_inspect wrapt importlib_metadata
 
 # constraints.txt pins every dependency to the versions CI tests with; the images install
 # from it too.

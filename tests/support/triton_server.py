@@ -202,8 +202,9 @@ def unavailable_reason() -> str | None:
     """Why a Triton server cannot run here, or None."""
     try:
         import pytriton
-    except ImportError:
-        return "nvidia-pytriton is not installed (pip install 'vidpipe[test]')"
+        import pytriton.client  # pulls tritonclient's http and grpc parts
+    except ImportError as exc:
+        return f"nvidia-pytriton cannot be imported ({exc}); `make install` installs it and its dependencies"
     site = stub_numpy()
     if site is not None and not (site / "numpy").is_dir():
         return (
