@@ -25,6 +25,7 @@
 ``GET /v1/stats``                          per-source fps/latency/drops, per-model batching
 ``GET /v1/fleet``                          in a fleet: workers (alive, load, version), sources (owner, since)
 ``GET /v1/models``                         the model repository's status
+``POST /v1/models/{name}/reload``          swap in a model's new config and files (JSON body)
 ``POST /whip/{id}``                        WHIP: SDP offer in, answer out
 ``DELETE /whip/{id}/{session}``            WHIP: end a session
 ``POST /whep/{id}``                        WHEP: live annotated view over WebRTC
@@ -37,11 +38,11 @@ dashboard's static files (which hold no data; the page sends the token on every
 API call it makes) needs ``Authorization: Bearer <token>``; ``/readyz`` then shows
 callers without it counts only, no source ids or reasons.
 
-Requests that change state (every method but GET and HEAD) are refused with 403
+Requests that change state (every method but GET, HEAD and OPTIONS) are refused with 403
 when they come from another site (an ``Origin`` other than the server's own, or
 ``Sec-Fetch-Site: cross-site`` / ``same-site``), token or not, and their bodies
 must carry their own content type (``application/json``, ``application/sdp`` for
-WHIP offers): a web page cannot send either without a CORS preflight, which this
+WHIP and WHEP offers): a web page cannot send either without a CORS preflight, which this
 server never grants. docs/security.md has the whole picture.
 """
 
