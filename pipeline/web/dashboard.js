@@ -61,8 +61,62 @@ function makeCard(id) {
     fields[key] = dd;
   }
   const img = el("img", { alt: `latest frame of ${id}`, id: `snapshot-${id}` });
-  root.append(title, reason, dl, img);
-  return { root, img, fields, shownPublished: 0, loading: false, blobUrl: null };
+  const video = el("video", { id: `live-${id}`, muted: "", playsinline: "", hidden: "" });
+  video.muted = true;
+  const live = el("button", { type: "button", class: "live", "data-source-id": id }, "Watch live");
+  const card = { root, img, video, live, fields, shownPublished: 0, loading: false, blobUrl: null, whep: null };
+  live.addEventListener("click", () => (card.whep ? stopLive(card) : startLive(id, card)));
+  root.append(title, reason, dl, img, video, live);
+  return card;
+}
+
+// The live view is WebRTC over WHEP: fetch() carries the token, which an <img> of the
+// MJPEG stream could not; the video element shows the annotated frames as they come.
+async function startLive(id, card) {
+  const pc = new RTCPeerConnection();
+  card.whep = { pc, location: null };
+  card.live.textContent = "Stop live";
+  pc.addTransceiver("video", { direction: "recvonly" });
+  pc.ontrack = (event) => {
+    card.video.srcObject = event.streams[0] || new MediaStream([event.track]);
+    card.video.hidden = false;
+    card.img.hidden = true;
+    card.video.play().catch(() => {});
+  };
+  try {
+    await pc.setLocalDescription(await pc.createOffer());
+    // Answer with every candidate in the offer: WHEP has no trickle here.
+    await new Promise((resolve) => {
+      if (pc.iceGatheringState === "complete") return resolve();
+      pc.addEventListener("icegatheringstatechange", () => pc.iceGatheringState === "complete" && resolve());
+      setTimeout(resolve, 2000);
+    });
+    const resp = await fetch(`/whep/${encodeURIComponent(id)}`, {
+      method: "POST",
+      headers: { ...authHeaders, "Content-Type": "application/sdp" },
+      body: pc.localDescription.sdp,
+    });
+    if (!resp.ok) throw new Error(`live view refused (${resp.status})`);
+    card.whep.location = resp.headers.get("Location");
+    await pc.setRemoteDescription({ type: "answer", sdp: await resp.text() });
+  } catch (err) {
+    const status = document.getElementById("status");
+    status.textContent = String(err.message || err);
+    status.classList.add("error");
+    stopLive(card);
+  }
+}
+
+function stopLive(card) {
+  const session = card.whep;
+  card.whep = null;
+  card.live.textContent = "Watch live";
+  card.video.hidden = true;
+  card.video.srcObject = null;
+  card.img.hidden = false;
+  if (!session) return;
+  session.pc.close();
+  if (session.location) fetch(session.location, { method: "DELETE", headers: authHeaders }).catch(() => {});
 }
 
 function refreshSnapshot(id, card) {

@@ -117,7 +117,9 @@ async def chromium(tmp_path: Path) -> AsyncIterator[DevTools]:
             "--no-first-run", "--disable-background-networking", "--disable-component-update",
             "--disable-sync", "--disable-extensions", f"--user-data-dir={profile}",
             "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
-            "--window-size=1280,800", "about:blank",
+            "--window-size=1280,800",
+            # Plain host candidates (not mDNS names) so the page's WebRTC reaches the server.
+            "--disable-features=WebRtcHideLocalIpsWithMdns", "about:blank",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -224,5 +226,36 @@ async def test_dashboard_sends_the_token_from_the_url(
             "document.getElementById('status').textContent", lambda v: v and "token" in v
         )
         assert status == "a token is required: open /?token=<token>"
+    finally:
+        await stack.close()
+
+
+async def test_dashboard_watches_a_source_live_over_whep(
+    tmp_path: Path, nats_server: EmbeddedNats, chromium: DevTools
+) -> None:
+    stack = await Stack.start(tmp_path, CONFIG.format(nats=nats_server.url, token=""), nats_server.url)
+    try:
+        await open_dashboard(chromium, stack.api.url + "/")
+        await chromium.poll(card_reader("lobby"), lambda v: v and v["hash"] is not None)
+        await chromium.evaluate("document.querySelector('button.live[data-source-id=\"lobby\"]').click()")
+        # The video element plays the annotated frames: the source's size, time moving on.
+        video = await chromium.poll(
+            "(() => { const v = document.getElementById('live-lobby');"
+            " return {w: v.videoWidth, h: v.videoHeight, t: v.currentTime, hidden: v.hidden,"
+            " label: document.querySelector('button.live[data-source-id=\"lobby\"]').textContent}; })()",
+            lambda v: v["w"] > 0 and v["t"] > 0.5,
+            timeout=30,
+        )
+        assert (video["w"], video["h"], video["hidden"], video["label"]) == (320, 180, False, "Stop live")
+        await chromium.screenshot(ARTIFACTS / "dashboard-live.png")
+        assert stack.runtime.outputs.relay.viewers("lobby") == 1
+        # Stopping ends the WHEP session on the server too.
+        await chromium.evaluate("document.querySelector('button.live[data-source-id=\"lobby\"]').click()")
+        await chromium.poll("document.getElementById('live-lobby').hidden", lambda v: v is True, timeout=10)
+        for _ in range(50):
+            if stack.runtime.outputs.relay.viewers("lobby") == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert stack.runtime.outputs.relay.viewers("lobby") == 0
     finally:
         await stack.close()
