@@ -63,7 +63,7 @@ function makeCard(id) {
   const img = el("img", { alt: `latest frame of ${id}`, id: `snapshot-${id}` });
   const video = el("video", { id: `live-${id}`, muted: "", playsinline: "", hidden: "" });
   video.muted = true;
-  const live = el("button", { type: "button", class: "live", "data-source-id": id }, "Watch live");
+  const live = el("button", { type: "button", class: "live", "data-live": id }, "Watch live");
   const card = { root, img, video, live, fields, shownPublished: 0, loading: false, blobUrl: null, whep: null };
   live.addEventListener("click", () => (card.whep ? stopLive(card) : startLive(id, card)));
   root.append(title, reason, dl, img, video, live);

@@ -237,20 +237,25 @@ async def test_dashboard_watches_a_source_live_over_whep(
     try:
         await open_dashboard(chromium, stack.api.url + "/")
         await chromium.poll(card_reader("lobby"), lambda v: v and v["hash"] is not None)
-        await chromium.evaluate("document.querySelector('button.live[data-source-id=\"lobby\"]').click()")
+        await chromium.evaluate("document.querySelector('button.live[data-live=\"lobby\"]').click()")
         # The video element plays the annotated frames: the source's size, time moving on.
         video = await chromium.poll(
             "(() => { const v = document.getElementById('live-lobby');"
+            " const img = document.getElementById('snapshot-lobby');"
             " return {w: v.videoWidth, h: v.videoHeight, t: v.currentTime, hidden: v.hidden,"
-            " label: document.querySelector('button.live[data-source-id=\"lobby\"]').textContent}; })()",
+            " img: getComputedStyle(img).display, other: getComputedStyle("
+            "document.getElementById('live-gate')).display,"
+            " label: document.querySelector('button.live[data-live=\"lobby\"]').textContent}; })()",
             lambda v: v["w"] > 0 and v["t"] > 0.5,
             timeout=30,
         )
         assert (video["w"], video["h"], video["hidden"], video["label"]) == (320, 180, False, "Stop live")
+        # The live view replaces the snapshot in its card; other cards show no empty player.
+        assert (video["img"], video["other"]) == ("none", "none")
         await chromium.screenshot(ARTIFACTS / "dashboard-live.png")
         assert stack.runtime.outputs.relay.viewers("lobby") == 1
         # Stopping ends the WHEP session on the server too.
-        await chromium.evaluate("document.querySelector('button.live[data-source-id=\"lobby\"]').click()")
+        await chromium.evaluate("document.querySelector('button.live[data-live=\"lobby\"]').click()")
         await chromium.poll("document.getElementById('live-lobby').hidden", lambda v: v is True, timeout=10)
         for _ in range(50):
             if stack.runtime.outputs.relay.viewers("lobby") == 0:
