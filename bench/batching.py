@@ -357,16 +357,11 @@ def loop_decode(clip: Path, stop: threading.Event, skip: int) -> Any:
         first = False
 
 
-def run_threads(
-    setup: Setup, target: Callable[[int, threading.Event, list[tuple[float, float]]], None], seconds: float,
-    warmup: float, units: int = 1,
+def measure_threads(
+    threads: list[threading.Thread], stop: threading.Event, samples: list[tuple[float, float]],
+    units: int, warmup: float, seconds: float,
 ) -> Window:  # fmt: skip
-    """Start ``setup.streams`` threads running ``target``, measure ``seconds`` after ``warmup``."""
-    stop = threading.Event()
-    samples: list[tuple[float, float]] = []
-    threads = [
-        threading.Thread(target=target, args=(i, stop, samples), daemon=True) for i in range(setup.streams)
-    ]
+    """Start ``threads``, measure their ``samples`` for ``seconds`` after ``warmup``, then stop them."""
     for t in threads:
         t.start()
     window = Window(samples=samples, units_per_sample=units)
@@ -379,6 +374,19 @@ def run_threads(
     for t in threads:
         t.join()
     return window
+
+
+def run_threads(
+    setup: Setup, target: Callable[[int, threading.Event, list[tuple[float, float]]], None], seconds: float,
+    warmup: float, units: int = 1,
+) -> Window:  # fmt: skip
+    """Start ``setup.streams`` threads running ``target``, measure ``seconds`` after ``warmup``."""
+    stop = threading.Event()
+    samples: list[tuple[float, float]] = []
+    threads = [
+        threading.Thread(target=target, args=(i, stop, samples), daemon=True) for i in range(setup.streams)
+    ]
+    return measure_threads(threads, stop, samples, units, warmup, seconds)
 
 
 def det_naive(setup: Setup, session: ort.InferenceSession, seconds: float, warmup: float) -> Window:
@@ -540,18 +548,7 @@ def det_ceiling(
     threads = [
         threading.Thread(target=caller, args=(s,), daemon=True) for s in sessions[cfg.threads][: cfg.sessions]
     ]
-    for t in threads:
-        t.start()
-    window = Window(samples=samples, units_per_sample=cfg.batch)
-    meter = CpuMeter()
-    time.sleep(min(0.5, seconds / 3))
-    meter.begin(window)
-    time.sleep(seconds)
-    meter.finish(window)
-    stop.set()
-    for t in threads:
-        t.join()
-    return window
+    return measure_threads(threads, stop, samples, cfg.batch, min(0.5, seconds / 3), seconds)
 
 
 def cls_ceiling(setup: Setup, session: ort.InferenceSession, batch: int, seconds: float) -> Window:
@@ -636,18 +633,7 @@ def det_ceiling_ov(setup: Setup, compiled: dict[OvCeilingConfig, Any], cfg: OvCe
 
     requests = [compiled[cfg].create_infer_request() for _ in range(cfg.streams)]
     threads = [threading.Thread(target=caller, args=(r,), daemon=True) for r in requests]
-    for t in threads:
-        t.start()
-    window = Window(samples=samples, units_per_sample=cfg.batch)
-    meter = CpuMeter()
-    time.sleep(min(0.5, seconds / 3))
-    meter.begin(window)
-    time.sleep(seconds)
-    meter.finish(window)
-    stop.set()
-    for t in threads:
-        t.join()
-    return window
+    return measure_threads(threads, stop, samples, cfg.batch, min(0.5, seconds / 3), seconds)
 
 
 # -- crops --------------------------------------------------------------------------------------
