@@ -20,6 +20,7 @@ from pipeline.nats_server import EmbeddedNats
 from pipeline.sources.base import SourceState
 from tests.conftest import run_cli
 from tests.pipeline.stack import Stack, until
+from tests.support.live_source import run_until_reconnects
 from tests.support.raw_rtsp import RawListener, RtspRequest, reply
 
 
@@ -247,35 +248,6 @@ def test_ordinary_files_still_open(tmp_path: Path, demo_clip: Path) -> None:
 # -- 3. RTSP redirects to another host -------------------------------------------------------
 
 
-async def run_rtsp_source(url: str, **options: object) -> tuple[list[tuple[SourceState, str]], list[str]]:
-    """Run an RTSP source until it has counted two reconnects; its states and reconnect labels."""
-    from pipeline.config import ReconnectConfig, SourceConfig
-    from pipeline.frames import Frame
-    from pipeline.queues import FrameQueue
-    from pipeline.sources.rtsp import RtspSource
-
-    config = SourceConfig(
-        url=url,
-        id="cam",
-        open_timeout=2.0,
-        read_timeout=2.0,
-        reconnect=ReconnectConfig(min_delay=0.1, max_delay=0.1, jitter=0.0),
-        **options,  # type: ignore[arg-type]
-    )
-    states: list[tuple[SourceState, str]] = []
-    source = RtspSource(config, on_state=lambda _s, state, reason: states.append((state, reason)))
-    labels: list[str] = []
-    source.on_reconnect = lambda _s, label: labels.append(label)
-    queue: FrameQueue[Frame] = FrameQueue(2, "drop_oldest", asyncio.get_running_loop())
-    source.start(queue)
-    deadline = time.monotonic() + 10
-    while len(labels) < 2 and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    source.stop()
-    await asyncio.to_thread(source.join, 3.0)
-    return states, labels
-
-
 async def test_a_redirect_to_another_host_is_not_followed_with_credentials() -> None:
     with RawListener() as elsewhere:
         location = f"rtsp://127.0.0.1:{elsewhere.port}/stolen"
@@ -284,7 +256,8 @@ async def test_a_redirect_to_another_host_is_not_followed_with_credentials() -> 
             return reply(request, "302 Found", f"Location: {location}")
 
         with RawListener(redirecting) as camera:
-            states, labels = await run_rtsp_source(f"rtsp://admin:s3cret@127.0.0.1:{camera.port}/live")
+            run = await run_until_reconnects(f"rtsp://admin:s3cret@127.0.0.1:{camera.port}/live")
+            states, labels = run.states, run.labels
             assert labels[:2] == ["redirect", "redirect"], (labels, states)
             backoffs = [reason for state, reason in states if state == SourceState.BACKOFF]
             assert backoffs[0].startswith(
@@ -304,7 +277,9 @@ async def test_allow_redirects_lets_ffmpeg_follow_the_camera() -> None:
             return reply(request, "302 Found", f"Location: rtsp://127.0.0.1:{elsewhere.port}/other")
 
         with RawListener(redirecting) as camera:
-            await run_rtsp_source(f"rtsp://admin:s3cret@127.0.0.1:{camera.port}/live", allow_redirects=True)
+            await run_until_reconnects(
+                f"rtsp://admin:s3cret@127.0.0.1:{camera.port}/live", allow_redirects=True
+            )
             assert elsewhere.connections >= 1
             assert elsewhere.requests[0].target == f"rtsp://127.0.0.1:{elsewhere.port}/other"
 

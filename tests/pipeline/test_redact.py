@@ -6,23 +6,21 @@ wants it); a real RTSP source fails against a closed loopback port with it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
-import time
 from urllib.parse import quote, unquote
 
 import av
 import pytest
 
-from pipeline.config import ReconnectConfig, SourceConfig
-from pipeline.frames import Frame
-from pipeline.queues import EndOfStream, FrameQueue
+from pipeline.config import SourceConfig
+from pipeline.queues import EndOfStream
 from pipeline.redact import redact_text, redact_url
 from pipeline.sources.base import SourceError, SourceState
 from pipeline.sources.decode import ffmpeg_reason
 from pipeline.sources.rtsp import RtspSource
 from pipeline.sources.schemes import derive_id
+from tests.support.live_source import run_until_reconnects
 from tests.support.rtsp_server import free_port
 
 PASSWORDS = [
@@ -88,24 +86,9 @@ async def test_no_form_of_the_password_shows_anywhere(
     assert leaks(failed.value.detail, password) == []
 
     # A running source fails, backs off and retries; nothing it says gives the password away.
-    config = SourceConfig(
-        url=url,
-        id="cam",
-        open_timeout=2.0,
-        read_timeout=2.0,
-        reconnect=ReconnectConfig(min_delay=0.05, max_delay=0.05, jitter=0.0),
-    )
-    states: list[tuple[SourceState, str]] = []
-    source = RtspSource(config, on_state=lambda _source, state, reason: states.append((state, reason)))
-    labels: list[str] = []
-    source.on_reconnect = lambda _source, label: labels.append(label)
-    queue: FrameQueue[Frame] = FrameQueue(2, "drop_oldest", asyncio.get_running_loop())
-    source.start(queue)
-    deadline = time.monotonic() + 5
-    while len(labels) < 2 and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    source.stop()
-    await asyncio.to_thread(source.join, 2.0)
+    run = await run_until_reconnects(url, min_delay=0.05, timeout=5.0)
+    states, labels, queue = run.states, run.labels, run.queue
+    assert queue is not None
     assert isinstance(await queue.get(), EndOfStream)
     assert len(labels) >= 2 and set(labels) <= {"refused", "error"}
     backoffs = [reason for state, reason in states if state == SourceState.BACKOFF]
