@@ -650,10 +650,15 @@ def naive_cls_preprocess(crop: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x.transpose(2, 0, 1)[np.newaxis])
 
 
-def crops_naive(setup: Setup, session: ort.InferenceSession, seconds: float, warmup: float) -> Window:
+def crops_naive_loop(
+    setup: Setup, make_classify: Callable[[], Callable[[np.ndarray], np.ndarray]], seconds: float,
+    warmup: float,
+) -> Window:  # fmt: skip
+    """A thread per stream classifying its frame's crops one by one (``make_classify`` per thread)."""
     labels = ("0", "180")
 
     def stream(i: int, stop: threading.Event, samples: list[tuple[float, float]]) -> None:
+        classify = make_classify()
         k = i * 7
         while not stop.is_set():
             crops = setup.crop_frames[k % len(setup.crop_frames)]
@@ -661,7 +666,7 @@ def crops_naive(setup: Setup, session: ort.InferenceSession, seconds: float, war
             ready = time.time()
             out = []
             for crop in crops:
-                (probs,) = session.run(None, {"x": naive_cls_preprocess(crop)})
+                probs = classify(naive_cls_preprocess(crop))
                 c = int(np.argmax(probs[0]))
                 out.append({"label": labels[c], "score": round(float(probs[0, c]), 4)})
             json.dumps(out)
@@ -669,28 +674,21 @@ def crops_naive(setup: Setup, session: ort.InferenceSession, seconds: float, war
             samples.append((done, done - ready))
 
     return run_threads(setup, stream, seconds, warmup, units=CROPS_PER_FRAME)
+
+
+def crops_naive(setup: Setup, session: ort.InferenceSession, seconds: float, warmup: float) -> Window:
+    def make_classify() -> Callable[[np.ndarray], np.ndarray]:
+        return lambda x: session.run(None, {"x": x})[0]
+
+    return crops_naive_loop(setup, make_classify, seconds, warmup)
 
 
 def crops_naive_ov(setup: Setup, compiled: Any, seconds: float, warmup: float) -> Window:
-    labels = ("0", "180")
+    def make_classify() -> Callable[[np.ndarray], np.ndarray]:
+        request = compiled.create_infer_request()  # one per thread, as OpenVINO's docs start
+        return lambda x: request.infer({0: x})[0]
 
-    def stream(i: int, stop: threading.Event, samples: list[tuple[float, float]]) -> None:
-        request = compiled.create_infer_request()
-        k = i * 7
-        while not stop.is_set():
-            crops = setup.crop_frames[k % len(setup.crop_frames)]
-            k += 1
-            ready = time.time()
-            out = []
-            for crop in crops:
-                probs = request.infer({0: naive_cls_preprocess(crop)})[0]
-                c = int(np.argmax(probs[0]))
-                out.append({"label": labels[c], "score": round(float(probs[0, c]), 4)})
-            json.dumps(out)
-            done = time.time()
-            samples.append((done, done - ready))
-
-    return run_threads(setup, stream, seconds, warmup, units=CROPS_PER_FRAME)
+    return crops_naive_loop(setup, make_classify, seconds, warmup)
 
 
 def crops_vidpipe(setup: Setup, model: Model, seconds: float, warmup: float) -> Window:

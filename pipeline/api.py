@@ -207,6 +207,17 @@ async def _read_body(request: web.Request, content_type: str, limit: int, what: 
     return b"".join(chunks)
 
 
+async def _read_sdp(request: web.Request) -> str | web.Response:
+    """A WHIP or WHEP offer: the whole ``application/sdp`` body as text, or the error answer."""
+    body = await _read_body(request, "application/sdp", MAX_SDP_BYTES, "SDP offer")
+    if isinstance(body, web.Response):
+        return body
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        return _error(400, "bad SDP offer: not UTF-8 text")
+
+
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response({"error": message}, status=status, headers=headers)
 
@@ -591,13 +602,9 @@ class ApiServer:
         sid = request.match_info["id"]
         if sid not in self.runtime.sources:
             return _error(404, f"no source {sid!r}")
-        body = await _read_body(request, "application/sdp", MAX_SDP_BYTES, "SDP offer")
-        if isinstance(body, web.Response):
-            return body
-        try:
-            offer = body.decode("utf-8")
-        except UnicodeDecodeError:
-            return _error(400, "bad SDP offer: not UTF-8 text")
+        offer = await _read_sdp(request)
+        if isinstance(offer, web.Response):
+            return offer
         try:
             session, answer = await self.whep.offer(sid, offer)
         except WhepEgressError as exc:
@@ -722,13 +729,9 @@ class ApiServer:
         source = self._whip_source(name)
         if source is None:
             return _error(404, f"no whip:// source named {name!r}")
-        body = await _read_body(request, "application/sdp", MAX_SDP_BYTES, "SDP offer")
-        if isinstance(body, web.Response):
-            return body
-        try:
-            offer = body.decode("utf-8")
-        except UnicodeDecodeError:
-            return _error(400, "bad SDP offer: not UTF-8 text")
+        offer = await _read_sdp(request)
+        if isinstance(offer, web.Response):
+            return offer
         try:
             session, answer = await source.accept(offer)
         except WhipError as exc:
