@@ -30,6 +30,7 @@ import yaml
 
 from pipeline.nats_server import EmbeddedNats, free_port
 from tests.conftest import ROOT
+from tests.support.processes import stop_process
 
 PROM_DIR = ROOT / "docker" / "prometheus"
 ALERTS = PROM_DIR / "alerts.yml"
@@ -176,15 +177,6 @@ def prometheus_config(tmp_path: Path, vidpipe: str, prometheus: str, token_file:
     return path
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @pytest.fixture
 def stack(tmp_path: Path, nats_server: EmbeddedNats) -> Iterator[Stack]:
     vidpipe_addr = f"127.0.0.1:{free_port()}"
@@ -224,8 +216,8 @@ def stack(tmp_path: Path, nats_server: EmbeddedNats) -> Iterator[Stack]:
             )
             yield stack
         finally:
-            stop(vidpipe)
-            stop(prometheus)
+            stop_process(vidpipe)
+            stop_process(prometheus)
             if vidpipe.returncode not in (0, -15):
                 print((logs / "vidpipe.log").read_text(errors="replace")[-5000:])
 

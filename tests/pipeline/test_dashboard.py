@@ -17,6 +17,7 @@ import pytest
 from pipeline.nats_server import EmbeddedNats
 from tests.conftest import ARTIFACTS
 from tests.pipeline.stack import Stack
+from tests.support.processes import stop_process
 
 CHROMIUM = Path("/usr/bin/chromium")
 pytestmark = pytest.mark.skipif(
@@ -146,12 +147,7 @@ async def chromium(tmp_path: Path) -> AsyncIterator[DevTools]:
         await ws.close()
     finally:
         await http.close()
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=10)
         log.close()
 
 

@@ -29,6 +29,7 @@ from pipeline.config import load_config
 from pipeline.nats_server import EmbeddedNats
 from tests.conftest import ROOT, run_cli
 from tests.pipeline.stack import Stack
+from tests.support.processes import stop_process
 
 CONFIG = """\
 pipeline: hostile
@@ -221,12 +222,7 @@ def test_open_file_limit_no_flood_no_busy_loop(tmp_path: Path, nats_server: Embe
     finally:
         for s in sockets:
             s.close()
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         stderr.close()
 
 
