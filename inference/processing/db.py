@@ -20,6 +20,7 @@ Results come in reading order: by the top-left corner's ``y``, then ``x``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import cv2
@@ -68,42 +69,61 @@ def order_corners(points: np.ndarray) -> np.ndarray:
     return np.stack([tl, tr, br, bl])
 
 
-def _min_rect(points: np.ndarray) -> tuple[np.ndarray, float]:
+def _ordered(points: list[list[float]]) -> list[list[float]]:
+    """:func:`order_corners` on four ``[x, y]`` lists (a stable sort by x, as there)."""
+    left0, left1, right0, right1 = sorted(points, key=lambda p: p[0])
+    tl, bl = (left0, left1) if left0[1] <= left1[1] else (left1, left0)
+    tr, br = (right0, right1) if right0[1] <= right1[1] else (right1, right0)
+    return [tl, tr, br, bl]
+
+
+def _min_rect(points: np.ndarray) -> tuple[list[list[float]], float]:
+    """The minimum-area rectangle's ordered corners and its short side."""
     rect = cv2.minAreaRect(points)
-    return order_corners(cv2.boxPoints(rect)), float(min(rect[1]))
+    return _ordered(cv2.boxPoints(rect).tolist()), min(rect[1])
 
 
-def _mean_inside(prob: np.ndarray, corners: np.ndarray) -> float:
+def _mean_inside(prob: np.ndarray, corners: list[list[float]]) -> float:
     """Mean of ``prob`` over the pixels of the quadrilateral ``corners``."""
     h, w = prob.shape
-    x0 = int(np.clip(np.floor(corners[:, 0].min()), 0, w - 1))
-    x1 = int(np.clip(np.ceil(corners[:, 0].max()), 0, w - 1))
-    y0 = int(np.clip(np.floor(corners[:, 1].min()), 0, h - 1))
-    y1 = int(np.clip(np.ceil(corners[:, 1].max()), 0, h - 1))
+    xs = [p[0] for p in corners]
+    ys = [p[1] for p in corners]
+    x0 = min(max(math.floor(min(xs)), 0), w - 1)
+    x1 = min(max(math.ceil(max(xs)), 0), w - 1)
+    y0 = min(max(math.floor(min(ys)), 0), h - 1)
+    y1 = min(max(math.ceil(max(ys)), 0), h - 1)
     mask = np.zeros((y1 - y0 + 1, x1 - x0 + 1), dtype=np.uint8)
-    shifted = np.round(corners - (x0, y0)).astype(np.int32)
+    # np.round rounds halves to even; so does Python's round.
+    shifted = np.array([[round(x - x0), round(y - y0)] for x, y in corners], dtype=np.int32)
     cv2.fillPoly(mask, [shifted], 1)
     return float(cv2.mean(prob[y0 : y1 + 1, x0 : x1 + 1], mask)[0])
 
 
-def _unclip(corners: np.ndarray, rect_w: float, rect_h: float, ratio: float) -> np.ndarray | None:
+def _unclip(corners: list[list[float]], ratio: float) -> np.ndarray | None:
     """Grow a rectangle outwards by ``area × ratio / perimeter``; ``None`` if nothing is left."""
+    (ax, ay), (bx, by), _, (dx, dy) = corners
+    rect_w = math.hypot(bx - ax, by - ay)
+    rect_h = math.hypot(dx - ax, dy - ay)
     perimeter = 2.0 * (rect_w + rect_h)
     if perimeter <= 0:
         return None
     distance = rect_w * rect_h * ratio / perimeter
     offset = pyclipper.PyclipperOffset()
     offset.ArcTolerance = 0.25 * _CLIPPER_SCALE
-    path = np.round(corners * _CLIPPER_SCALE).astype(np.int64).tolist()
+    path = [[round(x * _CLIPPER_SCALE), round(y * _CLIPPER_SCALE)] for x, y in corners]
     offset.AddPath(path, pyclipper.JT_ROUND, pyclipper.ET_CLOSEDPOLYGON)
     grown = offset.Execute(distance * _CLIPPER_SCALE)
     if not grown:
         return None
-    return np.concatenate([np.asarray(p, dtype=np.float64) for p in grown]) / _CLIPPER_SCALE
+    return np.array([p for polygon in grown for p in polygon], dtype=np.float32) / np.float32(_CLIPPER_SCALE)
 
 
 def db_boxes(prob: np.ndarray, meta: ResizeMeta, params: DBParams) -> list[TextBox]:
-    """Text quadrilaterals (source pixels) from one ``H×W`` probability map."""
+    """Text quadrilaterals (source pixels) from one ``H×W`` probability map.
+
+    A frame has a handful of boxes of four corners each: they are worked on as Python
+    floats, because NumPy's per-call cost on a 4×2 array is larger than the arithmetic.
+    """
     if prob.ndim != 2:
         raise ValueError(f"expected an H×W probability map, got shape {prob.shape}")
     # Work on the part of the map that shows the image; its origin is the content's corner,
@@ -112,8 +132,9 @@ def db_boxes(prob: np.ndarray, meta: ResizeMeta, params: DBParams) -> list[TextB
     region = prob[y0 : y0 + meta.content_h, x0 : x0 + meta.content_w]
     if region.size == 0:
         return []
-    region = np.ascontiguousarray(region, dtype=np.float32)
-    mask: np.ndarray = (region > params.thresh).astype(np.uint8)
+    if region.dtype != np.float32:
+        region = region.astype(np.float32)
+    mask = cv2.compare(region, params.thresh, cv2.CMP_GT)  # 255 where text: one pass
     if params.dilate:
         mask = cv2.dilate(mask, np.ones((2, 2), dtype=np.uint8))
     contours, _ = cv2.findContours(mask, cv2.RETR_LIST, cv2.CHAIN_APPROX_SIMPLE)
@@ -122,8 +143,8 @@ def db_boxes(prob: np.ndarray, meta: ResizeMeta, params: DBParams) -> list[TextB
         order = np.argsort(-areas, kind="stable")[: params.max_candidates]
         contours = [contours[i] for i in order]
 
-    scale = np.array([meta.scale_x, meta.scale_y])
-    limit = np.array([meta.src_w, meta.src_h], dtype=np.float64)
+    sx, sy = meta.scale_x, meta.scale_y
+    limit_x, limit_y = float(meta.src_w), float(meta.src_h)
     boxes: list[TextBox] = []
     for contour in contours:
         corners, short_side = _min_rect(contour)
@@ -132,15 +153,13 @@ def db_boxes(prob: np.ndarray, meta: ResizeMeta, params: DBParams) -> list[TextB
         score = _mean_inside(region, corners)
         if score < params.box_thresh:
             continue
-        rect_w = float(np.linalg.norm(corners[1] - corners[0]))
-        rect_h = float(np.linalg.norm(corners[3] - corners[0]))
-        grown = _unclip(corners, rect_w, rect_h, params.unclip_ratio)
+        grown = _unclip(corners, params.unclip_ratio)
         if grown is None:
             continue
-        corners, short_side = _min_rect(grown.astype(np.float32))
+        corners, short_side = _min_rect(grown)
         if short_side < params.min_box_size + 2:
             continue
-        src = np.clip(corners / scale, 0.0, limit)
-        boxes.append(TextBox(src, score))
+        src = [[min(max(x / sx, 0.0), limit_x), min(max(y / sy, 0.0), limit_y)] for x, y in corners]
+        boxes.append(TextBox(np.array(src, dtype=np.float64), score))
     boxes.sort(key=lambda b: (b.corners[0, 1], b.corners[0, 0]))
     return boxes
