@@ -49,6 +49,10 @@ class FrameQueue(Generic[T]):
         self._items: collections.deque[T | EndOfStream] = collections.deque()
         self._cond = threading.Condition()
         self._ready = asyncio.Event()
+        # True while the consumer waits for a frame: only then does a put wake the loop.
+        # A busy consumer takes the next frame without waiting, so under load frames
+        # arrive without a cross-thread wake-up (a syscall and a loop turn) each.
+        self._waiting = False
         self._closed = False
         # Told of each frame dropped to make room: it releases and counts the frame.
         self._on_drop = on_drop
@@ -72,16 +76,20 @@ class FrameQueue(Generic[T]):
                 assert not isinstance(oldest, EndOfStream)
                 dropped = oldest
             self._items.append(item)
+            wake, self._waiting = self._waiting, False
         if dropped is not None and self._on_drop is not None:
             self._on_drop(dropped)
-        self._wake()
+        if wake:
+            self._wake()
         return True
 
     def put_end(self) -> None:
         """Mark the end of the stream; the consumer sees :data:`END` after the last frame."""
         with self._cond:
             self._items.append(END)
-        self._wake()
+            wake, self._waiting = self._waiting, False
+        if wake:
+            self._wake()
 
     def close(self) -> None:
         """Stop accepting frames and release a blocked producer (shutdown)."""
@@ -106,6 +114,7 @@ class FrameQueue(Generic[T]):
                     self._cond.notify()
                     return item
                 self._ready.clear()
+                self._waiting = True
             await self._ready.wait()
 
     def _wake(self) -> None:

@@ -1,0 +1,93 @@
+"""The frame queue between a decode thread and the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from pipeline.queues import END, FrameQueue
+
+
+class CountingLoop:
+    """Counts the cross-thread wake-ups a queue asks of its event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.wakes = 0
+
+    def call_soon_threadsafe(self, callback: Any, *args: Any) -> Any:
+        self.wakes += 1
+        return self.loop.call_soon_threadsafe(callback, *args)
+
+
+def test_a_waiting_consumer_is_woken_by_each_put_and_by_the_end() -> None:
+    async def main() -> tuple[list[Any], int]:
+        spy = CountingLoop(asyncio.get_running_loop())
+        queue: FrameQueue[int] = FrameQueue(4, "block", spy)  # type: ignore[arg-type]
+        got: list[Any] = []
+
+        def produce() -> None:
+            for i in range(3):
+                while not queue._waiting:  # put only once the consumer waits
+                    threading.Event().wait(0.001)
+                queue.put(i)
+            while not queue._waiting:
+                threading.Event().wait(0.001)
+            queue.put_end()
+
+        thread = threading.Thread(target=produce)
+        thread.start()
+        while (item := await asyncio.wait_for(queue.get(), 5)) is not END:
+            got.append(item)
+        thread.join()
+        return got, spy.wakes
+
+    got, wakes = asyncio.run(main())
+    assert got == [0, 1, 2]
+    assert wakes == 4  # three frames and the end, each found the consumer waiting
+
+
+def test_frames_put_while_the_consumer_is_busy_need_no_wake_up() -> None:
+    async def main() -> tuple[list[Any], int]:
+        spy = CountingLoop(asyncio.get_running_loop())
+        queue: FrameQueue[int] = FrameQueue(8, "block", spy)  # type: ignore[arg-type]
+        thread = threading.Thread(target=lambda: [queue.put(i) for i in range(5)])
+        thread.start()
+        thread.join()
+        got = [await asyncio.wait_for(queue.get(), 5) for _ in range(5)]
+        return got, spy.wakes
+
+    got, wakes = asyncio.run(main())
+    assert got == [0, 1, 2, 3, 4]
+    assert wakes == 0
+
+
+def test_drop_oldest_keeps_the_newest_frames_and_reports_the_dropped_one() -> None:
+    async def main() -> tuple[list[Any], list[int]]:
+        dropped: list[int] = []
+        queue: FrameQueue[int] = FrameQueue(2, "drop_oldest", asyncio.get_running_loop(), dropped.append)
+        for i in range(4):
+            assert queue.put(i)
+        return [await queue.get(), await queue.get()], dropped
+
+    got, dropped = asyncio.run(main())
+    assert got == [2, 3]
+    assert dropped == [0, 1]
+
+
+def test_a_closed_queue_refuses_frames() -> None:
+    async def main() -> bool:
+        queue: FrameQueue[int] = FrameQueue(1, "block", asyncio.get_running_loop())
+        queue.close()
+        return queue.put(1)
+
+    assert asyncio.run(main()) is False
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(ValueError, match="maxsize must be at least 1"):
+            FrameQueue(0, "block", loop)
+    finally:
+        loop.close()
