@@ -172,6 +172,14 @@ class BackendOptions:
     cache_dir: str | None = field(
         default=None, metadata=spec(help="folder for OpenVINO's compiled-model cache (CACHE_DIR)")
     )
+    shapes: Literal["dynamic", "static"] = field(
+        default="dynamic",
+        metadata=spec(
+            help="OpenVINO batch axis: dynamic = one model for 1..max_batch_size; static = one "
+            "compiled shape per size in {1, preferred_batch_size, max_batch_size}, a batch runs "
+            "as pieces of those sizes"
+        ),
+    )
     # Triton / KServe v2 over gRPC (inference/backends/triton.py)
     url: str | None = field(default=None, metadata=spec(help="grpc://HOST:PORT of the inference server"))
     model_name: str | None = field(default=None, metadata=spec(help="the model's name on the server"))

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +56,11 @@ def _option_error(config: ModelConfig, key: str, problem: str, hint: str) -> Mod
 
 @dataclass
 class _Shared:
-    compiled: Any  # openvino.CompiledModel
+    compiled: Any  # openvino.CompiledModel: the only one, or the largest static batch
     metadata: dict[str, str]
     input: TensorSpec  # the image input, checked against the config once, at compile
+    # shapes: static: batch size -> the model compiled for it (sizes include 1).
+    by_size: dict[int, Any] = field(default_factory=dict)
     users: int = 0
 
 
@@ -89,6 +91,12 @@ def _the_core(ov: Any) -> Any:
 
 def _dims(partial_shape: Any) -> list[int | None]:
     return [d.get_length() if d.is_static else None for d in partial_shape]
+
+
+def _spec_dims(port: Any, batch: tuple[int | None, ...]) -> tuple[int | None, ...]:
+    """A port's dims, the batch axis replaced by ``batch`` when given."""
+    dims = _dims(port.get_partial_shape())
+    return tuple([*batch, *dims[1:]]) if batch else tuple(dims)
 
 
 def _dtype(port: Any) -> str:
@@ -206,20 +214,50 @@ def _load(config: ModelConfig, model_path: Path, ov: Any, device: str) -> _Share
     # The config's item shape is fixed; only the batch axis may vary, and only up to
     # max_batch_size, so the device compiles for the shapes the batcher sends.
     c, h, w = config.input.shape
+    if config.max_batch_size > 1 and config.backend_options.shapes == "static":
+        by_size = {
+            size: _compile(
+                config, ov_core, model, model_path, port, ov.PartialShape([size, c, h, w]), device, properties
+            )
+            for size in static_batch_sizes(config)
+        }
+        return _Shared(by_size[max(by_size)], _metadata(model), port, by_size)
     if config.max_batch_size > 1:
         shape = ov.PartialShape([ov.Dimension(1, config.max_batch_size), c, h, w])
     elif config.max_batch_size == 1:
         shape = ov.PartialShape([1, c, h, w])  # static: OpenVINO's fastest kernels
     else:
         shape = ov.PartialShape([c, h, w])
+    compiled = _compile(config, ov_core, model, model_path, port, shape, device, properties)
+    return _Shared(compiled, _metadata(model), port)
+
+
+def static_batch_sizes(config: ModelConfig) -> list[int]:
+    """The batch sizes ``shapes: static`` compiles: 1, the preferred sizes and the maximum."""
+    return sorted({1, *config.dynamic_batching.preferred_batch_size, config.max_batch_size})
+
+
+def split_batch(n: int, sizes: list[int]) -> list[int]:
+    """``n`` as a sum of ``sizes`` (which hold 1), largest pieces first: 7 over [1, 4] is [4, 1, 1, 1]."""
+    pieces = []
+    for size in sorted(sizes, reverse=True):
+        while n >= size:
+            pieces.append(size)
+            n -= size
+    return pieces
+
+
+def _compile(
+    config: ModelConfig, ov_core: Any, model: Any, model_path: Path, port: TensorSpec, shape: Any,
+    device: str, properties: dict[str, str],
+) -> Any:  # fmt: skip
     try:
         model.reshape({port.name: shape})
-        compiled = ov_core.compile_model(model, device, properties)
+        return ov_core.compile_model(model, device, properties)
     except Exception as exc:
         raise BackendError(
             f"{config.name}: OpenVINO cannot compile {model_path.name} for {device} with input {shape}: {exc}"
         ) from exc
-    return _Shared(compiled, _metadata(model), port)
 
 
 def _key(config: ModelConfig, model_path: Path, device: str) -> tuple[Any, ...]:
@@ -257,20 +295,38 @@ class OpenVinoBackend(Backend):
         self._shared: _Shared | None = shared
         compiled = shared.compiled
         self._request = compiled.create_infer_request()
-        self.inputs = [TensorSpec(p.get_any_name(), tuple(_dims(p.get_partial_shape())), _dtype(p))
-                       for p in compiled.inputs]  # fmt: skip
-        self.outputs = [TensorSpec(p.get_any_name(), tuple(_dims(p.get_partial_shape())), _dtype(p))
-                        for p in compiled.outputs]  # fmt: skip
+        # shapes: static: a request per compiled batch size, largest first.
+        self._requests = {size: c.create_infer_request() for size, c in shared.by_size.items()}
+        self._sizes = sorted(self._requests, reverse=True)
+        # Static pieces still take any batch of 1..max_batch_size: say so (batch axis None).
+        batch: tuple[int | None, ...] = (None,) if self._requests else ()
+        self.inputs = [TensorSpec(p.get_any_name(), _spec_dims(p, batch), _dtype(p)) for p in compiled.inputs]
+        self.outputs = [
+            TensorSpec(p.get_any_name(), _spec_dims(p, batch), _dtype(p)) for p in compiled.outputs
+        ]
         self.metadata = dict(shared.metadata)
         self.input = shared.input
         self.precision = precision_of(compiled)
         self._output_names = [o.name for o in self.outputs]
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if not self._requests:
+            return self._infer(self._request, inputs)
+        n = len(next(iter(inputs.values())))
+        if n in self._requests:
+            return self._infer(self._requests[n], inputs)
+        parts, start = [], 0
+        for size in split_batch(n, self._sizes):
+            piece = {k: v[start : start + size] for k, v in inputs.items()}
+            parts.append(self._infer(self._requests[size], piece))
+            start += size
+        return {name: np.concatenate([p[name] for p in parts]) for name in self._output_names}
+
+    def _infer(self, request: Any, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
             # share_inputs: the pooled batch tensor is read in place; outputs are copies, so the
             # results outlive the request's next run.
-            results = self._request.infer(dict(inputs), share_inputs=True)
+            results = request.infer(dict(inputs), share_inputs=True)
         except Exception as exc:
             shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in inputs.items())
             raise BackendError(
@@ -283,6 +339,7 @@ class OpenVinoBackend(Backend):
         if shared is None:
             return
         self.__dict__.pop("_request", None)
+        self._requests = {}
         with _cache_lock:
             shared.users -= 1
             if shared.users == 0 and _cache.get(self._key) is shared:

@@ -16,8 +16,8 @@ import rapidocr_onnxruntime
 import yaml
 
 from inference.backends import create_backend
-from inference.backends.openvino import OpenVinoBackend
-from inference.model import Model
+from inference.backends.openvino import OpenVinoBackend, split_batch
+from inference.model import Model, resolve_model_file
 from inference.processing.crop import crop_upright
 from inference.repository import ModelRepository, describe_repository, read_source
 from inference.results import Classification, Detection, Recognition
@@ -358,3 +358,46 @@ def test_max_batch_size_1_compiles_a_static_shape_used_without_the_repository(tm
         assert 30 <= x1 <= 42 and 180 <= x2 <= 260 and 95 <= y1 <= 115 and 135 <= y2 <= 160, found[0].box
     finally:
         model.stop()
+
+
+def test_split_batch_takes_the_largest_pieces_first() -> None:
+    assert split_batch(7, [1, 4]) == [4, 1, 1, 1]
+    assert split_batch(7, [4, 2, 1]) == [4, 2, 1]
+    assert split_batch(8, [1, 4]) == [4, 4]
+    assert split_batch(0, [1, 4]) == []
+
+
+def test_static_shapes_run_a_batch_as_pieces_with_the_answers_of_single_runs(tmp_path: Path) -> None:
+    data = yaml.safe_load((ROOT / "samples" / "models" / "ppocr_det" / "config.yaml").read_text())
+    shipped(
+        tmp_path,
+        "ppocr_det",
+        max_batch_size=4,
+        input={**data["input"], "shape": [3, 320, 320]},
+        dynamic_batching={"preferred_batch_size": [4], "max_queue_delay_microseconds": 0},
+        instance_group=[{"count": 1, "kind": "KIND_CPU"}],
+        backend_options={"precision": "f32", "shapes": "static"},
+    )
+    src = read_source(tmp_path, "ppocr_det")
+    backend = create_backend(src.config, resolve_model_file(src.config, src.model_dir), 0)
+    try:
+        assert isinstance(backend, OpenVinoBackend) and backend._shared is not None
+        by_size = backend._shared.by_size
+        # One static shape per batch size in {1, preferred, max}; none is dynamic.
+        assert sorted(by_size) == [1, 4]
+        assert [c.inputs[0].get_partial_shape().to_string() for _, c in sorted(by_size.items())] == [
+            "[1,3,320,320]",
+            "[4,3,320,320]",
+        ]
+        # The rest of vidpipe sees one model that takes 1..4.
+        assert backend.inputs[0].shape == (None, 3, 320, 320)
+        rng = np.random.default_rng(7)
+        batch = rng.uniform(-1, 1, (4, 3, 320, 320)).astype(np.float32)
+        singles = [backend.run({"x": batch[i : i + 1]})["sigmoid_0.tmp_0"] for i in range(4)]
+        for n in (4, 3):  # one call of 4; three calls of 1
+            out = backend.run({"x": batch[:n]})["sigmoid_0.tmp_0"]
+            assert out.shape == (n, 1, 320, 320)
+            for i in range(n):
+                np.testing.assert_allclose(out[i], singles[i][0], atol=1e-5)
+    finally:
+        backend.close()
