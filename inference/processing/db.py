@@ -134,7 +134,8 @@ def db_boxes(prob: np.ndarray, meta: ResizeMeta, params: DBParams) -> list[TextB
         return []
     if region.dtype != np.float32:
         region = region.astype(np.float32)
-    mask = cv2.compare(region, params.thresh, cv2.CMP_GT)  # 255 where text: one pass
+    # 255 where text, in one pass (OpenCV takes a scalar operand; its stubs only know arrays).
+    mask = cv2.compare(region, params.thresh, cv2.CMP_GT)  # type: ignore[call-overload]
     if params.dilate:
         mask = cv2.dilate(mask, np.ones((2, 2), dtype=np.uint8))
     contours, _ = cv2.findContours(mask, cv2.RETR_LIST, cv2.CHAIN_APPROX_SIMPLE)
