@@ -167,6 +167,13 @@ class BackendOptions:
     precision: Literal["auto", "f32", "bf16", "f16"] = field(
         default="auto", metadata=spec(help="OpenVINO inference precision; auto = the device's own choice")
     )
+    preprocess: Literal["auto", "model", "cpu"] = field(
+        default="auto",
+        metadata=spec(
+            help="where images are normalised: model = inside the compiled model, fed uint8 NHWC "
+            "(OpenVINO); cpu = on the host, fed float NCHW; auto = model on OpenVINO, else cpu"
+        ),
+    )
     streams: int = field(default=0, metadata=spec(ge=0, help="OpenVINO streams; 0 = one per instance"))
     threads: int = field(default=0, metadata=spec(ge=0, help="OpenVINO threads in all; 0 = its default"))
     cache_dir: str | None = field(

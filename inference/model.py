@@ -24,6 +24,11 @@ so a model in steady state allocates no batch tensors. For ``max_batch_size: 0``
 (no batch axis) the backend gets ``pooled_tensor[0]`` and the task still sees
 outputs with a leading batch axis of 1.
 
+The pooled tensors are float ``N×C×H×W``, normalised on the host, unless the
+backend normalises inside the model (:attr:`Backend.takes_images`, OpenVINO's
+``backend_options.preprocess: auto``): then they are uint8 ``N×H×W×3`` RGB
+images, a quarter of the size, that the task only resizes into.
+
 A load that fails leaves the model ``UNAVAILABLE`` with the reason instead of
 raising; :meth:`Model.infer` then refuses with reason ``unavailable``.
 """
@@ -60,6 +65,7 @@ from inference.config import ModelConfig
 from inference.introspect import fill_input_shape
 from inference.memory import BufferPool
 from inference.processing.base import Task
+from inference.processing.resize import ImageResizer
 from inference.processing.resize import check_image as check_rgb_image
 from inference.processing.tasks import create_task
 from inference.results import Result
@@ -177,6 +183,14 @@ def check_image(name: str, image: Any) -> None:
         raise ValueError(f"{name}: {exc}") from None
 
 
+def preprocess_site(config: ModelConfig, backend: Backend) -> str:
+    """Where a model's images are normalised: ``model`` (inside the compiled model), ``gpu`` or ``cpu``."""
+    if backend.takes_images:
+        return "model"
+    # TensorRT fills its batches on the GPU with one fused kernel (inference.gpu).
+    return "gpu" if config.backend == "tensorrt" else "cpu"
+
+
 @dataclass(slots=True)
 class ModelInstance:
     """One instance: its backend, task and pool of batch tensors."""
@@ -271,10 +285,21 @@ class Model:
         return self.instances[0].backend.precision if self.instances else ""
 
     @property
+    def preprocess(self) -> str:
+        """Where images are normalised (see :func:`preprocess_site`); "" until loaded."""
+        return preprocess_site(self.config, self.instances[0].backend) if self.instances else ""
+
+    @property
     def batch_shape(self) -> tuple[int, int, int, int]:
-        """Shape of each pooled batch tensor: ``(max(1, max_batch_size), C, H, W)``."""
+        """Shape of each host-normalised batch tensor: ``(max(1, max_batch_size), C, H, W)``."""
         c, h, w = self.config.input.shape
         return (max(1, self.config.max_batch_size), c, h, w)
+
+    @property
+    def image_batch_shape(self) -> tuple[int, int, int, int]:
+        """Shape of each uint8 image batch a model that normalises itself takes: ``(N, H, W, 3)``."""
+        _, h, w = self.config.input.shape
+        return (max(1, self.config.max_batch_size), h, w, 3)
 
     def load(self) -> ModelState:
         """Create the instances and start serving; blocking (a session can take seconds to build).
@@ -308,6 +333,11 @@ class Model:
                         task.preprocessor = gpu_preprocessor(
                             config, stream=getattr(backend, "stream", None), device=gpu
                         )
+                    elif backend.takes_images:
+                        # The compiled model swaps channels, normalises and transposes: the
+                        # host only resizes into uint8 images, a quarter of a float tensor.
+                        pool = BufferPool(self.image_batch_shape, "uint8", count=1, name=pool_name)
+                        task.preprocessor = ImageResizer(config.input)
                     else:
                         pool = BufferPool(self.batch_shape, config.input.dtype, count=1, name=pool_name)
                 except BaseException:

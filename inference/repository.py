@@ -59,6 +59,7 @@ from inference.model import (
     ModelUnavailable,
     TaskFactory,
     load_labels,
+    preprocess_site,
     resolve_model_file,
 )
 from inference.processing.tasks import create_task
@@ -91,6 +92,7 @@ class ModelStatus:
     instance_count: int
     max_batch_size: int
     precision: str = ""  # what the backend computes in (bf16, f32, native); "" until loaded
+    preprocess: str = ""  # where images are normalised (model, cpu, gpu); "" until loaded
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +338,7 @@ class ModelRepository:
                 instance_count=cfg.instance_count,
                 max_batch_size=cfg.max_batch_size,
                 precision=model.precision,
+                preprocess=model.preprocess,
             )
         if name in self._failed:
             return ModelStatus(name, None, ModelState.UNAVAILABLE, self._failed[name][1], "", (), (), 0, 0)
@@ -374,7 +377,8 @@ def describe_repository(root: Path, *, backend_factory: BackendFactory = create_
     """The table ``vidpipe models list REPO`` prints: each model opened once to read its tensors.
 
     Models whose config, file or task setup is broken are listed as
-    ``unavailable`` and their reasons follow the table. LABELS is the class
+    ``unavailable`` and their reasons follow the table. PREPROCESS is where images
+    are normalised (``model``: inside the compiled model). LABELS is the class
     count and the first few names (from the config, else the model's metadata).
     """
     root = Path(root)
@@ -384,6 +388,7 @@ def describe_repository(root: Path, *, backend_factory: BackendFactory = create_
         "STATE",
         "BACKEND",
         "PRECISION",
+        "PREPROCESS",
         "INPUTS",
         "OUTPUTS",
         "BATCH",
@@ -398,7 +403,7 @@ def describe_repository(root: Path, *, backend_factory: BackendFactory = create_
         try:
             src = read_source(root, name)
         except ConfigError as exc:
-            rows.append((name, "-", "unavailable", "-", "-", "-", "-", "-", "-", "-"))
+            rows.append((name, "-", "unavailable", "-", "-", "-", "-", "-", "-", "-", "-"))
             problems.append(f"{name}: {exc.render()}")
             unavailable.append(name)
             continue
@@ -414,7 +419,7 @@ def describe_repository(root: Path, *, backend_factory: BackendFactory = create_
             labels = load_labels(cfg, src.model_dir)
             backend = backend_factory(cfg, path, 0)
         except Exception as exc:
-            rows.append((name, version, "unavailable", cfg.backend, "-", "-", "-", batch, task, "-"))
+            rows.append((name, version, "unavailable", cfg.backend, "-", "-", "-", "-", batch, task, "-"))
             problems.append(f"{name}: {src.describe(exc)}")
             unavailable.append(name)
             continue
@@ -429,7 +434,8 @@ def describe_repository(root: Path, *, backend_factory: BackendFactory = create_
                 state = "unavailable"
                 problems.append(f"{name}: {src.describe(exc)}")
                 unavailable.append(name)
-            cells = (cfg.backend, backend.precision, inputs, outputs, batch, task, _labels_cell(labels))
+            site = preprocess_site(cfg, backend)
+            cells = (cfg.backend, backend.precision, site, inputs, outputs, batch, task, _labels_cell(labels))
             rows.append((name, version, state, *cells))
         finally:
             backend.close()

@@ -581,11 +581,13 @@ def _log_models(runtime: Any) -> None:
         return
     for status in runtime.models.status():
         log.debug(
-            "model %s: version %s, %s %s, %d instance(s), max_batch_size %d, inputs %s, state %s",
+            "model %s: version %s, %s %s, preprocess %s, %d instance(s), max_batch_size %d, inputs %s, "
+            "state %s",
             status.name,
             status.version or "-",
             status.backend,
             status.precision or "",
+            status.preprocess or "-",
             status.instance_count,
             status.max_batch_size,
             ", ".join(f"{t.name}{list(t.shape)}" for t in status.inputs),

@@ -6,6 +6,9 @@
       intra_op_threads: 2
       execution_providers: [auto]       # default: CPU only; auto = CUDA when present
 
+``backend_options.preprocess: model`` (normalise inside the model) is OpenVINO's
+alone; on another backend it is refused here, before anything loads.
+
 Backend modules import their runtime lazily, so importing this package is cheap
 and a machine without TensorRT can still serve ONNX Runtime models.
 """
@@ -28,8 +31,19 @@ _TENSORRT_MISSING = (
 )
 
 
+# The backends that can normalise images inside the model (backend_options.preprocess: model).
+PREPROCESS_IN_MODEL = ("openvino",)
+
+
 def create_backend(config: ModelConfig, model_path: Path, instance: int) -> Backend:
     """Load instance number ``instance`` (0-based, across all instance groups) of a model."""
+    if config.backend_options.preprocess == "model" and config.backend not in PREPROCESS_IN_MODEL:
+        # Refused before loading anything: a TensorRT build takes minutes.
+        raise config.error(
+            "backend_options.preprocess",
+            f"backend {config.backend} cannot normalise images inside the model",
+            f"set backend_options.preprocess: auto or cpu, or use backend: {PREPROCESS_IN_MODEL[0]}",
+        )
     if config.backend == "onnxruntime":
         from inference.backends.onnxruntime import OnnxRuntimeBackend
 

@@ -44,6 +44,10 @@ class Backend(ABC):
     # The precision the runtime computes in (f32, bf16, f16) where it decides one;
     # "native": the model file's own types.
     precision: str = "native"
+    # True: run() takes the batch as uint8 N×H×W×3 RGB images, resized but not normalised,
+    # and the model itself swaps channels, normalises and transposes (OpenVINO's
+    # backend_options.preprocess: model). False: float N×C×H×W tensors, normalised on the host.
+    takes_images: bool = False
 
     @abstractmethod
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

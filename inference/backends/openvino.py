@@ -17,12 +17,20 @@ compiled model gets one stream per instance so the requests run side by side::
       streams: 0                        # 0 = one per instance
       threads: 0                        # threads over all streams; 0 = OpenVINO's default
       cache_dir: /var/cache/vidpipe/ov  # compiled models are cached here (OpenVINO CACHE_DIR)
+      preprocess: auto                  # auto = model: the compiled model takes uint8 RGB images and
+                                        # swaps channels, normalises and transposes itself | cpu
 
 The precision in use is read back from the compiled model
 (``INFERENCE_PRECISION_HINT``) and shown by ``vidpipe models list``,
 ``/v1/models`` and the ``vidpipe_model_info`` metric. Problems carry the config
 key to change (``key``), so the repository reports them as
 ``config.yaml:LINE: backend_options.precision: ...``.
+
+With ``preprocess: auto`` or ``model`` the host only resizes (letterbox, stretch
+or keep_height) into a uint8 ``N×H×W×3`` RGB batch; OpenVINO's
+``PrePostProcessor`` puts ``input.color``, ``scale``, ``mean``, ``std`` and the
+NHWC→NCHW transpose into the compiled graph, where they cost next to nothing.
+``preprocess: cpu`` feeds float ``N×C×H×W`` tensors normalised on the host.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ class _Shared:
     compiled: Any  # openvino.CompiledModel: the only one, or the largest static batch
     metadata: dict[str, str]
     input: TensorSpec  # the image input, checked against the config once, at compile
+    takes_images: bool  # the compiled model normalises uint8 images itself
     # shapes: static: batch size -> the model compiled for it (sizes include 1).
     by_size: dict[int, Any] = field(default_factory=dict)
     users: int = 0
@@ -198,6 +207,47 @@ def _check_files(config: ModelConfig, model_path: Path) -> None:
         )
 
 
+def preprocesses_in_model(config: ModelConfig) -> bool:
+    """Whether the compiled model normalises the images (``backend_options.preprocess`` auto or model)."""
+    return config.backend_options.preprocess in ("auto", "model")
+
+
+def _with_preprocessing(ov: Any, model: Any, name: str, config: ModelConfig) -> Any:
+    """``model`` with input ``name`` taking uint8 RGB images (NHWC; HWC without a batch axis).
+
+    The steps are :class:`~inference.processing.resize.ImagePreprocessor`'s
+    ``out[c] = (x[src[c]] * scale - mean[c]) / std[c]``, with ``mean`` and ``std``
+    in the model's channel order: so they run after the colour swap, in pixel
+    units (``mean / scale`` subtracted, divided by ``std / scale``).
+    """
+    from openvino.preprocess import ColorFormat, PrePostProcessor
+
+    inp = config.input
+    batched = config.max_batch_size > 0
+    ppp = PrePostProcessor(model)
+    port = ppp.input(name)
+    tensor = port.tensor()
+    tensor.set_element_type(ov.Type.u8)
+    tensor.set_layout(ov.Layout("NHWC" if batched else "HWC"))
+    tensor.set_color_format(ColorFormat.RGB)
+    port.model().set_layout(ov.Layout("NCHW" if batched else "CHW"))
+    steps = port.preprocess()
+    if inp.color == "bgr":
+        steps.convert_color(ColorFormat.BGR)
+    # Normalise in f32 and round once to the model's type, as the host path does for float16.
+    steps.convert_element_type(ov.Type.f32)
+    mean = [m / inp.scale for m in inp.mean]
+    std = [s / inp.scale for s in inp.std]
+    if any(mean):
+        steps.mean(mean)
+    if any(s != 1.0 for s in std):
+        steps.scale(std)
+    element = model.input(name).get_element_type()
+    if element != ov.Type.f32:
+        steps.convert_element_type(element)
+    return ppp.build()
+
+
 def _load(config: ModelConfig, model_path: Path, ov: Any, device: str) -> _Shared:
     ov_core = _the_core(ov)
     properties = _compile_options(config, ov_core, device)
@@ -217,19 +267,20 @@ def _load(config: ModelConfig, model_path: Path, ov: Any, device: str) -> _Share
     if config.max_batch_size > 1 and config.backend_options.shapes == "static":
         by_size = {
             size: _compile(
-                config, ov_core, model, model_path, port, ov.PartialShape([size, c, h, w]), device, properties
+                config, ov, ov_core, model, model_path, port, ov.PartialShape([size, c, h, w]), device,
+                properties,
             )
             for size in static_batch_sizes(config)
-        }
-        return _Shared(by_size[max(by_size)], _metadata(model), port, by_size)
+        }  # fmt: skip
+        return _Shared(by_size[max(by_size)], _metadata(model), port, preprocesses_in_model(config), by_size)
     if config.max_batch_size > 1:
         shape = ov.PartialShape([ov.Dimension(1, config.max_batch_size), c, h, w])
     elif config.max_batch_size == 1:
         shape = ov.PartialShape([1, c, h, w])  # static: OpenVINO's fastest kernels
     else:
         shape = ov.PartialShape([c, h, w])
-    compiled = _compile(config, ov_core, model, model_path, port, shape, device, properties)
-    return _Shared(compiled, _metadata(model), port)
+    compiled = _compile(config, ov, ov_core, model, model_path, port, shape, device, properties)
+    return _Shared(compiled, _metadata(model), port, preprocesses_in_model(config))
 
 
 def static_batch_sizes(config: ModelConfig) -> list[int]:
@@ -248,11 +299,16 @@ def split_batch(n: int, sizes: list[int]) -> list[int]:
 
 
 def _compile(
-    config: ModelConfig, ov_core: Any, model: Any, model_path: Path, port: TensorSpec, shape: Any,
+    config: ModelConfig, ov: Any, ov_core: Any, model: Any, model_path: Path, port: TensorSpec, shape: Any,
     device: str, properties: dict[str, str],
 ) -> Any:  # fmt: skip
+    """``model`` compiled with ``port`` reshaped to ``shape`` (and normalising images, if so set)."""
     try:
+        # Preprocessing rewrites the model's input, so each shape starts from a clean copy.
+        model = model.clone()
         model.reshape({port.name: shape})
+        if preprocesses_in_model(config):
+            model = _with_preprocessing(ov, model, port.name, config)
         return ov_core.compile_model(model, device, properties)
     except Exception as exc:
         raise BackendError(
@@ -265,7 +321,7 @@ def _key(config: ModelConfig, model_path: Path, device: str) -> tuple[Any, ...]:
     ir = model_path.suffix.lower() == ".xml"
     files = [model_path, model_path.with_suffix(".bin")] if ir else [model_path]
     stamps = tuple((os.fspath(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
-    return (stamps, device, repr(config))
+    return (stamps, device, preprocesses_in_model(config), repr(config))
 
 
 def precision_of(compiled: Any) -> str:
@@ -294,9 +350,11 @@ class OpenVinoBackend(Backend):
             shared.users += 1
         self._shared: _Shared | None = shared
         compiled = shared.compiled
-        self._request = compiled.create_infer_request()
-        # shapes: static: a request per compiled batch size, largest first.
+        # shapes: static: a request per compiled batch size (the largest is also _request).
         self._requests = {size: c.create_infer_request() for size, c in shared.by_size.items()}
+        self._request = (
+            self._requests[max(self._requests)] if self._requests else compiled.create_infer_request()
+        )
         self._sizes = sorted(self._requests, reverse=True)
         # Static pieces still take any batch of 1..max_batch_size: say so (batch axis None).
         batch: tuple[int | None, ...] = (None,) if self._requests else ()
@@ -307,6 +365,7 @@ class OpenVinoBackend(Backend):
         self.metadata = dict(shared.metadata)
         self.input = shared.input
         self.precision = precision_of(compiled)
+        self.takes_images = shared.takes_images
         self._output_names = [o.name for o in self.outputs]
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -37,7 +37,8 @@ class Task(ABC):
         self.input_spec = input_spec
         self.metadata = dict(metadata)
         self.labels = list(labels)
-        # Writes images into the batch tensor; a GPU model swaps in the fused-kernel version.
+        # Writes images into the batch tensor; a GPU model swaps in the fused-kernel version,
+        # a model that normalises itself the uint8 resizer.
         self.preprocessor: Any = None
 
     @property

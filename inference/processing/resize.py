@@ -26,6 +26,11 @@ Resize modes (``InputConfig.resize``):
 Normalisation is ``(x * scale - mean) / std`` with ``mean`` and ``std`` given
 in the *model's* channel order (after the RGB/BGR swap). Padding is written
 directly as its normalised value.
+
+Two writers share the geometry: :class:`ImagePreprocessor` fills float
+``N×C×H×W`` tensors, normalised; :class:`ImageResizer` fills uint8 ``N×H×W×3``
+RGB batches, only resized and padded, for a model that normalises itself
+(OpenVINO with ``backend_options.preprocess: model``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from inference.config import InputConfig
 
 __all__ = [
     "ImagePreprocessor",
+    "ImageResizer",
     "ResizeMeta",
     "check_image",
     "geometry",
@@ -244,3 +250,52 @@ class ImagePreprocessor:
         dst[y0 + ch :] = value
         dst[y0 : y0 + ch, :x0] = value
         dst[y0 : y0 + ch, x0 + cw :] = value
+
+
+class ImageResizer:
+    """Resizes images into a caller-provided uint8 ``N×H×W×3`` RGB batch, without normalising.
+
+    For a model that swaps channels, normalises and transposes inside its own
+    graph. Same geometry and :class:`ResizeMeta` as :class:`ImagePreprocessor`;
+    ``cv2.resize`` writes straight into each item's content rectangle and the
+    border is ``pad_value``, so steady state allocates nothing.
+    """
+
+    def __init__(self, config: InputConfig) -> None:
+        _, h, w = config.shape
+        self.config = config
+        self.height, self.width = h, w
+        self.pad_value = config.pad_value
+        self._geometry = _GEOMETRY[config.resize]
+
+    def geometry(self, src_w: int, src_h: int) -> ResizeMeta:
+        """Where a ``src_w × src_h`` image lands in this model's input."""
+        return self._geometry(src_w, src_h, self.width, self.height)
+
+    def __call__(self, images: Sequence[np.ndarray], out: np.ndarray) -> list[ResizeMeta]:
+        """Write ``images`` into ``out[:len(images)]``; return each image's :class:`ResizeMeta`."""
+        expected = (self.height, self.width, 3)
+        if out.ndim != 4 or tuple(out.shape[1:]) != expected:
+            raise ValueError(
+                f"batch tensor has shape {out.shape}, expected (N, {', '.join(map(str, expected))})"
+            )
+        if len(images) > out.shape[0]:
+            raise ValueError(f"{len(images)} images do not fit a batch tensor of {out.shape[0]}")
+        if out.dtype != np.uint8:
+            raise ValueError(f"batch tensor dtype {out.dtype} is not uint8")
+        return [self.write(image, out[i]) for i, image in enumerate(images)]
+
+    def write(self, image: np.ndarray, item: np.ndarray) -> ResizeMeta:
+        """Resize one image into ``item`` (``H×W×3``) and pad around it."""
+        src_h, src_w = image.shape[:2]
+        meta = self.geometry(src_w, src_h)
+        x0, y0, cw, ch = meta.pad_x, meta.pad_y, meta.content_w, meta.content_h
+        ImagePreprocessor._fill_border(item, self.pad_value, x0, y0, cw, ch)
+        region = item[y0 : y0 + ch, x0 : x0 + cw]
+        if src_w == cw and src_h == ch:
+            region[...] = image
+            return meta
+        written = cv2.resize(image, (cw, ch), dst=region, interpolation=cv2.INTER_LINEAR)
+        if not np.shares_memory(written, region):
+            region[...] = written  # a layout OpenCV could not write into in place
+        return meta

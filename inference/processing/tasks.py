@@ -12,8 +12,10 @@ text_recognize    :class:`TextRecognizeTask` ``Recognition``
 ================  ======================  =================================
 
 Every task preprocesses with :class:`~inference.processing.resize.ImagePreprocessor`
-and returns that image's :class:`~inference.processing.resize.ResizeMeta` as
-its meta. A model with several outputs is read through its first output.
+(a model that normalises inside itself swaps in
+:class:`~inference.processing.resize.ImageResizer`) and returns that image's
+:class:`~inference.processing.resize.ResizeMeta` as its meta. A model with
+several outputs is read through its first output.
 
 A task trusts its input spec: the backend checked it against ``input.*`` while
 loading. Problems a task finds itself (a dictionary missing from the model's

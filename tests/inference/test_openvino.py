@@ -9,16 +9,20 @@ from typing import Any
 import av
 import cv2
 import numpy as np
+import onnx
 import onnxruntime as ort
 import openvino as ov
 import pytest
 import rapidocr_onnxruntime
 import yaml
+from onnx import TensorProto, helper
 
 from inference.backends import create_backend
+from inference.backends.base import TensorSpec
 from inference.backends.openvino import OpenVinoBackend, split_batch
 from inference.model import Model, resolve_model_file
 from inference.processing.crop import crop_upright
+from inference.processing.resize import ImagePreprocessor
 from inference.repository import ModelRepository, describe_repository, read_source
 from inference.results import Classification, Detection, Recognition
 from samples.make_clip import Plate, plates_at, write_clip
@@ -95,9 +99,12 @@ async def test_instances_are_infer_requests_of_one_compiled_model(tmp_path: Path
         assert a._request is not b._request
         # One stream per instance, so the two requests run side by side.
         assert int(compiled.get_property("NUM_STREAMS")) == 2
-        # The batch axis is bounded by max_batch_size; the item shape is the config's.
-        assert a.inputs[0].shape == (None, 3, 48, 192)
-        assert compiled.inputs[0].get_partial_shape().to_string() == "[1..32,3,48,192]"
+        # The batch axis is bounded by max_batch_size; the item shape is the config's. With
+        # preprocess: auto the compiled model takes uint8 RGB images and normalises them itself.
+        assert a.takes_images and b.takes_images
+        assert a.inputs == [TensorSpec("x", (None, 48, 192, 3), "uint8")]
+        assert compiled.inputs[0].get_partial_shape().to_string() == "[1..32,48,192,3]"
+        assert a.input == TensorSpec("x", (None, 3, None, None), "float32")  # what the file declares
     finally:
         await models.close()
     # The last instance closed releases the compiled model.
@@ -119,22 +126,25 @@ async def test_a_batch_of_crops_runs_as_one_call_and_matches_onnxruntime(tmp_pat
         # 16 requests arrive together: the batcher sends them as one preferred batch of 16.
         assert model.stats.batches - before == 1 and model.stats.batch_sizes.get(16) == 1
 
-        # The same inputs through ONNX Runtime give the same probabilities (f32 both).
+        # The same crops through ONNX Runtime, normalised on the host, give the same
+        # probabilities (f32 both) as OpenVINO normalising the uint8 batch in the model.
         inst = model.instances[0]
+        images = np.zeros((16, 48, 192, 3), np.uint8)
+        inst.task.preprocess(crops, images)
         batch = np.zeros((16, 3, 48, 192), np.float32)
-        inst.task.preprocess(crops, batch)
+        ImagePreprocessor(model.config.input)(crops, batch)
         session = ort.InferenceSession(
             str(MODELS / "ch_ppocr_mobile_v2.0_cls_infer.onnx"), providers=["CPUExecutionProvider"]
         )
         (want,) = session.run(None, {"x": batch})
-        got = inst.backend.run({"x": batch})
+        got = inst.backend.run({"x": images})
         (probs,) = got.values()
         assert probs.shape == (16, 2)
         np.testing.assert_allclose(probs, want, atol=1e-4)
         labels = [r.label for r in results if isinstance(r, Classification)]
         assert labels == [("0", "180")[int(np.argmax(p))] for p in want]
         # A batch of another size runs on the same compiled model (dynamic batch axis).
-        (five,) = inst.backend.run({"x": batch[:5]}).values()
+        (five,) = inst.backend.run({"x": images[:5]}).values()
         np.testing.assert_allclose(five, want[:5], atol=1e-4)
     finally:
         await models.close()
@@ -161,7 +171,8 @@ def test_ir_model_reads_like_its_onnx_file_with_its_metadata(tmp_path: Path) -> 
         # The recogniser's dictionary lives in the ONNX metadata; the IR keeps it.
         assert a.metadata["character"] == b.metadata["character"]
         assert len(a.metadata["character"].splitlines()) == 6623
-        x = np.random.default_rng(1).uniform(-1, 1, (3, 3, 48, 320)).astype(np.float32)
+        # preprocess: auto: both take uint8 RGB images and normalise them in the compiled model.
+        x = np.random.default_rng(1).integers(0, 256, (3, 48, 320, 3), np.uint8)
         (ya,) = a.run({"x": x}).values()
         (yb,) = b.run({"x": x}).values()
         assert ya.shape == (3, 40, 6625)
@@ -182,15 +193,16 @@ async def test_precision_in_use_is_reported_by_status_and_listing(tmp_path: Path
     models = await load(tmp_path)
     try:
         status = {s.name: s for s in models.status()}
-        assert (status["ppocr_det"].backend, status["ppocr_det"].precision) == ("openvino", AUTO)
-        assert (status["ppocr_cls"].backend, status["ppocr_cls"].precision) == ("openvino", "f32")
-        assert (status["ppocr_rec"].backend, status["ppocr_rec"].precision) == ("onnxruntime", "native")
+        det, cls, rec = status["ppocr_det"], status["ppocr_cls"], status["ppocr_rec"]
+        assert (det.backend, det.precision, det.preprocess) == ("openvino", AUTO, "model")
+        assert (cls.backend, cls.precision, cls.preprocess) == ("openvino", "f32", "model")
+        assert (rec.backend, rec.precision, rec.preprocess) == ("onnxruntime", "native", "cpu")
     finally:
         await models.close()
     rows = {line.split()[0]: line.split() for line in describe_repository(tmp_path).text.splitlines()[1:]}
-    assert rows["ppocr_det"][3:5] == ["openvino", AUTO]
-    assert rows["ppocr_cls"][3:5] == ["openvino", "f32"]
-    assert rows["ppocr_rec"][3:5] == ["onnxruntime", "native"]
+    assert rows["ppocr_det"][3:6] == ["openvino", AUTO, "model"]
+    assert rows["ppocr_cls"][3:6] == ["openvino", "f32", "model"]
+    assert rows["ppocr_rec"][3:6] == ["onnxruntime", "native", "cpu"]
 
 
 async def cascade(repo: Path, frames: list[np.ndarray]) -> list[list[tuple[str, tuple[float, ...]]]]:
@@ -349,7 +361,7 @@ def test_max_batch_size_1_compiles_a_static_shape_used_without_the_repository(tm
     model = Model(src.config, src.model_dir)
     assert model.load().value == "ready", model.reason
     try:
-        assert model.inputs[0].shape == (1, 3, 320, 320)
+        assert model.inputs[0].shape == (1, 320, 320, 3)  # uint8 RGB images, normalised in the model
         image = np.full((240, 320, 3), 255, np.uint8)
         cv2.putText(image, "HELLO", (40, 140), cv2.FONT_HERSHEY_SIMPLEX, 2.0, (0, 0, 0), 5)
         found = model.submit(image).result(timeout=30)
@@ -385,14 +397,15 @@ def test_static_shapes_run_a_batch_as_pieces_with_the_answers_of_single_runs(tmp
         by_size = backend._shared.by_size
         # One static shape per batch size in {1, preferred, max}; none is dynamic.
         assert sorted(by_size) == [1, 4]
+        # Each shape normalises uint8 images in the model (preprocess: auto).
         assert [c.inputs[0].get_partial_shape().to_string() for _, c in sorted(by_size.items())] == [
-            "[1,3,320,320]",
-            "[4,3,320,320]",
+            "[1,320,320,3]",
+            "[4,320,320,3]",
         ]
         # The rest of vidpipe sees one model that takes 1..4.
-        assert backend.inputs[0].shape == (None, 3, 320, 320)
+        assert backend.inputs[0].shape == (None, 320, 320, 3)
         rng = np.random.default_rng(7)
-        batch = rng.uniform(-1, 1, (4, 3, 320, 320)).astype(np.float32)
+        batch = rng.integers(0, 256, (4, 320, 320, 3), dtype=np.uint8)
         singles = [backend.run({"x": batch[i : i + 1]})["sigmoid_0.tmp_0"] for i in range(4)]
         for n in (4, 3):  # one call of 4; three calls of 1
             out = backend.run({"x": batch[:n]})["sigmoid_0.tmp_0"]
@@ -401,3 +414,145 @@ def test_static_shapes_run_a_batch_as_pieces_with_the_answers_of_single_runs(tmp
                 np.testing.assert_allclose(out[i], singles[i][0], atol=1e-5)
     finally:
         backend.close()
+
+
+# -- preprocessing in the model ----------------------------------------------------------------
+
+
+async def run_modes(
+    tmp_path: Path, name: str, images: list[np.ndarray], **changes: Any
+) -> dict[str, list[Any]]:
+    """Results of ``images`` with ``preprocess: model`` and ``cpu`` (f32, one instance); checks the pools."""
+    found: dict[str, list[Any]] = {}
+    for mode in ("model", "cpu"):
+        shipped(
+            tmp_path / mode,
+            name,
+            backend_options={"precision": "f32", "preprocess": mode},
+            instance_group=[{"count": 1, "kind": "KIND_CPU"}],
+            **changes,
+        )
+        models = await load(tmp_path / mode)
+        try:
+            model = models.get(name)
+            (inst,) = model.instances
+            batch, c, h, w = model.batch_shape
+            if mode == "model":
+                # uint8 RGB images the compiled model normalises: a quarter of a float tensor.
+                assert (inst.pool.shape, inst.pool.dtype) == ((batch, h, w, c), "uint8")
+                assert inst.backend.takes_images and model.preprocess == "model"
+                assert model.inputs == [TensorSpec("x", (batch if batch == 1 else None, h, w, c), "uint8")]
+            else:
+                assert (inst.pool.shape, inst.pool.dtype) == ((batch, c, h, w), "float32")
+                assert not inst.backend.takes_images and model.preprocess == "cpu"
+            found[mode] = list(await asyncio.gather(*(model.infer(i) for i in images)))
+            assert models.status()[0].preprocess == mode
+        finally:
+            await models.close()
+    return found
+
+
+async def test_text_boxes_are_the_same_normalised_in_the_model_or_on_the_host(
+    tmp_path: Path, signs: list[np.ndarray]
+) -> None:
+    # 640×360 frames letterboxed into 640×640: 140 rows of padding above and below.
+    assert signs[0].shape == (360, 640, 3)
+    found = await run_modes(tmp_path, "ppocr_det", signs)
+    for index, (model, cpu) in enumerate(zip(found["model"], found["cpu"], strict=True)):
+        assert len(model) == len(cpu) == len(plates_at(index, 640, PLATES)), (index, model, cpu)
+        for a, b in zip(model, cpu, strict=True):
+            assert a.polygon is not None and b.polygon is not None
+            np.testing.assert_allclose(a.box, b.box, atol=0.5)
+            np.testing.assert_allclose(a.polygon, b.polygon, atol=0.5)
+            assert a.score == pytest.approx(b.score, abs=1e-3)
+
+
+async def test_orientation_is_the_same_normalised_in_the_model_or_on_the_host(
+    tmp_path: Path, signs: list[np.ndarray]
+) -> None:
+    crops = []
+    for index in (0, 6, 12, 18):
+        for _, (x1, y1, x2, y2) in plates_at(index, 640, PLATES):
+            crop = np.ascontiguousarray(signs[index][y1:y2, x1:x2])
+            crops += [crop, cv2.rotate(crop, cv2.ROTATE_180)]
+    assert len(crops) == 14
+    found = await run_modes(tmp_path, "ppocr_cls", crops)  # keep_height, 48×192, BGR
+    model, cpu = found["model"], found["cpu"]
+    assert [r.label for r in model] == [r.label for r in cpu] == ["0", "180"] * 7
+    np.testing.assert_allclose([r.score for r in model], [r.score for r in cpu], atol=1e-3)
+
+
+def channel_means_model(path: Path) -> None:
+    """An ONNX model without a batch axis: the mean of each of its [3, 16, 24] input's channels."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 16, 24])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])
+    node = helper.make_node("ReduceMean", ["x"], ["y"], axes=[1, 2], keepdims=0)
+    graph = helper.make_graph([node], "channel_means", [x], [y])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+
+
+async def test_a_model_without_a_batch_axis_takes_one_hwc_image(tmp_path: Path) -> None:
+    config = {
+        "name": "means",
+        "backend": "openvino",
+        "model_file": {"path": "means.onnx"},
+        "max_batch_size": 0,
+        # Channel-specific mean and std, and a colour swap: a slip in the order shows.
+        "input": {"shape": [3, 16, 24], "color": "bgr", "mean": [0.1, 0.2, 0.3], "std": [0.5, 0.25, 1.0],
+                  "resize": "letterbox", "pad_value": 30},
+        "task": {"kind": "classify", "top_k": 3},
+        "labels": ["b", "g", "r"],
+    }  # fmt: skip
+    image = np.zeros((20, 60, 3), np.uint8)  # letterboxed to 24×8 with 4 padding rows above and below
+    image[:] = (250, 20, 140)
+    results = {}
+    for mode in ("model", "cpu"):
+        folder = tmp_path / mode / "means"
+        folder.mkdir(parents=True)
+        channel_means_model(folder / "means.onnx")
+        config["backend_options"] = {"precision": "f32", "preprocess": mode}
+        (folder / "config.yaml").write_text(yaml.safe_dump(config))
+        models = await load(tmp_path / mode)
+        try:
+            model = models.get("means")
+            assert model.instances[0].pool.shape == ((1, 16, 24, 3) if mode == "model" else (1, 3, 16, 24))
+            if mode == "model":
+                assert model.inputs == [TensorSpec("x", (16, 24, 3), "uint8")]
+            results[mode] = await model.infer(image)
+        finally:
+            await models.close()
+    inside, host = results["model"], results["cpu"]
+    assert isinstance(inside, Classification) and isinstance(host, Classification)
+    # Model channel 0 is blue: (140/255 - 0.1)/0.5 over the content, (30/255 - 0.1)/0.5 on the padding.
+    content, pad = 8 / 16, 8 / 16
+    means = [
+        content * (v / 255 - m) / s + pad * (30 / 255 - m) / s
+        for v, m, s in zip((140, 20, 250), (0.1, 0.2, 0.3), (0.5, 0.25, 1.0), strict=True)
+    ]
+    want = np.exp(means) / np.exp(means).sum()
+    order = np.argsort(-want)
+    assert (
+        [label for label, _ in host.top]
+        == [label for label, _ in inside.top]
+        == [("b", "g", "r")[i] for i in order]
+    )
+    np.testing.assert_allclose([s for _, s in inside.top], want[order], atol=1e-5)
+    np.testing.assert_allclose([s for _, s in host.top], want[order], atol=1e-5)
+
+
+async def test_preprocess_model_on_a_backend_that_cannot_points_at_the_key(tmp_path: Path) -> None:
+    path = shipped(tmp_path, "ppocr_cls", backend="onnxruntime", backend_options={"preprocess": "model"})
+    reason = await unavailable_reason(tmp_path, "ppocr_cls")
+    assert reason == (
+        f"{path}:{line_of(path, '  preprocess:')}: backend_options.preprocess: backend onnxruntime "
+        f"cannot normalise images inside the model (hint: set backend_options.preprocess: auto or "
+        f"cpu, or use backend: openvino)"
+    )
+    # auto on ONNX Runtime normalises on the host.
+    shipped(tmp_path, "ppocr_cls", backend="onnxruntime", backend_options={"preprocess": "auto"})
+    models = await load(tmp_path)
+    try:
+        model = models.get("ppocr_cls")
+        assert model.preprocess == "cpu" and model.instances[0].pool.dtype == "float32"
+    finally:
+        await models.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import cv2
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -16,6 +17,7 @@ from inference.processing.classify import classify, is_probability, softmax, top
 from inference.processing.nms import batched_nms, nms
 from inference.processing.resize import (
     ImagePreprocessor,
+    ImageResizer,
     check_image,
     geometry,
     keep_height_geometry,
@@ -201,6 +203,61 @@ def test_preprocess_rejects_batch_tensors_that_do_not_fit() -> None:
         pre([np.zeros((4, 4, 3), np.uint8)], np.zeros((2, 3, 8, 9), np.float32))
     with pytest.raises(ValueError, match="do not fit"):
         pre([np.zeros((4, 4, 3), np.uint8)] * 3, out)
+
+
+@pytest.mark.parametrize(
+    ("resize", "shape", "size"),
+    [
+        ("letterbox", [3, 64, 96], (50, 31)),
+        ("keep_height", [3, 48, 192], (100, 40)),
+        ("stretch", [3, 32, 32], (32, 32)),
+    ],
+)
+def test_uint8_resizer_holds_the_float_writers_pixels_before_normalisation(
+    resize: str, shape: list[int], size: tuple[int, int]
+) -> None:
+    mean, std, scale = [0.1, 0.2, 0.3], [0.5, 0.25, 0.2], 1 / 255
+    cfg = InputConfig(shape=shape, mean=mean, std=std, scale=scale, color="bgr", resize=resize, pad_value=77)  # type: ignore[arg-type]
+    w, h = size
+    img = np.random.default_rng(3).integers(0, 256, (h, w, 3), np.uint8)
+    _, mh, mw = shape
+    floats = np.zeros((2, *shape), np.float32)
+    images = np.full((3, mh, mw, 3), 5, np.uint8)
+    metas = ImageResizer(cfg)([img, img[:, ::-1]], images)
+    assert metas == ImagePreprocessor(cfg)([img, img[:, ::-1]], floats)
+    # Normalising the uint8 pixels (RGB, NHWC) gives the float writer's tensor (BGR, NCHW).
+    bgr = images[:2, :, :, ::-1].transpose(0, 3, 1, 2).astype(np.float64)
+    normalised = (bgr * scale - np.array(mean)[:, None, None]) / np.array(std)[:, None, None]
+    np.testing.assert_allclose(floats, normalised, atol=1e-5)
+    m = metas[0]
+    content = images[0, m.pad_y : m.pad_y + m.content_h, m.pad_x : m.pad_x + m.content_w]
+    if (m.content_w, m.content_h) == (w, h):
+        assert np.array_equal(content, img)  # copied as it is, RGB order kept
+    else:
+        want = cv2.resize(img, (m.content_w, m.content_h), interpolation=cv2.INTER_LINEAR)
+        assert np.array_equal(content, want)
+    border = np.ones((mh, mw), bool)
+    border[m.pad_y : m.pad_y + m.content_h, m.pad_x : m.pad_x + m.content_w] = False
+    assert border.any() == (resize != "stretch")
+    assert np.all(images[0][border] == 77)
+    assert np.all(images[2] == 5)  # rows past the images are untouched
+
+
+def test_letterboxed_uint8_batch_on_known_pixels() -> None:
+    resizer = ImageResizer(raw_input([3, 64, 64], pad_value=114))
+    a = np.zeros((200, 300, 3), np.uint8)
+    a[:] = (10, 100, 200)
+    out = np.zeros((1, 64, 64, 3), np.uint8)
+    (meta,) = resizer([a], out)
+    assert (meta.content_w, meta.content_h, meta.pad_x, meta.pad_y) == (64, 43, 0, 10)
+    assert np.all(out[0, 10:53] == (10, 100, 200))
+    assert np.all(out[0, :10] == 114) and np.all(out[0, 53:] == 114)
+    with pytest.raises(ValueError, match=r"expected \(N, 64, 64, 3\)"):
+        resizer([a], np.zeros((1, 3, 64, 64), np.uint8))
+    with pytest.raises(ValueError, match="dtype float32 is not uint8"):
+        resizer([a], np.zeros((1, 64, 64, 3), np.float32))
+    with pytest.raises(ValueError, match="do not fit"):
+        resizer([a, a], out)
 
 
 # --------------------------------------------------------------------------- NMS

@@ -513,19 +513,21 @@ def test_describe_repository(tmp_path: Path) -> None:
         "STATE",
         "BACKEND",
         "PRECISION",
+        "PREPROCESS",
         "INPUTS",
         "OUTPUTS",
         "BATCH",
         "TASK",
         "LABELS",
     ]
-    assert lines[1].split() == ["broken", "-", "unavailable", "-", "-", "-", "-", "-", "-", "-"]
+    assert lines[1].split() == ["broken", "-", "unavailable", "-", "-", "-", "-", "-", "-", "-", "-"]
     assert [c.strip() for c in lines[2].split("  ") if c.strip()] == [
         "cls",
         "2",
         "ready",
         "onnxruntime",
         "native",
+        "cpu",
         "x:float32[?,3,8,8]",
         "y:float32[?,3]",
         "4",

@@ -388,6 +388,8 @@ async def test_models_batching_and_annotated_snapshot(
         # The precision the backend computes in (OpenVINO's choice for this CPU).
         assert squares["backend"] == "openvino" and squares["precision"] in ("bf16", "f32")
         assert squares["precision"] == stack.runtime.models.get("squares").precision
+        # Where images are normalised: inside the compiled model (OpenVINO, preprocess: auto).
+        assert squares["preprocess"] == "model"
         run = stack.runtime.sources["sq"]
         await until(lambda: run.last_frame is not None and bool(run.last_frame.objects), what="a detection")
         assert await stack.json("GET", "/readyz") == (200, {"ready": True, "reasons": []})

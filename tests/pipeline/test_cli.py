@@ -19,6 +19,7 @@ def test_models_list_shows_each_model_its_io_and_state(sample_models: Path) -> N
         "STATE",
         "BACKEND",
         "PRECISION",
+        "PREPROCESS",
         "INPUTS",
         "OUTPUTS",
         "BATCH",
@@ -29,12 +30,15 @@ def test_models_list_shows_each_model_its_io_and_state(sample_models: Path) -> N
     assert rows["squares"].endswith("  yolo/yolov8     1 (square)")
     assert rows["ppocr_cls"].endswith("  classify        2 (0, 180)")
     assert sorted(rows) == ["ppocr_cls", "ppocr_det", "ppocr_rec", "squares"]
-    assert "images:float32[?,3,320,320]" in rows["squares"] and "output0:float32[?,5,1]" in rows["squares"]
+    # The compiled model takes uint8 RGB images and normalises them itself (preprocess: auto).
+    assert "images:uint8[?,320,320,3]" in rows["squares"] and "output0:float32[?,5,1]" in rows["squares"]
     assert all(" ready " in row for row in rows.values())
     # OpenVINO compiles for the configured input, so the recogniser's sequence length is known.
     assert "softmax_11.tmp_0:float32[?,40,6625]" in rows["ppocr_rec"]
-    # The shipped configs run on OpenVINO at its own precision for this CPU.
-    assert all(row.split()[3:5] in (["openvino", "bf16"], ["openvino", "f32"]) for row in rows.values())
+    # The shipped configs run on OpenVINO at its own precision for this CPU, normalising in the model.
+    assert all(
+        row.split()[3:6] in (["openvino", p, "model"] for p in ("bf16", "f32")) for row in rows.values()
+    )
 
 
 def test_models_list_of_a_missing_folder_is_a_usage_error(tmp_path: Path) -> None:

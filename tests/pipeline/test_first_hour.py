@@ -306,7 +306,8 @@ def test_debug_log_names_config_sources_and_model_instances(
     assert "source cam: rtsp://***@127.0.0.1:9/cam (rtsp, live) max_fps=None queue_size=8" in proc.stderr
     assert " transport=tcp open_timeout=10.0 read_timeout=5.0" in proc.stderr
     assert re.search(
-        r"model squares: version \S+, openvino \S*, 1 instance\(s\), max_batch_size 8", proc.stderr
+        r"model squares: version \S+, openvino \S*, preprocess model, 1 instance\(s\), max_batch_size 8",
+        proc.stderr,
     )
 
 
