@@ -185,12 +185,20 @@ def next_batch(
     oldest_enqueue: float | None,
     now: float,
     instance_free: bool,
+    idle_instances: int = 0,
 ) -> Decision:
     """Decide whether to send a batch now, and how big, or how long to wait.
 
     ``pending`` counts the queued requests per priority level (index 0 = level 1),
     ``oldest_enqueue`` is the enqueue time of the oldest of them. Timed-out
     requests must have been expired (:meth:`PendingQueue.expire`) before calling.
+
+    ``idle_instances`` counts the other instances waiting for work. Without a
+    queue delay, the requests waiting are shared with them: four requests and
+    four free instances make four batches of one that run at once, not one batch
+    of four while three instances sit idle. Under load no instance is idle and a
+    free one takes up to ``max_batch_size``, so batches grow as before. With a
+    queue delay the operator asked for bigger batches, and gets them.
     """
     total = sum(pending)
     if total == 0 or not instance_free:
@@ -202,6 +210,9 @@ def next_batch(
     limit = policy.max_batch_size
     available = total if total < limit else limit
     delay = policy.max_queue_delay_s
+    if idle_instances and delay == 0:
+        share = -(-total // (idle_instances + 1))  # this instance's share, rounded up
+        available = share if share < available else available
     age = now - oldest_enqueue if oldest_enqueue is not None else 0.0
     delay_exceeded = delay > 0 and age >= delay
     preferred = policy.preferred_batch_sizes

@@ -416,7 +416,9 @@ class DynamicBatcher:
                         n = min(len(queue), policy.batch_limit)
                         decision: Send | None = Send(n, split_by_level(queue.counts, n))
                     else:
-                        d = next_batch(policy, queue.counts, queue.oldest_enqueue(), self._clock(), True)
+                        d = next_batch(
+                            policy, queue.counts, queue.oldest_enqueue(), self._clock(), True, self._idle
+                        )
                         decision = d if type(d) is Send else None
                         wait = None if decision else d.seconds  # type: ignore[union-attr]
                     if decision is not None:

@@ -212,7 +212,7 @@ def preprocesses_in_model(config: ModelConfig) -> bool:
     return config.backend_options.preprocess in ("auto", "model")
 
 
-def _with_preprocessing(ov: Any, model: Any, name: str, config: ModelConfig) -> Any:
+def with_preprocessing(ov: Any, model: Any, name: str, config: ModelConfig) -> Any:
     """``model`` with input ``name`` taking uint8 RGB images (NHWC; HWC without a batch axis).
 
     The steps are :class:`~inference.processing.resize.ImagePreprocessor`'s
@@ -298,6 +298,11 @@ def split_batch(n: int, sizes: list[int]) -> list[int]:
     return pieces
 
 
+def _most_pieces(size: int, sizes: list[int], config: ModelConfig) -> int:
+    """How many pieces of ``size`` a batch of 1..max_batch_size splits into, at most."""
+    return max(1, *(split_batch(n, sizes).count(size) for n in range(1, config.max_batch_size + 1)))
+
+
 def _compile(
     config: ModelConfig, ov: Any, ov_core: Any, model: Any, model_path: Path, port: TensorSpec, shape: Any,
     device: str, properties: dict[str, str],
@@ -308,7 +313,7 @@ def _compile(
         model = model.clone()
         model.reshape({port.name: shape})
         if preprocesses_in_model(config):
-            model = _with_preprocessing(ov, model, port.name, config)
+            model = with_preprocessing(ov, model, port.name, config)
         return ov_core.compile_model(model, device, properties)
     except Exception as exc:
         raise BackendError(
@@ -350,14 +355,16 @@ class OpenVinoBackend(Backend):
             shared.users += 1
         self._shared: _Shared | None = shared
         compiled = shared.compiled
-        # shapes: static: a request per compiled batch size (the largest is also _request).
-        self._requests = {size: c.create_infer_request() for size, c in shared.by_size.items()}
-        self._request = (
-            self._requests[max(self._requests)] if self._requests else compiled.create_infer_request()
-        )
-        self._sizes = sorted(self._requests, reverse=True)
+        # shapes: static: per compiled batch size, as many requests as a batch can have pieces
+        # of that size, so the pieces of one batch run side by side on the model's streams.
+        self._sizes = sorted(shared.by_size, reverse=True)
+        self._requests: dict[int, list[Any]] = {}
+        for size in self._sizes:
+            count = _most_pieces(size, self._sizes, config)
+            self._requests[size] = [shared.by_size[size].create_infer_request() for _ in range(count)]
+        self._request = self._requests[self._sizes[0]][0] if self._sizes else compiled.create_infer_request()
         # Static pieces still take any batch of 1..max_batch_size: say so (batch axis None).
-        batch: tuple[int | None, ...] = (None,) if self._requests else ()
+        batch: tuple[int | None, ...] = (None,) if self._sizes else ()
         self.inputs = [TensorSpec(p.get_any_name(), _spec_dims(p, batch), _dtype(p)) for p in compiled.inputs]
         self.outputs = [
             TensorSpec(p.get_any_name(), _spec_dims(p, batch), _dtype(p)) for p in compiled.outputs
@@ -369,17 +376,31 @@ class OpenVinoBackend(Backend):
         self._output_names = [o.name for o in self.outputs]
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if not self._requests:
+        if not self._sizes:
             return self._infer(self._request, inputs)
         n = len(next(iter(inputs.values())))
         if n in self._requests:
-            return self._infer(self._requests[n], inputs)
-        parts, start = [], 0
-        for size in split_batch(n, self._sizes):
-            piece = {k: v[start : start + size] for k, v in inputs.items()}
-            parts.append(self._infer(self._requests[size], piece))
-            start += size
-        return {name: np.concatenate([p[name] for p in parts]) for name in self._output_names}
+            return self._infer(self._requests[n][0], inputs)
+        try:
+            # Start every piece, then collect them: they run at once on the model's streams,
+            # so a partial batch takes about as long as its largest piece.
+            running, start, used = [], 0, dict.fromkeys(self._sizes, 0)
+            for size in split_batch(n, self._sizes):
+                request = self._requests[size][used[size]]
+                used[size] += 1
+                request.start_async(
+                    {k: v[start : start + size] for k, v in inputs.items()}, share_inputs=True
+                )
+                running.append(request)
+                start += size
+            parts = []
+            for request in running:
+                request.wait()
+                parts.append([request.get_output_tensor(i).data for i in range(len(self._output_names))])
+        except Exception as exc:
+            raise self._failed(inputs, exc) from exc
+        # np.concatenate copies, so the results outlive the requests' next runs.
+        return {name: np.concatenate([p[i] for p in parts]) for i, name in enumerate(self._output_names)}
 
     def _infer(self, request: Any, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
@@ -387,18 +408,19 @@ class OpenVinoBackend(Backend):
             # results outlive the request's next run.
             results = request.infer(dict(inputs), share_inputs=True)
         except Exception as exc:
-            shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in inputs.items())
-            raise BackendError(
-                f"{self.config.name}: {self.model_path.name} failed on {shapes}: {exc}"
-            ) from exc
+            raise self._failed(inputs, exc) from exc
         return {name: results[i] for i, name in enumerate(self._output_names)}
+
+    def _failed(self, inputs: Mapping[str, np.ndarray], exc: Exception) -> BackendError:
+        shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in inputs.items())
+        return BackendError(f"{self.config.name}: {self.model_path.name} failed on {shapes}: {exc}")
 
     def close(self) -> None:
         shared, self._shared = self._shared, None
         if shared is None:
             return
         self.__dict__.pop("_request", None)
-        self._requests = {}
+        self._requests, self._sizes = {}, []
         with _cache_lock:
             shared.users -= 1
             if shared.users == 0 and _cache.get(self._key) is shared:

@@ -270,3 +270,19 @@ def test_the_deadline_heap_stays_small_under_steady_traffic() -> None:
         q.push(i, 1, float(i), 60.0)
         assert q.take((1,)) == [i]
     assert len(q._deadlines) <= 65
+
+
+def test_without_delay_the_waiting_requests_are_shared_with_idle_instances() -> None:
+    p = policy(max_batch_size=4, preferred=(4,))
+    # Four waiting, this instance and three idle ones: one each, all run at once.
+    assert next_batch(p, [4], 10.0, 10.0, True, idle_instances=3) == Send(1, (1,))
+    # Seven waiting, one other idle instance: this one takes its share, rounded up.
+    assert next_batch(p, [7], 10.0, 10.0, True, idle_instances=1) == Send(4, (4,))
+    assert next_batch(p, [5], 10.0, 10.0, True, idle_instances=1) == Send(3, (3,))
+    # No idle instance (under load): the whole batch, as before.
+    assert next_batch(p, [9], 10.0, 10.0, True, idle_instances=0) == Send(4, (4,))
+
+
+def test_with_a_delay_idle_instances_do_not_split_the_batch() -> None:
+    p = policy(max_batch_size=4, preferred=(4,), delay_s=0.002)
+    assert next_batch(p, [4], 10.0, 10.0, True, idle_instances=3) == Send(4, (4,))

@@ -549,3 +549,24 @@ def test_a_runner_returning_the_wrong_count_fails_the_batch() -> None:
             b.submit(1).result(timeout=WAIT)
     finally:
         b.stop()
+
+
+def test_without_delay_requests_spread_over_idle_instances_and_run_at_once() -> None:
+    together = threading.Barrier(4, timeout=WAIT)
+    seen: list[list[int]] = []
+
+    def runner(items: list[Any]) -> list[Any]:
+        seen.append(list(items))
+        together.wait()  # only passes once four batches run at the same time
+        return [i * 10 for i in items]
+
+    policy = BatchPolicy(max_batch_size=4, preferred_batch_sizes=(4,))
+    b = DynamicBatcher("spread", policy, [runner] * 4)
+    b.start()
+    try:
+        futures = [b.submit(i) for i in range(4)]
+        assert [f.result(timeout=WAIT) for f in futures] == [0, 10, 20, 30]
+    finally:
+        b.stop()
+    assert sorted(seen) == [[0], [1], [2], [3]]
+    assert b.stats.batch_sizes == {1: 4}

@@ -356,7 +356,14 @@ async def test_an_input_the_model_does_not_take_says_which_key_to_change(tmp_pat
 
 def test_max_batch_size_1_compiles_a_static_shape_used_without_the_repository(tmp_path: Path) -> None:
     data = yaml.safe_load((ROOT / "samples" / "models" / "ppocr_det" / "config.yaml").read_text())
-    shipped(tmp_path, "ppocr_det", max_batch_size=1, input={**data["input"], "shape": [3, 320, 320]})
+    shipped(
+        tmp_path,
+        "ppocr_det",
+        max_batch_size=1,
+        input={**data["input"], "shape": [3, 320, 320]},
+        dynamic_batching={"max_queue_delay_microseconds": 0},
+        backend_options={"precision": "auto"},
+    )
     src = read_source(tmp_path, "ppocr_det")
     model = Model(src.config, src.model_dir)
     assert model.load().value == "ready", model.reason
