@@ -179,12 +179,11 @@ class BackendOptions:
     cache_dir: str | None = field(
         default=None, metadata=spec(help="folder for OpenVINO's compiled-model cache (CACHE_DIR)")
     )
-    shapes: Literal["dynamic", "static"] = field(
-        default="dynamic",
+    static_batch_sizes: list[int] = field(
+        default_factory=list,
         metadata=spec(
-            help="OpenVINO batch axis: dynamic = one model for 1..max_batch_size; static = one "
-            "compiled shape per size in {1, preferred_batch_size, max_batch_size}, a batch runs "
-            "as pieces of those sizes"
+            help="OpenVINO: compile these static batch sizes (with 1) instead of a [1..max_batch_size] "
+            "axis; a batch runs as pieces of them, side by side"
         ),
     )
     # Triton / KServe v2 over gRPC (inference/backends/triton.py)

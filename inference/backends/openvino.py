@@ -68,7 +68,7 @@ class _Shared:
     metadata: dict[str, str]
     input: TensorSpec  # the image input, checked against the config once, at compile
     takes_images: bool  # the compiled model normalises uint8 images itself
-    # shapes: static: batch size -> the model compiled for it (sizes include 1).
+    # static_batch_sizes: batch size -> the model compiled for it (sizes include 1).
     by_size: dict[int, Any] = field(default_factory=dict)
     users: int = 0
 
@@ -264,7 +264,7 @@ def _load(config: ModelConfig, model_path: Path, ov: Any, device: str) -> _Share
     # The config's item shape is fixed; only the batch axis may vary, and only up to
     # max_batch_size, so the device compiles for the shapes the batcher sends.
     c, h, w = config.input.shape
-    if config.max_batch_size > 1 and config.backend_options.shapes == "static":
+    if config.max_batch_size > 1 and config.backend_options.static_batch_sizes:
         by_size = {
             size: _compile(
                 config, ov, ov_core, model, model_path, port, ov.PartialShape([size, c, h, w]), device,
@@ -284,8 +284,28 @@ def _load(config: ModelConfig, model_path: Path, ov: Any, device: str) -> _Share
 
 
 def static_batch_sizes(config: ModelConfig) -> list[int]:
-    """The batch sizes ``shapes: static`` compiles: 1, the preferred sizes and the maximum."""
-    return sorted({1, *config.dynamic_batching.preferred_batch_size, config.max_batch_size})
+    """``backend_options.static_batch_sizes``, checked: it holds 1 and nothing over max_batch_size."""
+    sizes = sorted(set(config.backend_options.static_batch_sizes))
+    key = "backend_options.static_batch_sizes"
+    if sizes[0] < 1:
+        raise _option_error(
+            config, key, f"static_batch_sizes {sizes} holds {sizes[0]}", "list positive sizes"
+        )
+    if sizes[0] != 1:
+        raise _option_error(
+            config,
+            key,
+            f"static_batch_sizes {sizes} has no 1",
+            "add 1: a batch of any size runs as pieces of them",
+        )
+    if sizes[-1] > config.max_batch_size:
+        raise _option_error(
+            config,
+            key,
+            f"static_batch_sizes {sizes} exceeds max_batch_size {config.max_batch_size}",
+            "list sizes up to max_batch_size",
+        )
+    return sizes
 
 
 def split_batch(n: int, sizes: list[int]) -> list[int]:
@@ -355,7 +375,7 @@ class OpenVinoBackend(Backend):
             shared.users += 1
         self._shared: _Shared | None = shared
         compiled = shared.compiled
-        # shapes: static: per compiled batch size, as many requests as a batch can have pieces
+        # static_batch_sizes: per size, as many requests as a batch can have pieces
         # of that size, so the pieces of one batch run side by side on the model's streams.
         self._sizes = sorted(shared.by_size, reverse=True)
         self._requests: dict[int, list[Any]] = {}

@@ -395,14 +395,14 @@ def test_static_shapes_run_a_batch_as_pieces_with_the_answers_of_single_runs(tmp
         input={**data["input"], "shape": [3, 320, 320]},
         dynamic_batching={"preferred_batch_size": [4], "max_queue_delay_microseconds": 0},
         instance_group=[{"count": 1, "kind": "KIND_CPU"}],
-        backend_options={"precision": "f32", "shapes": "static"},
+        backend_options={"precision": "f32", "static_batch_sizes": [4, 1]},
     )
     src = read_source(tmp_path, "ppocr_det")
     backend = create_backend(src.config, resolve_model_file(src.config, src.model_dir), 0)
     try:
         assert isinstance(backend, OpenVinoBackend) and backend._shared is not None
         by_size = backend._shared.by_size
-        # One static shape per batch size in {1, preferred, max}; none is dynamic.
+        # One static shape per listed batch size; none is dynamic.
         assert sorted(by_size) == [1, 4]
         # Each shape normalises uint8 images in the model (preprocess: auto).
         assert [c.inputs[0].get_partial_shape().to_string() for _, c in sorted(by_size.items())] == [
@@ -563,3 +563,48 @@ async def test_preprocess_model_on_a_backend_that_cannot_points_at_the_key(tmp_p
         assert model.preprocess == "cpu" and model.instances[0].pool.dtype == "float32"
     finally:
         await models.close()
+
+
+def test_static_batch_size_1_runs_a_batch_as_single_requests_side_by_side(tmp_path: Path) -> None:
+    data = yaml.safe_load((ROOT / "samples" / "models" / "ppocr_det" / "config.yaml").read_text())
+    shipped(tmp_path, "ppocr_det", input={**data["input"], "shape": [3, 320, 320]})
+    src = read_source(tmp_path, "ppocr_det")
+    # The shipped detector: batches of up to 4, one compiled [1, ...] shape.
+    assert (src.config.max_batch_size, src.config.backend_options.static_batch_sizes) == (4, [1])
+    backend = create_backend(src.config, resolve_model_file(src.config, src.model_dir), 0)
+    try:
+        assert isinstance(backend, OpenVinoBackend) and backend._shared is not None
+        assert sorted(backend._shared.by_size) == [1]
+        # Four requests of the one shape, so a batch of four runs as four at once.
+        assert len(backend._requests[1]) == 4
+        rng = np.random.default_rng(3)
+        batch = rng.integers(0, 256, (4, 320, 320, 3), dtype=np.uint8)
+        out = backend.run({"x": batch})["sigmoid_0.tmp_0"]
+        assert out.shape == (4, 1, 320, 320)
+        for i in range(4):
+            single = backend.run({"x": batch[i : i + 1]})["sigmoid_0.tmp_0"]
+            np.testing.assert_array_equal(out[i], single[0])
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize(
+    ("sizes", "problem"),
+    [
+        (
+            [2, 4],
+            "static_batch_sizes [2, 4] has no 1 (hint: add 1: a batch of any size runs as pieces of them)",
+        ),
+        (
+            [1, 8],
+            "static_batch_sizes [1, 8] exceeds max_batch_size 4 (hint: list sizes up to max_batch_size)",
+        ),
+    ],
+)
+async def test_bad_static_batch_sizes_point_at_the_key(
+    tmp_path: Path, sizes: list[int], problem: str
+) -> None:
+    path = shipped(tmp_path, "ppocr_det", backend_options={"static_batch_sizes": sizes})
+    reason = await unavailable_reason(tmp_path, "ppocr_det")
+    line = line_of(path, "  static_batch_sizes:")
+    assert reason == f"{path}:{line}: backend_options.static_batch_sizes: {problem}", reason
