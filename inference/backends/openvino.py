@@ -264,13 +264,15 @@ def _load(config: ModelConfig, model_path: Path, ov: Any, device: str) -> _Share
     # The config's item shape is fixed; only the batch axis may vary, and only up to
     # max_batch_size, so the device compiles for the shapes the batcher sends.
     c, h, w = config.input.shape
-    if config.max_batch_size > 1 and config.backend_options.static_batch_sizes:
+    # Checked whatever max_batch_size says, so a list that cannot apply is not ignored silently.
+    sizes = static_batch_sizes(config) if config.backend_options.static_batch_sizes else []
+    if config.max_batch_size > 1 and sizes:
         by_size = {
             size: _compile(
                 config, ov, ov_core, model, model_path, port, ov.PartialShape([size, c, h, w]), device,
                 properties,
             )
-            for size in static_batch_sizes(config)
+            for size in sizes
         }  # fmt: skip
         return _Shared(by_size[max(by_size)], _metadata(model), port, preprocesses_in_model(config), by_size)
     if config.max_batch_size > 1:
