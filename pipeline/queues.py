@@ -2,7 +2,9 @@
 
 Its overflow policy is the source's promise to the operator:
 
-* ``block`` (files): the decode thread waits, so every frame is processed;
+* ``block`` (files): the decode thread waits, so every frame is processed; a
+  full queue lets it resume once half is taken, so it decodes a run of frames
+  at a time rather than waking for each one;
 * ``drop_oldest`` (live cameras): the oldest waiting frame is dropped and
   counted with reason ``queue_full``, so latency cannot grow without bound.
 """
@@ -45,6 +47,8 @@ class FrameQueue(Generic[T]):
             raise ValueError("maxsize must be at least 1")
         self.maxsize = maxsize
         self.policy = policy
+        # A blocked producer resumes once the queue is down to this many frames.
+        self._resume_at = maxsize // 2
         self._loop = loop
         self._items: collections.deque[T | EndOfStream] = collections.deque()
         self._cond = threading.Condition()
@@ -64,8 +68,10 @@ class FrameQueue(Generic[T]):
         """Add a frame from the producer thread; False if the queue was closed meanwhile."""
         dropped: T | None = None
         with self._cond:
-            if self.policy == "block":
-                while len(self._items) >= self.maxsize and not self._closed:
+            if self.policy == "block" and len(self._items) >= self.maxsize:
+                # Full: wait until the consumer has taken half, then fill up again in one go,
+                # so a decoder runs several frames at a time instead of waking for each one.
+                while len(self._items) > self._resume_at and not self._closed:
                     if stop is not None and stop.is_set():
                         return False
                     self._cond.wait(timeout=0.1)
@@ -111,7 +117,8 @@ class FrameQueue(Generic[T]):
             with self._cond:
                 if self._items:
                     item = self._items.popleft()
-                    self._cond.notify()
+                    if len(self._items) <= self._resume_at:
+                        self._cond.notify()
                     return item
                 self._ready.clear()
                 self._waiting = True

@@ -91,3 +91,28 @@ def test_a_closed_queue_refuses_frames() -> None:
             FrameQueue(0, "block", loop)
     finally:
         loop.close()
+
+
+def test_a_full_queue_lets_its_decoder_resume_only_once_half_is_taken() -> None:
+    async def main() -> list[int]:
+        queue: FrameQueue[int] = FrameQueue(4, "block", asyncio.get_running_loop())
+        for i in range(4):
+            queue.put(i)
+        resumed = threading.Event()
+
+        def produce() -> None:
+            queue.put(4)
+            resumed.set()
+
+        thread = threading.Thread(target=produce)
+        thread.start()
+        got = [await queue.get()]  # three left: the decoder keeps waiting
+        await asyncio.sleep(0.3)  # past the producer's 0.1 s re-check
+        assert not resumed.is_set()
+        got.append(await queue.get())  # two left (half of 4): it resumes
+        assert await asyncio.to_thread(resumed.wait, 5)
+        thread.join()
+        got += [await queue.get() for _ in range(3)]
+        return got
+
+    assert asyncio.run(main()) == [0, 1, 2, 3, 4]
