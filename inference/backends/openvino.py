@@ -67,7 +67,6 @@ class _Shared:
     compiled: Any  # openvino.CompiledModel: the only one, or the largest static batch
     metadata: dict[str, str]
     input: TensorSpec  # the image input, checked against the config once, at compile
-    takes_images: bool  # the compiled model normalises uint8 images itself
     # static_batch_sizes: batch size -> the model compiled for it (sizes include 1).
     by_size: dict[int, Any] = field(default_factory=dict)
     users: int = 0
@@ -274,7 +273,7 @@ def _load(config: ModelConfig, model_path: Path, ov: Any, device: str) -> _Share
             )
             for size in sizes
         }  # fmt: skip
-        return _Shared(by_size[max(by_size)], _metadata(model), port, preprocesses_in_model(config), by_size)
+        return _Shared(by_size[max(by_size)], _metadata(model), port, by_size)
     if config.max_batch_size > 1:
         shape = ov.PartialShape([ov.Dimension(1, config.max_batch_size), c, h, w])
     elif config.max_batch_size == 1:
@@ -282,7 +281,7 @@ def _load(config: ModelConfig, model_path: Path, ov: Any, device: str) -> _Share
     else:
         shape = ov.PartialShape([c, h, w])
     compiled = _compile(config, ov, ov_core, model, model_path, port, shape, device, properties)
-    return _Shared(compiled, _metadata(model), port, preprocesses_in_model(config))
+    return _Shared(compiled, _metadata(model), port)
 
 
 def static_batch_sizes(config: ModelConfig) -> list[int]:
@@ -348,7 +347,7 @@ def _key(config: ModelConfig, model_path: Path, device: str) -> tuple[Any, ...]:
     ir = model_path.suffix.lower() == ".xml"
     files = [model_path, model_path.with_suffix(".bin")] if ir else [model_path]
     stamps = tuple((os.fspath(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
-    return (stamps, device, preprocesses_in_model(config), repr(config))
+    return (stamps, device, repr(config))
 
 
 def precision_of(compiled: Any) -> str:
@@ -394,7 +393,7 @@ class OpenVinoBackend(Backend):
         self.metadata = dict(shared.metadata)
         self.input = shared.input
         self.precision = precision_of(compiled)
-        self.takes_images = shared.takes_images
+        self.takes_images = preprocesses_in_model(config)  # the compiled model normalises uint8 images
         self._output_names = [o.name for o in self.outputs]
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

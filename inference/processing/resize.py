@@ -152,6 +152,24 @@ def check_image(image: np.ndarray, index: int = 0) -> None:
         raise ValueError(f"image {index}: expected a non-empty H×W×3 uint8 RGB array, got {shape} {dtype}")
 
 
+def _check_batch(count: int, out: np.ndarray, item_shape: tuple[int, int, int]) -> None:
+    """Refuse a batch tensor that is not ``N × item_shape`` or too small for ``count`` images."""
+    if out.ndim != 4 or tuple(out.shape[1:]) != item_shape:
+        raise ValueError(
+            f"batch tensor has shape {out.shape}, expected (N, {', '.join(map(str, item_shape))})"
+        )
+    if count > out.shape[0]:
+        raise ValueError(f"{count} images do not fit a batch tensor of {out.shape[0]}")
+
+
+def _fill_border(dst: np.ndarray, value: float, x0: int, y0: int, cw: int, ch: int) -> None:
+    """Set everything of ``dst`` (H×W or H×W×C) outside the content rectangle to ``value``."""
+    dst[:y0] = value
+    dst[y0 + ch :] = value
+    dst[y0 : y0 + ch, :x0] = value
+    dst[y0 : y0 + ch, x0 + cw :] = value
+
+
 class _Staging(threading.local):
     """Per-thread reusable buffers (a task may be shared by several worker threads)."""
 
@@ -196,13 +214,7 @@ class ImagePreprocessor:
         Images must be H×W×3 uint8 (see :func:`check_image`); a model checks each
         one when it is submitted, so a bad image fails its own request, not a batch.
         """
-        expected = (self.channels, self.height, self.width)
-        if out.ndim != 4 or tuple(out.shape[1:]) != expected:
-            raise ValueError(
-                f"batch tensor has shape {out.shape}, expected (N, {', '.join(map(str, expected))})"
-            )
-        if len(images) > out.shape[0]:
-            raise ValueError(f"{len(images)} images do not fit a batch tensor of {out.shape[0]}")
+        _check_batch(len(images), out, (self.channels, self.height, self.width))
         if out.dtype not in _CV_DEPTH:
             raise ValueError(f"batch tensor dtype {out.dtype} is not float32 or float16")
         return [self.write(image, out[i]) for i, image in enumerate(images)]
@@ -217,7 +229,7 @@ class ImagePreprocessor:
         depth = _CV_DEPTH[item.dtype]
         for c in range(self.channels):
             dst = item[c]
-            self._fill_border(dst, self._pad[c], x0, y0, cw, ch)
+            _fill_border(dst, self._pad[c], x0, y0, cw, ch)
             region = dst[y0 : y0 + ch, x0 : x0 + cw]
             channel = cv2.extractChannel(content, self._src[c], dst=plane)
             if region.strides[1] == region.itemsize:
@@ -244,13 +256,6 @@ class ImagePreprocessor:
             setattr(self._staging, name, buf)
         return buf
 
-    @staticmethod
-    def _fill_border(dst: np.ndarray, value: float, x0: int, y0: int, cw: int, ch: int) -> None:
-        dst[:y0] = value
-        dst[y0 + ch :] = value
-        dst[y0 : y0 + ch, :x0] = value
-        dst[y0 : y0 + ch, x0 + cw :] = value
-
 
 class ImageResizer:
     """Resizes images into a caller-provided uint8 ``N×H×W×3`` RGB batch, without normalising.
@@ -274,13 +279,7 @@ class ImageResizer:
 
     def __call__(self, images: Sequence[np.ndarray], out: np.ndarray) -> list[ResizeMeta]:
         """Write ``images`` into ``out[:len(images)]``; return each image's :class:`ResizeMeta`."""
-        expected = (self.height, self.width, 3)
-        if out.ndim != 4 or tuple(out.shape[1:]) != expected:
-            raise ValueError(
-                f"batch tensor has shape {out.shape}, expected (N, {', '.join(map(str, expected))})"
-            )
-        if len(images) > out.shape[0]:
-            raise ValueError(f"{len(images)} images do not fit a batch tensor of {out.shape[0]}")
+        _check_batch(len(images), out, (self.height, self.width, 3))
         if out.dtype != np.uint8:
             raise ValueError(f"batch tensor dtype {out.dtype} is not uint8")
         return [self.write(image, out[i]) for i, image in enumerate(images)]
@@ -290,7 +289,7 @@ class ImageResizer:
         src_h, src_w = image.shape[:2]
         meta = self.geometry(src_w, src_h)
         x0, y0, cw, ch = meta.pad_x, meta.pad_y, meta.content_w, meta.content_h
-        ImagePreprocessor._fill_border(item, self.pad_value, x0, y0, cw, ch)
+        _fill_border(item, self.pad_value, x0, y0, cw, ch)
         region = item[y0 : y0 + ch, x0 : x0 + cw]
         if src_w == cw and src_h == ch:
             region[...] = image
