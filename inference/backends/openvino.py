@@ -267,9 +267,10 @@ def _load(config: ModelConfig, model_path: Path, ov: Any, device: str) -> _Share
     sizes = static_batch_sizes(config) if config.backend_options.static_batch_sizes else []
     if config.max_batch_size > 1 and sizes:
         by_size = {
+            # Preprocessing rewrites the model's input, so each shape starts from a clean copy.
             size: _compile(
-                config, ov, ov_core, model, model_path, port, ov.PartialShape([size, c, h, w]), device,
-                properties,
+                config, ov, ov_core, model.clone(), model_path, port, ov.PartialShape([size, c, h, w]),
+                device, properties,
             )
             for size in sizes
         }  # fmt: skip
@@ -330,8 +331,6 @@ def _compile(
 ) -> Any:  # fmt: skip
     """``model`` compiled with ``port`` reshaped to ``shape`` (and normalising images, if so set)."""
     try:
-        # Preprocessing rewrites the model's input, so each shape starts from a clean copy.
-        model = model.clone()
         model.reshape({port.name: shape})
         if preprocesses_in_model(config):
             model = with_preprocessing(ov, model, port.name, config)
