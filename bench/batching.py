@@ -35,7 +35,7 @@ Detector (frames/s):
   inputs: static batch 1 on 1 or 2 streams, the bounded batch axis at batch 2,
   static batch 4 on 2 streams, and static batch 1 on 2 and 4 streams taking uint8
   images normalised inside the compiled model (``u8``: how vidpipe compiles the
-  shipped detector, four instances = four streams).
+  shipped detector; its two instances are two streams).
   The **ideal** for the OpenVINO pipeline is what that model rate and the
   per-frame decode + preprocess + DB cost (measured single-threaded, spread over
   every core) allow together with zero pipeline overhead:

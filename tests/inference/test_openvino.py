@@ -569,19 +569,19 @@ def test_static_batch_size_1_runs_a_batch_as_single_requests_side_by_side(tmp_pa
     data = yaml.safe_load((ROOT / "samples" / "models" / "ppocr_det" / "config.yaml").read_text())
     shipped(tmp_path, "ppocr_det", input={**data["input"], "shape": [3, 320, 320]})
     src = read_source(tmp_path, "ppocr_det")
-    # The shipped detector: batches of up to 4, one compiled [1, ...] shape.
-    assert (src.config.max_batch_size, src.config.backend_options.static_batch_sizes) == (4, [1])
+    # The shipped detector: batches of up to 16, one compiled [1, ...] shape.
+    assert (src.config.max_batch_size, src.config.backend_options.static_batch_sizes) == (16, [1])
     backend = create_backend(src.config, resolve_model_file(src.config, src.model_dir), 0)
     try:
         assert isinstance(backend, OpenVinoBackend) and backend._shared is not None
         assert sorted(backend._shared.by_size) == [1]
-        # Four requests of the one shape, so a batch of four runs as four at once.
-        assert len(backend._requests[1]) == 4
+        # Sixteen requests of the one shape, so a full batch runs as sixteen at once.
+        assert len(backend._requests[1]) == 16
         rng = np.random.default_rng(3)
-        batch = rng.integers(0, 256, (4, 320, 320, 3), dtype=np.uint8)
+        batch = rng.integers(0, 256, (5, 320, 320, 3), dtype=np.uint8)
         out = backend.run({"x": batch})["sigmoid_0.tmp_0"]
-        assert out.shape == (4, 1, 320, 320)
-        for i in range(4):
+        assert out.shape == (5, 1, 320, 320)
+        for i in range(5):
             single = backend.run({"x": batch[i : i + 1]})["sigmoid_0.tmp_0"]
             np.testing.assert_array_equal(out[i], single[0])
     finally:
@@ -596,8 +596,8 @@ def test_static_batch_size_1_runs_a_batch_as_single_requests_side_by_side(tmp_pa
             "static_batch_sizes [2, 4] has no 1 (hint: add 1: a batch of any size runs as pieces of them)",
         ),
         (
-            [1, 8],
-            "static_batch_sizes [1, 8] exceeds max_batch_size 4 (hint: list sizes up to max_batch_size)",
+            [1, 32],
+            "static_batch_sizes [1, 32] exceeds max_batch_size 16 (hint: list sizes up to max_batch_size)",
         ),
     ],
 )
