@@ -17,7 +17,7 @@ one :class:`~inference.memory.BufferPool` of batch tensors per instance, and
 starts a :class:`~inference.batcher.DynamicBatcher`. Each batch is::
 
     metas = task.preprocess(images, pooled_tensor)
-    outputs = backend.run({input_name: pooled_tensor[:n]})
+    outputs = backend.run_borrowed({input_name: pooled_tensor[:n]})
     results = task.postprocess(outputs, metas)
 
 so a model in steady state allocates no batch tensors. For ``max_batch_size: 0``
@@ -409,10 +409,11 @@ class Model:
         with inst.pool.acquire(timeout=self._buffer_timeout) as buf:
             tensor = buf.array
             metas = inst.task.preprocess(images, tensor)
+            # Borrowed: the task turns the outputs into results before this instance's next batch.
             if self.config.max_batch_size:
-                outputs = inst.backend.run({inst.input_name: tensor[:n]})
+                outputs = inst.backend.run_borrowed({inst.input_name: tensor[:n]})
             else:
-                raw = inst.backend.run({inst.input_name: tensor[0]})
+                raw = inst.backend.run_borrowed({inst.input_name: tensor[0]})
                 outputs = {k: v[np.newaxis] for k, v in raw.items()}
             return inst.task.postprocess(outputs, metas)
 

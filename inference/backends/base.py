@@ -51,7 +51,19 @@ class Backend(ABC):
 
     @abstractmethod
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one batch; arrays carry the batch dimension when the model has one."""
+        """Run one batch; arrays carry the batch dimension when the model has one.
+
+        The output arrays are the caller's: later calls do not change them.
+        """
+
+    def run_borrowed(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """:meth:`run`, but the outputs may be the backend's own buffers, valid until its next call.
+
+        For a caller that turns the outputs into results before the next batch (a
+        model's worker thread): a backend that writes into buffers of its own
+        saves copying them. By default, :meth:`run`.
+        """
+        return self.run(inputs)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the instance's resources."""

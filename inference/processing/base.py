@@ -6,8 +6,11 @@ into one result per image. It is called from a model instance's worker thread
 with a whole batch at a time::
 
     metas = task.preprocess(images, out)        # fills out[:len(images)]
-    outputs = backend.run({input_name: out[:n]})
+    outputs = backend.run_borrowed({input_name: out[:n]})
     results = task.postprocess(outputs, metas)  # one Result per image
+
+The outputs may be the backend's own buffers, overwritten by the next batch, so a
+result never holds a view of them (copy what it keeps).
 """
 
 from __future__ import annotations

@@ -565,6 +565,34 @@ async def test_preprocess_model_on_a_backend_that_cannot_points_at_the_key(tmp_p
         await models.close()
 
 
+def test_borrowed_outputs_are_the_instances_buffer_and_run_returns_copies(tmp_path: Path) -> None:
+    data = yaml.safe_load((ROOT / "samples" / "models" / "ppocr_det" / "config.yaml").read_text())
+    shipped(tmp_path, "ppocr_det", input={**data["input"], "shape": [3, 320, 320]})
+    src = read_source(tmp_path, "ppocr_det")
+    backend = create_backend(src.config, resolve_model_file(src.config, src.model_dir), 0)
+    try:
+        rng = np.random.default_rng(5)
+        images = np.ascontiguousarray(rng.integers(0, 256, (3, 320, 320, 3), dtype=np.uint8))
+        blank = np.zeros((3, 320, 320, 3), np.uint8)
+        kept = backend.run({"x": images})["sigmoid_0.tmp_0"]
+        first = backend.run_borrowed({"x": images})["sigmoid_0.tmp_0"]
+        np.testing.assert_array_equal(first, kept)
+        expected = first.copy()
+        second = backend.run_borrowed({"x": blank[:2]})["sigmoid_0.tmp_0"]
+        # The same memory, rewritten by the next batch: a borrowed output lasts one call.
+        assert second.shape == (2, 1, 320, 320) and np.shares_memory(first, second)
+        assert not np.array_equal(first[:2], expected[:2])
+        # run() hands out copies, untouched by later batches.
+        np.testing.assert_array_equal(kept, expected)
+        assert not np.shares_memory(kept, second)
+        # The bound input is read in place: new pixels in the same array give new answers.
+        images[:] = blank
+        again = backend.run_borrowed({"x": images})["sigmoid_0.tmp_0"]
+        np.testing.assert_array_equal(again[:2], second)
+    finally:
+        backend.close()
+
+
 def test_static_batch_size_1_runs_a_batch_as_single_requests_side_by_side(tmp_path: Path) -> None:
     data = yaml.safe_load((ROOT / "samples" / "models" / "ppocr_det" / "config.yaml").read_text())
     shipped(tmp_path, "ppocr_det", input={**data["input"], "shape": [3, 320, 320]})
