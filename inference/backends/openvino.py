@@ -35,6 +35,7 @@ NHWC→NCHW transpose into the compiled graph, where they cost next to nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Mapping
@@ -420,10 +421,17 @@ class OpenVinoBackend(Backend):
     def _run_pieces(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A batch on the static shapes: views of this instance's output buffers."""
         n = len(next(iter(inputs.values())))
+        if not 0 < n <= self.config.max_batch_size:
+            shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in inputs.items())
+            raise BackendError(
+                f"{self.config.name}: a batch of {n} ({shapes}) is outside 1..max_batch_size "
+                f"({self.config.max_batch_size})"
+            )
+        running: list[Any] = []
         try:
             # Start every piece, then collect them: they run at once on the model's streams,
             # so a partial batch takes about as long as its largest piece.
-            running, start, used = [], 0, dict.fromkeys(self._sizes, 0)
+            start, used = 0, dict.fromkeys(self._sizes, 0)
             for size in split_batch(n, self._sizes):
                 request = self._requests[size][used[size]]
                 used[size] += 1
@@ -438,6 +446,10 @@ class OpenVinoBackend(Backend):
             for request in running:
                 request.wait()
         except Exception as exc:
+            # Let the pieces already started finish: the next batch needs their requests free.
+            for request in running:
+                with contextlib.suppress(Exception):
+                    request.wait()
             raise self._failed(inputs, exc) from exc
         return {name: out[:n] for name, out in self._outputs.items()}
 

@@ -18,7 +18,7 @@ import yaml
 from onnx import TensorProto, helper
 
 from inference.backends import create_backend
-from inference.backends.base import TensorSpec
+from inference.backends.base import BackendError, TensorSpec
 from inference.backends.openvino import OpenVinoBackend, split_batch
 from inference.model import Model, resolve_model_file
 from inference.processing.crop import crop_upright
@@ -589,6 +589,44 @@ def test_borrowed_outputs_are_the_instances_buffer_and_run_returns_copies(tmp_pa
         images[:] = blank
         again = backend.run_borrowed({"x": images})["sigmoid_0.tmp_0"]
         np.testing.assert_array_equal(again[:2], second)
+    finally:
+        backend.close()
+
+
+class _FailingStart:
+    """An infer request whose start fails (a device lost mid-batch); the rest is the real request."""
+
+    def __init__(self, request: Any) -> None:
+        self._request = request
+
+    def start_async(self) -> None:
+        raise RuntimeError("device lost")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+
+def test_a_piece_that_fails_leaves_the_requests_free_for_the_next_batch(tmp_path: Path) -> None:
+    data = yaml.safe_load((ROOT / "samples" / "models" / "ppocr_det" / "config.yaml").read_text())
+    shipped(tmp_path, "ppocr_det", input={**data["input"], "shape": [3, 320, 320]})
+    src = read_source(tmp_path, "ppocr_det")
+    backend = create_backend(src.config, resolve_model_file(src.config, src.model_dir), 0)
+    try:
+        assert isinstance(backend, OpenVinoBackend)
+        images = np.zeros((16, 320, 320, 3), np.uint8)
+        with pytest.raises(
+            BackendError,
+            match=r"a batch of 17 \(x\[17, 320, 320, 3\]\) is outside 1\.\.max_batch_size \(16\)",
+        ):
+            backend.run({"x": np.zeros((17, 320, 320, 3), np.uint8)})
+        real = backend._requests[1][15]
+        backend._requests[1][15] = _FailingStart(real)
+        with pytest.raises(BackendError, match=r"ppocr_det: .* failed on x\[16, 320, 320, 3\]: device lost"):
+            backend.run({"x": images})
+        backend._requests[1][15] = real
+        # The fifteen pieces that did start finished before the error was raised.
+        out = backend.run({"x": images})["sigmoid_0.tmp_0"]
+        assert out.shape == (16, 1, 320, 320)
     finally:
         backend.close()
 
