@@ -565,11 +565,18 @@ async def test_preprocess_model_on_a_backend_that_cannot_points_at_the_key(tmp_p
         await models.close()
 
 
-def test_borrowed_outputs_are_the_instances_buffer_and_run_returns_copies(tmp_path: Path) -> None:
+def shipped_det_320(tmp_path: Path) -> OpenVinoBackend:
+    """Instance 0 of the shipped detector, its input at 320×320."""
     data = yaml.safe_load((ROOT / "samples" / "models" / "ppocr_det" / "config.yaml").read_text())
     shipped(tmp_path, "ppocr_det", input={**data["input"], "shape": [3, 320, 320]})
     src = read_source(tmp_path, "ppocr_det")
     backend = create_backend(src.config, resolve_model_file(src.config, src.model_dir), 0)
+    assert isinstance(backend, OpenVinoBackend)
+    return backend
+
+
+def test_borrowed_outputs_are_the_instances_buffer_and_run_returns_copies(tmp_path: Path) -> None:
+    backend = shipped_det_320(tmp_path)
     try:
         rng = np.random.default_rng(5)
         images = np.ascontiguousarray(rng.integers(0, 256, (3, 320, 320, 3), dtype=np.uint8))
@@ -607,12 +614,8 @@ class _FailingStart:
 
 
 def test_a_piece_that_fails_leaves_the_requests_free_for_the_next_batch(tmp_path: Path) -> None:
-    data = yaml.safe_load((ROOT / "samples" / "models" / "ppocr_det" / "config.yaml").read_text())
-    shipped(tmp_path, "ppocr_det", input={**data["input"], "shape": [3, 320, 320]})
-    src = read_source(tmp_path, "ppocr_det")
-    backend = create_backend(src.config, resolve_model_file(src.config, src.model_dir), 0)
+    backend = shipped_det_320(tmp_path)
     try:
-        assert isinstance(backend, OpenVinoBackend)
         images = np.zeros((16, 320, 320, 3), np.uint8)
         with pytest.raises(
             BackendError,
@@ -632,14 +635,12 @@ def test_a_piece_that_fails_leaves_the_requests_free_for_the_next_batch(tmp_path
 
 
 def test_static_batch_size_1_runs_a_batch_as_single_requests_side_by_side(tmp_path: Path) -> None:
-    data = yaml.safe_load((ROOT / "samples" / "models" / "ppocr_det" / "config.yaml").read_text())
-    shipped(tmp_path, "ppocr_det", input={**data["input"], "shape": [3, 320, 320]})
-    src = read_source(tmp_path, "ppocr_det")
-    # The shipped detector: batches of up to 16, one compiled [1, ...] shape.
-    assert (src.config.max_batch_size, src.config.backend_options.static_batch_sizes) == (16, [1])
-    backend = create_backend(src.config, resolve_model_file(src.config, src.model_dir), 0)
+    backend = shipped_det_320(tmp_path)
     try:
-        assert isinstance(backend, OpenVinoBackend) and backend._shared is not None
+        # The shipped detector: batches of up to 16, one compiled [1, ...] shape.
+        config = backend.config
+        assert (config.max_batch_size, config.backend_options.static_batch_sizes) == (16, [1])
+        assert backend._shared is not None
         assert sorted(backend._shared.by_size) == [1]
         # Sixteen requests of the one shape, so a full batch runs as sixteen at once.
         assert len(backend._requests[1]) == 16
