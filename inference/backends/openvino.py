@@ -401,7 +401,9 @@ class OpenVinoBackend(Backend):
         self._bound: dict[tuple[int, bool, str], tuple[tuple[int, tuple[int, ...], str], np.ndarray]] = {}
         self._outputs: dict[str, np.ndarray] = {}
         self._output_index: dict[str, int] = {}
-        if self._sizes:
+        # An output whose size depends on the data cannot be written into a fixed buffer:
+        # such pieces are gathered after they run.
+        if self._sizes and all(p.get_partial_shape().is_static for p in shared.by_size[1].outputs):
             one = self._requests[1][0]
             for i, spec in enumerate(self.outputs):
                 item = one.get_output_tensor(i).data
@@ -411,7 +413,8 @@ class OpenVinoBackend(Backend):
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if not self._sizes:
             return self._infer(self._request, inputs)
-        return {name: out.copy() for name, out in self._run_pieces(inputs).items()}
+        outputs = self._run_pieces(inputs)
+        return {name: out.copy() for name, out in outputs.items()} if self._outputs else outputs
 
     def run_borrowed(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if not self._sizes:
@@ -419,7 +422,7 @@ class OpenVinoBackend(Backend):
         return self._run_pieces(inputs)
 
     def _run_pieces(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """A batch on the static shapes: views of this instance's output buffers."""
+        """A batch on the static shapes: views of this instance's output buffers (or gathered copies)."""
         n = len(next(iter(inputs.values())))
         if not 0 < n <= self.config.max_batch_size:
             shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in inputs.items())
@@ -451,6 +454,12 @@ class OpenVinoBackend(Backend):
                 with contextlib.suppress(Exception):
                     request.wait()
             raise self._failed(inputs, exc) from exc
+        if not self._outputs:
+            # np.concatenate copies, so these outlive the requests' next runs.
+            return {
+                name: np.concatenate([r.get_output_tensor(i).data for r in running])
+                for i, name in enumerate(self._output_names)
+            }
         return {name: out[:n] for name, out in self._outputs.items()}
 
     def _bind(self, request: Any, name: str, array: np.ndarray, *, output: bool) -> None:

@@ -634,6 +634,51 @@ def test_a_piece_that_fails_leaves_the_requests_free_for_the_next_batch(tmp_path
         backend.close()
 
 
+def first_k_model(path: Path) -> None:
+    """An ONNX model whose output size depends on the data: the first max(x) values of each image."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 4, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "K"])
+    nodes = [
+        helper.make_node("Flatten", ["x"], ["flat"], axis=1),
+        helper.make_node("ReduceMax", ["x"], ["top"], keepdims=0),
+        helper.make_node("Cast", ["top"], ["k0"], to=TensorProto.INT64),
+        helper.make_node("Unsqueeze", ["k0", "axis0"], ["k"]),
+        helper.make_node("Slice", ["flat", "axis0", "k", "axis1"], ["y"]),
+    ]
+    constants = [
+        helper.make_tensor("axis0", TensorProto.INT64, [1], [0]),
+        helper.make_tensor("axis1", TensorProto.INT64, [1], [1]),
+    ]
+    graph = helper.make_graph(nodes, "first_k", [x], [y], initializer=constants)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+
+
+def test_static_pieces_with_a_data_dependent_output_are_gathered(tmp_path: Path) -> None:
+    folder = tmp_path / "firstk"
+    folder.mkdir()
+    first_k_model(folder / "model.onnx")
+    config = {
+        "name": "firstk",
+        "backend": "openvino",
+        "model_file": {"path": "model.onnx"},
+        "max_batch_size": 4,
+        "input": {"shape": [3, 4, 4]},
+        "task": {"kind": "classify"},
+        "backend_options": {"precision": "f32", "preprocess": "cpu", "static_batch_sizes": [1]},
+    }
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    src = read_source(tmp_path, "firstk")
+    backend = create_backend(src.config, resolve_model_file(src.config, src.model_dir), 0)
+    try:
+        batch = np.arange(3 * 48, dtype=np.float32).reshape(3, 3, 4, 4) % 7
+        for run in (backend.run, backend.run_borrowed):
+            out = run({"x": batch})["y"]
+            # max is 6 in every image: six values each, in the order of the batch.
+            np.testing.assert_array_equal(out, batch.reshape(3, -1)[:, :6])
+    finally:
+        backend.close()
+
+
 def test_static_batch_size_1_runs_a_batch_as_single_requests_side_by_side(tmp_path: Path) -> None:
     backend = shipped_det_320(tmp_path)
     try:
