@@ -350,6 +350,11 @@ def _key(config: ModelConfig, model_path: Path, device: str) -> tuple[Any, ...]:
     return (stamps, device, repr(config))
 
 
+def _shapes(inputs: Mapping[str, np.ndarray]) -> str:
+    """``x[4, 320, 320, 3]``: the inputs as an error message names them."""
+    return ", ".join(f"{k}{list(v.shape)}" for k, v in inputs.items())
+
+
 def precision_of(compiled: Any) -> str:
     """The precision a compiled model computes in (``bf16``, ``f32``, ...), as the device reports it."""
     try:
@@ -383,7 +388,8 @@ class OpenVinoBackend(Backend):
         for size in self._sizes:
             count = _most_pieces(size, self._sizes, config)
             self._requests[size] = [shared.by_size[size].create_infer_request() for _ in range(count)]
-        self._request = self._requests[self._sizes[0]][0] if self._sizes else compiled.create_infer_request()
+        # One request on the single compiled shape; static pieces use _requests instead.
+        self._request: Any = None if self._sizes else compiled.create_infer_request()
         # Static pieces still take any batch of 1..max_batch_size: say so (batch axis None).
         batch: tuple[int | None, ...] = (None,) if self._sizes else ()
         self.inputs = [TensorSpec(p.get_any_name(), _spec_dims(p, batch), _dtype(p)) for p in compiled.inputs]
@@ -398,9 +404,8 @@ class OpenVinoBackend(Backend):
         self._ov = ov
         # Static pieces write into these (one row per batch item) and read the inputs in
         # place; _bound remembers what each request points at.
-        self._bound: dict[tuple[int, bool, str], tuple[tuple[int, tuple[int, ...], str], np.ndarray]] = {}
+        self._bound: dict[tuple[int, str | int], tuple[tuple[int, tuple[int, ...], str], np.ndarray]] = {}
         self._outputs: dict[str, np.ndarray] = {}
-        self._output_index: dict[str, int] = {}
         # An output whose size depends on the data cannot be written into a fixed buffer:
         # such pieces are gathered after they run.
         if self._sizes and all(p.get_partial_shape().is_static for p in shared.by_size[1].outputs):
@@ -408,7 +413,6 @@ class OpenVinoBackend(Backend):
             for i, spec in enumerate(self.outputs):
                 item = one.get_output_tensor(i).data
                 self._outputs[spec.name] = np.empty((config.max_batch_size, *item.shape[1:]), item.dtype)
-                self._output_index[spec.name] = i
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if not self._sizes:
@@ -425,9 +429,8 @@ class OpenVinoBackend(Backend):
         """A batch on the static shapes: views of this instance's output buffers (or gathered copies)."""
         n = len(next(iter(inputs.values())))
         if not 0 < n <= self.config.max_batch_size:
-            shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in inputs.items())
             raise BackendError(
-                f"{self.config.name}: a batch of {n} ({shapes}) is outside 1..max_batch_size "
+                f"{self.config.name}: a batch of {n} ({_shapes(inputs)}) is outside 1..max_batch_size "
                 f"({self.config.max_batch_size})"
             )
         running: list[Any] = []
@@ -440,9 +443,9 @@ class OpenVinoBackend(Backend):
                 used[size] += 1
                 end = start + size
                 for name, array in inputs.items():
-                    self._bind(request, name, np.ascontiguousarray(array[start:end]), output=False)
-                for name, out in self._outputs.items():
-                    self._bind(request, name, out[start:end], output=True)
+                    self._bind(request, name, np.ascontiguousarray(array[start:end]))
+                for i, out in enumerate(self._outputs.values()):  # in the model's output order
+                    self._bind(request, i, out[start:end])
                 request.start_async()
                 running.append(request)
                 start = end
@@ -462,23 +465,23 @@ class OpenVinoBackend(Backend):
             }
         return {name: out[:n] for name, out in self._outputs.items()}
 
-    def _bind(self, request: Any, name: str, array: np.ndarray, *, output: bool) -> None:
-        """Point ``request``'s tensor ``name`` at ``array``'s memory, unless it already is.
+    def _bind(self, request: Any, port: str | int, array: np.ndarray) -> None:
+        """Point ``request``'s input ``port`` (a name) or output ``port`` (an index) at ``array``'s memory.
 
         OpenVINO then reads the pooled batch and writes the outputs in place: no
         copies, and none of the Python-side input conversion a call with arrays
         pays per request. The instance's buffers stay put, so binding happens once.
         """
         where = (array.ctypes.data, array.shape, array.dtype.str)
-        slot = (id(request), output, name)
+        slot = (id(request), port)
         held = self._bound.get(slot)
         if held is not None and held[0] == where:
             return
         tensor = self._ov.Tensor(array, shared_memory=True)
-        if output:
-            request.set_output_tensor(self._output_index[name], tensor)
+        if isinstance(port, int):
+            request.set_output_tensor(port, tensor)
         else:
-            request.set_tensor(name, tensor)
+            request.set_tensor(port, tensor)
         # Keeping the array keeps the memory the request points at alive.
         self._bound[slot] = (where, array)
 
@@ -492,8 +495,7 @@ class OpenVinoBackend(Backend):
         return {name: results[i] for i, name in enumerate(self._output_names)}
 
     def _failed(self, inputs: Mapping[str, np.ndarray], exc: Exception) -> BackendError:
-        shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in inputs.items())
-        return BackendError(f"{self.config.name}: {self.model_path.name} failed on {shapes}: {exc}")
+        return BackendError(f"{self.config.name}: {self.model_path.name} failed on {_shapes(inputs)}: {exc}")
 
     def close(self) -> None:
         shared, self._shared = self._shared, None
@@ -501,7 +503,7 @@ class OpenVinoBackend(Backend):
             return
         self.__dict__.pop("_request", None)
         self._requests, self._sizes = {}, []
-        self._bound, self._outputs, self._output_index = {}, {}, {}
+        self._bound, self._outputs = {}, {}
         with _cache_lock:
             shared.users -= 1
             if shared.users == 0 and _cache.get(self._key) is shared:
