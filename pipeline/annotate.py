@@ -1,14 +1,17 @@
 """The annotator: a frame with what the graph found in it drawn on a copy.
 
 Boxes (or polygons), each object's label and score, its track id when tracked,
-recognised text, attributes and the zones it is in; zones and lines themselves
-when the frame carries them. Everything drawn comes from the frame and its
-objects, so a stage that adds ``zones`` to objects, or ``zones`` / ``lines`` to
-the frame, shows up here without a change:
+recognised text, attributes and the zones it is in; zones and counting lines
+themselves when the frame carries them. Everything drawn comes from the frame and
+its objects, so a stage that adds ``zones`` to objects, or ``zones`` / ``lines``
+to the frame, shows up here without a change:
 
 - ``obj.zones``: names of the zones the object is in (added to its caption);
-- ``frame.zones`` / ``frame.lines``: ``{name: [(x, y), ...]}`` in source pixels
-  (a zone is a polygon, a line two or more points).
+- ``frame.zones``: ``(name, polygon)`` in source pixels, drawn as a closed outline;
+- ``frame.lines``: :class:`~pipeline.frames.LineMark`: the segment, an arrow from
+  its middle pointing the way an ``in`` crossing goes (from the line's left to
+  its right, walking from its first point to its second), and a caption
+  ``door in 3 out 1`` with its crossings so far.
 
 Drawing never touches the frame's pooled buffer: :func:`annotate` converts it to
 a BGR copy first. It runs on worker threads (OpenCV releases the GIL), and only
@@ -17,16 +20,16 @@ for sources someone watches or records (``pipeline.outputs``).
 
 from __future__ import annotations
 
+import math
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import cv2
 import numpy as np
 
-from pipeline.frames import DetectedObject, Frame
+from pipeline.frames import DetectedObject, Frame, LineMark
 
-__all__ = ["annotate", "to_bgr"]
+__all__ = ["LINE_COLOUR", "ZONE_COLOUR", "annotate", "draw_line", "draw_zone", "to_bgr"]
 
 FONT = cv2.FONT_HERSHEY_SIMPLEX
 ZONE_COLOUR = (255, 200, 0)  # BGR: a cyan-ish blue, unlike the per-track colours' brightness
@@ -64,28 +67,49 @@ def caption(obj: DetectedObject) -> str:
     return _ascii(" ".join(parts))
 
 
-def _shapes(value: Any) -> Iterable[tuple[str, Sequence[Sequence[float]]]]:
-    """``{name: points}`` or a list of ``{name, points}`` / ``{name, polygon}`` / ``{name, line}``."""
-    if isinstance(value, Mapping):
-        yield from ((str(k), v) for k, v in value.items())
-    elif isinstance(value, Sequence):
-        for item in value:
-            if isinstance(item, Mapping):
-                points = item.get("points") or item.get("polygon") or item.get("line") or []
-                yield str(item.get("name", "")), points
+def _points(points: Sequence[Sequence[float]]) -> np.ndarray:
+    return np.asarray(points, dtype=np.float32).round().astype(np.int32)
 
 
-def _draw_shape(
-    image: np.ndarray, name: str, points: Sequence[Sequence[float]], colour: tuple[int, int, int],
-    closed: bool, thickness: int, scale: float,
-) -> None:  # fmt: skip
-    if len(points) < 2:
+def _label(
+    image: np.ndarray, text: str, at: tuple[int, int], colour: tuple[int, int, int], scale: float
+) -> None:
+    """A caption on a dark band, so it reads on any background."""
+    h, w = image.shape[:2]
+    (tw, th), baseline = cv2.getTextSize(text, FONT, scale, 1)
+    x = min(max(0, at[0]), max(0, w - tw - 4))
+    y = min(max(th + 2, at[1]), max(th + 2, h - baseline - 2))
+    cv2.rectangle(image, (x, y - th - 2), (x + tw + 4, y + baseline), (0, 0, 0), cv2.FILLED)
+    cv2.putText(image, text, (x + 2, y), FONT, scale, colour, 1, cv2.LINE_AA)
+
+
+def draw_zone(
+    image: np.ndarray, name: str, polygon: Sequence[Sequence[float]], thickness: int, scale: float
+) -> None:
+    """A zone's outline and its name at its first corner."""
+    if len(polygon) < 3:
         return
-    pts = np.asarray(points, dtype=np.float32).round().astype(np.int32)
-    cv2.polylines(image, [pts], isClosed=closed, color=colour, thickness=thickness, lineType=cv2.LINE_AA)
-    if name:
-        x, y = int(pts[0][0]), int(pts[0][1])
-        cv2.putText(image, _ascii(name), (x + 3, max(12, y - 4)), FONT, scale, colour, 1, cv2.LINE_AA)
+    pts = _points(polygon)
+    cv2.polylines(image, [pts], isClosed=True, color=ZONE_COLOUR, thickness=thickness, lineType=cv2.LINE_AA)
+    _label(image, _ascii(name), (int(pts[0][0]) + 3, int(pts[0][1]) - 4), ZONE_COLOUR, scale)
+
+
+def draw_line(image: np.ndarray, line: LineMark, thickness: int, scale: float) -> None:
+    """A counting line, the arrow of its ``in`` direction, and ``name in N out M``."""
+    (ax, ay), (bx, by) = line.a, line.b
+    length = math.hypot(bx - ax, by - ay)
+    if length == 0:
+        return
+    a, b = (round(ax), round(ay)), (round(bx), round(by))
+    cv2.line(image, a, b, LINE_COLOUR, thickness, cv2.LINE_AA)
+    # The right-hand normal (image y points down): where an "in" crossing ends up.
+    nx, ny = -(by - ay) / length, (bx - ax) / length
+    arrow = max(12.0, min(image.shape[:2]) / 12)
+    mx, my = (ax + bx) / 2, (ay + by) / 2
+    tip = (round(mx + nx * arrow), round(my + ny * arrow))
+    cv2.arrowedLine(image, (round(mx), round(my)), tip, LINE_COLOUR, thickness, cv2.LINE_AA, tipLength=0.35)
+    text = _ascii(f"{line.name} in {line.crossed_in} out {line.crossed_out}")
+    _label(image, text, (a[0] + 4, a[1] + 4 + round(14 * scale / 0.4)), LINE_COLOUR, scale)
 
 
 def to_bgr(frame: Frame) -> np.ndarray:
@@ -101,10 +125,10 @@ def annotate(frame: Frame, image: np.ndarray | None = None) -> np.ndarray:
     scale = max(0.4, min(w, h) / 900)
     # At least 2 px: a 1 px coloured line loses its colour to 4:2:0 video encoding.
     thickness = max(2, round(min(w, h) / 300))
-    for name, points in _shapes(getattr(frame, "zones", None)):
-        _draw_shape(image, name, points, ZONE_COLOUR, True, thickness, scale)
-    for name, points in _shapes(getattr(frame, "lines", None)):
-        _draw_shape(image, name, points, LINE_COLOUR, False, thickness, scale)
+    for name, polygon in frame.zones:
+        draw_zone(image, name, polygon, thickness, scale)
+    for line in frame.lines:
+        draw_line(image, line, thickness, scale)
     for obj in frame.objects:
         colour = object_colour(obj)
         x1, y1, x2, y2 = (round(v) for v in obj.bbox)

@@ -81,6 +81,17 @@ class DetectedObject:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class LineMark:
+    """A counting line as drawn: from ``a`` to ``b`` (source pixels), its crossings so far."""
+
+    name: str
+    a: tuple[float, float]
+    b: tuple[float, float]
+    crossed_in: int = 0
+    crossed_out: int = 0
+
+
 @dataclass(slots=True)
 class Frame:
     """A decoded frame (H×W×3 uint8 RGB) and everything the graph learns about it."""
@@ -94,6 +105,9 @@ class Frame:
     stage_times: dict[str, float] = field(default_factory=dict)
     # What happened to tracked objects in this frame (a zones stage); published after its message.
     events: list[Event] = field(default_factory=list)
+    # Zones (name, polygon) and counting lines to draw on this frame (a zones stage).
+    zones: list[tuple[str, list[tuple[float, float]]]] = field(default_factory=list)
+    lines: list[LineMark] = field(default_factory=list)
     # Detector stages that skipped this frame (infer ``interval``); the tracker predicts for them.
     skipped: set[str] = field(default_factory=set)
     # The pooled buffer ``image`` lives in; it goes back to the source's pool on release().

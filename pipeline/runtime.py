@@ -412,6 +412,7 @@ class Runtime:
             log.error("%s", reason if reason.startswith("source ") else f"source {source.id}: {reason}")
         elif state == SourceState.BACKOFF:
             log.warning("source %s: %s", source.id, reason)
+            self.outputs.stream_ended(source.id)  # its clip rings go until it reconnects
         else:
             log.info("source %s: %s%s", source.id, state.value, f" ({reason})" if reason else "")
 

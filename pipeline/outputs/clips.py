@@ -14,13 +14,21 @@
 
 A :class:`ClipRecorder` listens to the source's demuxed packets (the decode loop's
 packet listener) and keeps a ring of them covering ``pre_s`` and the frames the
-graph has not published yet, starting at a keyframe. An event found in a
-published frame (:func:`clip_event`, a function of the frame's objects) opens a
-clip: the ring from the last keyframe at or before ``event - pre_s``, then every
-packet until ``event + post_s``. So a clip lasts ``pre_s + post_s`` plus at
-most one GOP. Events while a clip records are part of it. The clip is muxed on
-a worker thread as it came from the camera (no decode, no encode) and announced
-on ``vidpipe.<pipeline>.<source>.clips`` (docs/outputs.md).
+graph has not published yet, starting at a keyframe. An event in a published
+frame (:func:`clip_event`: the frame's ``events``, whatever stage made them, a
+new track id or any object) opens a clip: the ring from the last keyframe at or
+before ``event - pre_s``, then every packet until ``event + post_s``. So a clip
+lasts ``pre_s + post_s`` plus at most one GOP. Events while a clip records are
+part of it. The clip is muxed on a worker thread as it came from the camera (no
+decode, no encode) and announced on ``vidpipe.<pipeline>.<source>.clips``
+(docs/outputs.md).
+
+The ring is bounded whatever the stream's keyframe interval: it never holds more
+than ``RING_MAX_BYTES`` nor spans more than ``pre_s + HEADROOM_S + MAX_GOP_S``
+seconds. A stream that sends no keyframe within those bounds loses its pre-roll
+(the ring is emptied and starts again at the next keyframe; the packets are
+counted and logged). A recording clip stops at ``CLIP_MAX_BYTES``. The ring is
+released when the stream ends (reconnect, end of file) or the source stops.
 
 Sources that have no packets (``test://``, WHIP) cannot record clips.
 """
@@ -28,7 +36,9 @@ Sources that have no packets (``test://``, WHIP) cannot record clips.
 from __future__ import annotations
 
 import collections
+import io
 import logging
+import math
 import re
 import threading
 import time
@@ -39,15 +49,31 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ClipsOutputConfig
+from pipeline.events import Event
 from pipeline.frames import DetectedObject, Frame
 
 log = logging.getLogger("vidpipe.clips")
 
-__all__ = ["ClipInfo", "ClipRecorder", "clip_event", "prune_clips"]
+__all__ = [
+    "CLIP_MAX_BYTES",
+    "MAX_GOP_S",
+    "RING_MAX_BYTES",
+    "ClipInfo",
+    "ClipRecorder",
+    "clip_event",
+    "prune_clips",
+]
 
 # Frames decoded but not yet published (queue + in flight) lag the newest packet by
 # about a second; the ring keeps this much beyond pre_s so the pre-roll is still there.
 HEADROOM_S = 5.0
+# A keyframe interval up to this long still gives a full pre-roll; past it the ring is
+# emptied (a camera's "smart" codec may send one keyframe a minute, or one per stream).
+MAX_GOP_S = 20.0
+# The most one recorder keeps in its ring, and the most one clip may hold: at 16 Mb/s
+# the ring of pre_s 3 plus headroom holds 16 MB; a 10-minute post_s would hold 1.2 GB.
+RING_MAX_BYTES = 64 * 1024 * 1024
+CLIP_MAX_BYTES = 256 * 1024 * 1024
 # Track ids remembered per source to tell a new track from a known one.
 KNOWN_TRACKS = 4096
 CLIP_NAME = re.compile(r"^[A-Za-z0-9_.-]+-\d{8}T\d{6}-\d+-[a-z_]+\.mp4$")
@@ -58,21 +84,24 @@ def clip_event(
     known_tracks: collections.OrderedDict[int, None],
     on: Collection[str],
     labels: Collection[str] = (),
-) -> tuple[str, DetectedObject] | None:
-    """The event a frame's objects raise for a clip, if any: ``(type, object)``.
+    events: Iterable[Event] = (),
+) -> tuple[str, DetectedObject | Event] | None:
+    """The event a frame raises for a clip, if any: ``(type, what raised it)``.
 
-    ``track_start``: a track id not seen before; ``detection``: any object.
-    Objects may carry ``events`` (names such as ``zone_enter``, from a zones
-    stage); those count when listed in ``on``. ``labels`` limits which objects
+    ``events`` are the frame's events (``zone_enter``, ``line_cross``, ... from a
+    zones stage or any other): one whose type is in ``on`` counts first. Then,
+    from the objects, ``track_start``: a track id not seen before, and
+    ``detection``: any object. ``labels`` limits which events and objects
     count. Every new track id is remembered, whether it raised the event or not.
     """
-    found: tuple[str, DetectedObject] | None = None
+    found: tuple[str, DetectedObject | Event] | None = None
+    for event in events:
+        if event.type in on and (not labels or event.label in labels):
+            found = (event.type, event)
+            break
     for obj in objects:
         if labels and obj.label not in labels:
             continue
-        for name in getattr(obj, "events", None) or ():
-            if found is None and name in on:
-                found = (str(name), obj)
         if obj.track_id is not None and obj.track_id not in known_tracks:
             known_tracks[obj.track_id] = None
             if len(known_tracks) > KNOWN_TRACKS:
@@ -99,6 +128,9 @@ class ClipInfo:
     end: float  # pts of its last packet
     packets: int
     bytes: int
+    zone: str | None = None
+    line: str | None = None
+    direction: str | None = None
 
 
 @dataclass(slots=True)
@@ -112,7 +144,11 @@ class _Clip:
     event_pts: float
     stream: Any
     delta: float
+    zone: str | None = None
+    line: str | None = None
+    direction: str | None = None
     packets: list[Any] = field(default_factory=list)
+    bytes: int = 0
 
 
 def _seconds(packet: Any) -> float | None:
@@ -120,6 +156,20 @@ def _seconds(packet: Any) -> float | None:
     if ts is None or not packet.time_base:
         return None
     return float(ts * packet.time_base)
+
+
+def _template(stream: Any) -> Any:
+    """A copy of ``stream``'s codec parameters that outlives the stream's container.
+
+    The source closes its input container when its stream ends (end of file, a
+    reconnect, stop), which frees the stream's parameters; a clip written after
+    that from the input stream itself would read freed memory. The copy lives in
+    an output container of our own that is never started (it writes nothing).
+    """
+    import av
+
+    holder = av.open(io.BytesIO(), "w", format="mp4")
+    return holder.add_stream_from_template(stream)
 
 
 class ClipRecorder:
@@ -140,13 +190,26 @@ class ClipRecorder:
         self._on_clip = on_clip
         self._lock = threading.Lock()
         self._ring: collections.deque[tuple[float, Any]] = collections.deque()
+        self._ring_bytes = 0
+        # The input stream the ring's packets came from (compared by identity, never read
+        # after its first packet) and its codec parameters copied out of its container.
         self._stream: Any = None
+        self._template: Any = None
         # Source pts minus stream seconds, from the latest decoded frame (constant per connection).
         self._delta: float | None = None
         self._active: _Clip | None = None
         self._known: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._warned_at = -math.inf
         self.clips = 0
         self.failed = 0
+        # Packets the ring let go before their time because of its bounds (no keyframe).
+        self.dropped_packets = 0
+        self.dropped_bytes = 0
+
+    @property
+    def ring_bytes(self) -> int:
+        """Bytes of packets in the ring now."""
+        return self._ring_bytes
 
     # -- source thread ---------------------------------------------------------------------
 
@@ -154,25 +217,34 @@ class ClipRecorder:
         seconds = _seconds(packet)
         if seconds is None or packet.size == 0:
             return
-        done: _Clip | None = None
+        done: list[_Clip] = []
         with self._lock:
             if stream is not self._stream:
-                # A new connection: its timestamps start afresh; the old ring means nothing.
-                self._ring.clear()
+                # A new connection (or a file's next pass): its timestamps start afresh.
+                done.extend(self._end_stream())
                 self._stream = stream
-                self._delta = None
-            if not self._ring and not packet.is_keyframe:
-                return  # a ring starts at a keyframe, or a clip could not be decoded
-            self._ring.append((seconds, packet))
-            self._trim(seconds)
+                self._template = _template(stream)
             clip = self._active
-            if clip is not None and clip.stream is stream:
+            if clip is not None:
                 if seconds >= clip.end_s:
-                    done, self._active = clip, None
+                    done.append(clip)
+                    self._active = None
                 else:
                     clip.packets.append((seconds, packet))
-        if done is not None:
-            self._writer.submit(self._write, done)
+                    clip.bytes += packet.size
+                    if clip.bytes >= CLIP_MAX_BYTES:
+                        log.warning(
+                            "source %s: clip of %s stopped at %d MB (the most a clip holds)",
+                            self.source, clip.event, CLIP_MAX_BYTES // 2**20,
+                        )  # fmt: skip
+                        done.append(clip)
+                        self._active = None
+            if self._ring or packet.is_keyframe:  # a ring starts at a keyframe, or nothing decodes
+                self._ring.append((seconds, packet))
+                self._ring_bytes += packet.size
+                self._trim(seconds)
+        for finished in done:
+            self._writer.submit(self._write, finished)
 
     def on_frame_time(self, stream_seconds: float, pts: float) -> None:
         self._delta = pts - stream_seconds
@@ -180,27 +252,77 @@ class ClipRecorder:
     def _trim(self, newest: float) -> None:
         keep_from = newest - self.config.pre_s - HEADROOM_S
         ring = self._ring
-        # Drop whole GOPs while the next keyframe is still old enough to start a clip.
+        # Drop whole GOPs while the next keyframe is still old enough to start a clip, or
+        # while the ring is over its size and a later keyframe can start it.
         while True:
             nxt = next((i for i in range(1, len(ring)) if ring[i][1].is_keyframe), None)
-            if nxt is None or ring[nxt][0] > keep_from:
-                return
+            if nxt is None:
+                break
+            over = self._ring_bytes > RING_MAX_BYTES
+            if ring[nxt][0] > keep_from and not over:
+                break
             for _ in range(nxt):
-                ring.popleft()
+                _, packet = ring.popleft()
+                self._ring_bytes -= packet.size
+                if over:
+                    self.dropped_packets += 1
+                    self.dropped_bytes += packet.size
+        span = newest - ring[0][0]
+        if self._ring_bytes > RING_MAX_BYTES or span > self.config.pre_s + HEADROOM_S + MAX_GOP_S:
+            # No keyframe to cut at within the bounds: let the whole ring go; it starts
+            # again at the next keyframe.
+            ring_mb = self._ring_bytes / 1e6
+            self.dropped_packets += len(ring)
+            self.dropped_bytes += self._ring_bytes
+            ring.clear()
+            self._ring_bytes = 0
+            now = time.monotonic()
+            if now - self._warned_at >= 60:
+                self._warned_at = now
+                log.warning(
+                    "source %s: no keyframe in %.0f s (%.0f MB) of stream: the clip pre-roll was "
+                    "dropped (%d packets, %.0f MB so far); clips start at the next keyframe. "
+                    "Set the camera's keyframe interval (GOP) to a few seconds",
+                    self.source, span, ring_mb, self.dropped_packets,
+                    self.dropped_bytes / 1e6,
+                )  # fmt: skip
+
+    def _end_stream(self) -> list[_Clip]:
+        """Under the lock: the stream ended; its ring goes, its clip is finished."""
+        clip, self._active = self._active, None
+        self._ring.clear()
+        self._ring_bytes = 0
+        self._stream = None
+        self._template = None
+        self._delta = None
+        return [clip] if clip is not None and clip.packets else []
+
+    def stream_ended(self) -> None:
+        """The source's stream ended (it reconnects, or stopped): release the ring, write the clip."""
+        with self._lock:
+            done = self._end_stream()
+        for clip in done:
+            self._writer.submit(self._write, clip)
 
     # -- event loop ------------------------------------------------------------------------
 
     def on_frame(self, frame: Frame) -> None:
         """Look for an event in a published frame; open a clip when one starts."""
-        found = clip_event(frame.objects, self._known, self.config.on, self.config.labels)
+        found = clip_event(frame.objects, self._known, self.config.on, self.config.labels, frame.events)
         if found is None:
             return
-        event, obj = found
+        event, what = found
+        if isinstance(what, Event):
+            at_pts, at_frame = what.pts, what.frame
+            zone, line, direction = what.zone, what.line, what.direction
+        else:
+            at_pts, at_frame = frame.pts, frame.index
+            zone = line = direction = None
         with self._lock:
             if self._active is not None or not self._ring:
                 return  # one clip at a time: this event is inside the one recording
             delta = self._delta if self._delta is not None else 0.0
-            event_s = frame.pts - delta
+            event_s = at_pts - delta
             start_target = event_s - self.config.pre_s
             start = 0
             for i, (seconds, packet) in enumerate(self._ring):
@@ -208,10 +330,12 @@ class ClipRecorder:
                     break
                 if packet.is_keyframe:
                     start = i
+            packets = list(self._ring)[start:]
             clip = _Clip(
-                event=event, event_s=event_s, end_s=event_s + self.config.post_s, event_frame=frame.index,
-                label=obj.label, track_id=obj.track_id, event_pts=frame.pts, stream=self._stream,
-                delta=delta, packets=list(self._ring)[start:],
+                event=event, event_s=event_s, end_s=event_s + self.config.post_s, event_frame=at_frame,
+                label=what.label, track_id=what.track_id, event_pts=at_pts, stream=self._template,
+                delta=delta, zone=zone, line=line, direction=direction, packets=packets,
+                bytes=sum(p.size for _, p in packets),
             )  # fmt: skip
             # Packets already past the end (a file decoded far ahead) close it at once.
             cut = next((i for i, (s, _) in enumerate(clip.packets) if s >= clip.end_s), None)
@@ -223,11 +347,7 @@ class ClipRecorder:
 
     def close(self) -> None:
         """The source ended: write the clip that is recording, as far as it got."""
-        with self._lock:
-            clip, self._active = self._active, None
-            self._ring.clear()
-        if clip is not None and clip.packets:
-            self._writer.submit(self._write, clip)
+        self.stream_ended()
 
     # -- writer thread ---------------------------------------------------------------------
 
@@ -243,6 +363,7 @@ class ClipRecorder:
             self.folder.mkdir(parents=True, exist_ok=True)
             base = None
             with av.open(str(path), "w") as out:
+                # The template, never the input stream: that one's container may be closed.
                 ostream = out.add_stream_from_template(clip.stream)
                 for _, packet in clip.packets:
                     if base is None:
@@ -266,7 +387,7 @@ class ClipRecorder:
             source=self.source, path=path, event=clip.event, event_pts=clip.event_pts,
             event_frame=clip.event_frame, label=clip.label, track_id=clip.track_id,
             start=first_s + clip.delta, end=last_s + clip.delta, packets=len(clip.packets),
-            bytes=path.stat().st_size,
+            bytes=path.stat().st_size, zone=clip.zone, line=clip.line, direction=clip.direction,
         )  # fmt: skip
         prune_clips(self.folder, self.config.max_size_mb * 1e6, self.config.max_age_h * 3600)
         self._on_clip(info)

@@ -210,6 +210,13 @@ class Outputs:
         else:
             finish()
 
+    def stream_ended(self, source: str) -> None:
+        """The source's stream ended and it will reconnect: release its clip rings (any thread)."""
+        out = self._sources.get(source)
+        if out is not None:
+            for clip in out.clips:
+                clip.stream_ended()
+
     def forget_source(self, source: str) -> None:
         """The source ended or was removed: finish its files and clips, end its viewers."""
         self.relay.end(source)
@@ -259,6 +266,11 @@ def clip_message(pipeline: str, info: ClipInfo) -> dict[str, Any]:
                              "label": info.label}  # fmt: skip
     if info.track_id is not None:
         event["track_id"] = info.track_id
+    if info.zone is not None:
+        event["zone"] = info.zone
+    if info.line is not None:
+        event["line"] = info.line
+        event["direction"] = info.direction
     return {
         "schema": CLIPS_SCHEMA,
         "pipeline": pipeline,

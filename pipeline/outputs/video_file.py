@@ -3,32 +3,64 @@
 ::
 
     outputs:
-      - {type: file, path: "out/{source}.mp4", annotate: true, codec: libx264, crf: 23}
+      - {type: file, path: "out/{source}-{start}.mp4", annotate: true, codec: libx264, crf: 23}
 
 Each frame lasts until the next one's pts (the last one as long as the one
 before), so the file's frame count and duration are those of what was
 published, whatever the source's rate or its gaps. Runs on a worker thread.
+
+A recording survives a crash or ``kill -9`` up to its last second: MP4 and MOV
+are written fragmented (an empty ``moov`` first, then a fragment at least every
+``FRAGMENT_S`` seconds, each flushed to the file), and the encoder holds no
+frames back (``tune=zerolatency``). A recording never replaces an earlier one:
+``{start}`` in the path becomes the time it opens (``YYYYmmddTHHMMSS``), and a
+path that exists all the same gets ``.1``, ``.2``, ... before its extension.
 """
 
 from __future__ import annotations
 
+import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["VideoFileWriter"]
+__all__ = ["FRAGMENT_S", "VideoFileWriter", "recording_path"]
 
 # 90 kHz, as MPEG and RTP count: fine enough for any frame rate's pts.
 TIME_BASE = Fraction(1, 90000)
+# The most a crash or kill can cost of an MP4 recording: a fragment is written this often.
+FRAGMENT_S = 1.0
+FRAGMENTED = {
+    "movflags": "frag_keyframe+empty_moov+default_base_moof",
+    "frag_duration": str(round(FRAGMENT_S * 1e6)),
+    # Each fragment reaches the file at once, not when FFmpeg's write buffer fills.
+    "flush_packets": "1",
+}
+
+
+def recording_path(template: Path, now: float | None = None) -> Path:
+    """Where a recording opening now goes: ``{start}`` filled in, an existing file never reused."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(time.time() if now is None else now))
+    path = Path(str(template).replace("{start}", stamp))
+    n = 0
+    candidate = path
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}.{n}{path.suffix}")
+    return candidate
 
 
 class VideoFileWriter:
-    """Writes frames to ``path``; opened at the first frame (its size fixes the file's)."""
+    """Writes frames to ``template`` (see :func:`recording_path`); opened at the first frame.
 
-    def __init__(self, path: Path, codec: str = "libx264", crf: int = 23) -> None:
-        self.path = path
+    The first frame's size fixes the file's; :attr:`path` is the file, once open.
+    """
+
+    def __init__(self, template: Path, codec: str = "libx264", crf: int = 23) -> None:
+        self.template = template
+        self.path: Path | None = None
         self.codec = codec
         self.crf = crf
         self.frames = 0
@@ -45,9 +77,15 @@ class VideoFileWriter:
     def _open(self, image: np.ndarray) -> None:
         import av
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._container = av.open(str(self.path), "w")
-        options = {"crf": str(self.crf)} if self.codec in ("libx264", "libx265") else {}
+        self.path = path = recording_path(self.template)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fragmented = path.suffix.lower() in (".mp4", ".m4v", ".mov")
+        self._container = av.open(str(path), "w", options=FRAGMENTED if fragmented else {})
+        options = {}
+        if self.codec in ("libx264", "libx265"):
+            # zerolatency: no lookahead and no B-frames, so every frame encoded so far is in
+            # the file (a kill loses at most the last fragment, not the encoder's queue).
+            options = {"crf": str(self.crf), "tune": "zerolatency"}
         stream = self._container.add_stream(self.codec, rate=25, options=options)
         stream.width = image.shape[1] - image.shape[1] % 2
         stream.height = image.shape[0] - image.shape[0] % 2

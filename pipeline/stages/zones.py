@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from inference.schema import spec
 from pipeline.events import Direction, Event, EventType
-from pipeline.frames import DetectedObject, Frame
+from pipeline.frames import DetectedObject, Frame, LineMark
 from pipeline.geometry import (
     Anchor,
     Box,
@@ -154,6 +154,7 @@ class _Source:
     size: tuple[int, int] = (0, 0)
     zones: list[tuple[str, list[Point]]] = field(default_factory=list)
     lines: list[tuple[str, Point, Point]] = field(default_factory=list)
+    crossings: Counter[tuple[str, Direction]] = field(default_factory=Counter)  # (line, direction)
 
 
 class ZonesStage(Stage):
@@ -212,6 +213,10 @@ class ZonesStage(Stage):
         for track_id, track in list(state.tracks.items()):
             if frame.index - track.frame >= self.opts.track_end_after:
                 frame.events.extend(self._end(state, track_id, track))
+        # What the annotator draws: the shapes, and each line's crossings up to this frame.
+        frame.zones.extend(state.zones)
+        counts = state.crossings
+        frame.lines.extend(LineMark(n, a, b, counts[n, "in"], counts[n, "out"]) for n, a, b in state.lines)
         metrics = self.context.metrics
         for name, _ in state.zones:
             metrics.zone_objects.labels(self.pipeline, frame.source, name).set(occupancy[name])
@@ -240,6 +245,7 @@ class ZonesStage(Stage):
             if was_side is not None and side != was_side and crosses_segment(track.points[name], point, a, b):
                 direction: Direction = "in" if side > 0 else "out"
                 frame.events.append(track.event("line_cross", track_id, line=name, direction=direction))
+                state.crossings[name, direction] += 1
                 self.context.metrics.line_crossings.labels(
                     self.pipeline, frame.source, name, direction, obj.label
                 ).inc()
