@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -13,13 +18,15 @@ import cv2
 import numpy as np
 import pytest
 
+from pipeline.annotate import LINE_COLOUR
 from pipeline.config import load_config
-from pipeline.frames import DetectedObject
+from pipeline.events import Event
+from pipeline.frames import DetectedObject, Frame
 from pipeline.nats_server import EmbeddedNats
 from pipeline.outputs.clips import clip_event, prune_clips
 from pipeline.runtime import Runtime
 from pipeline.sources.pattern import pattern_background, pattern_square_box
-from tests.conftest import Collector
+from tests.conftest import ROOT, Collector
 
 W, H, FPS = 320, 240, 15
 
@@ -154,6 +161,19 @@ def obj(track_id: int | None, label: str = "car") -> DetectedObject:
     )
 
 
+def test_clip_event_takes_the_frames_events_first_whatever_their_kind() -> None:
+    known: collections.OrderedDict[int, None] = collections.OrderedDict()
+    cross = Event("line_cross", 21, 1.4, 0.0, 1, "car", (0, 0, 1, 1), line="door", direction="out")
+    enter = Event("zone_enter", 21, 1.4, 0.0, 2, "dog", (0, 0, 1, 1), zone="dock")
+    assert clip_event([obj(1)], known, ["line_cross"], events=[enter, cross]) == ("line_cross", cross)
+    assert clip_event([obj(1)], known, ["zone_enter"], events=[enter, cross]) == ("zone_enter", enter)
+    assert clip_event([obj(1)], known, ["zone_enter"], labels=["car"], events=[enter, cross]) is None
+    assert clip_event([obj(3)], known, ["zone_exit", "track_start"], events=[enter]) == (
+        "track_start",
+        obj(3),
+    )
+
+
 def test_clip_event_is_a_new_track_or_a_listed_label() -> None:
     known: collections.OrderedDict[int, None] = collections.OrderedDict()
     assert clip_event([obj(1)], known, ["track_start"]) == ("track_start", obj(1))
@@ -175,3 +195,201 @@ def test_clips_folder_keeps_to_its_size_and_age(tmp_path: Path) -> None:
     deleted = prune_clips(tmp_path, max_bytes=2000, max_age_s=3600, now=now)
     assert [p.name for p in deleted] == names[:2]  # the old one, then the oldest over size
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*names[2:], "notes.mp4"])
+
+
+# The pattern's square (40 px, 7 px a frame along x) has its bottom centre at x = 7i + 20 on the
+# way right: it crosses a line at x = 160 (3 px dead band) at frame 21, back at 61, again at 101
+# and 141. Walking the line from top to bottom its right is the picture's left: the first
+# crossing (left to right on the picture) is "out".
+CROSSINGS = [(21, "out"), (61, "in"), (101, "out"), (141, "in")]
+LINE_PIPELINE = """\
+pipeline: {name}
+models: {models}
+sources: [{{url: {clip}, id: cam{source_extra}}}]
+stages:
+  - {{name: objects, type: infer, model: squares}}
+  - {{name: track, type: track}}
+  - {{name: gate, type: zones, lines: [{{name: door, points: [[160, 0], [160, 240]]}}]}}
+outputs:
+  - {{type: clips, dir: clips, pre_s: {pre_s}, post_s: {post_s}, on: [line_cross]}}
+  - {{type: file, path: "out/{{source}}.mp4", crf: 18}}
+"""
+
+
+def line_config(tmp_path: Path, clip: Path, models: Path, *, name: str = "lines", pre_s: float = 1.0,
+                post_s: float = 2.0, source_extra: str = "") -> Path:  # fmt: skip
+    path = tmp_path / "p.yaml"
+    path.write_text(LINE_PIPELINE.format(name=name, models=models, clip=clip, pre_s=pre_s, post_s=post_s,
+                                         source_extra=source_extra))  # fmt: skip
+    return path
+
+
+def ffprobe(path: Path) -> dict[str, object]:
+    """The video stream and duration of ``path`` as ffprobe reads every frame; fails on any error."""
+    done = subprocess.run(
+        ["ffprobe", "-v", "error", "-count_frames", "-show_entries",
+         "stream=codec_type,codec_name,width,height,nb_read_frames:format=duration", "-of", "json", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stderr == "", (path, done.stderr)
+    data = json.loads(done.stdout)
+    (stream,) = data["streams"]
+    return {**stream, "frames": int(stream["nb_read_frames"]), "duration": float(data["format"]["duration"])}
+
+
+def line_mask(image_bgr: np.ndarray) -> np.ndarray:
+    """Where the image is the line colour (within JPEG / H.264 error)."""
+    return np.abs(image_bgr.astype(np.int16) - np.array(LINE_COLOUR, dtype=np.int16)).max(axis=2) < 60
+
+
+def line_pixels(image_bgr: np.ndarray, x: int, ys: range) -> float:
+    """The share of points (x, y) drawn in the line colour (within JPEG / H.264 error)."""
+    colour = np.array(LINE_COLOUR, dtype=np.int16)
+    hits = [
+        int(np.abs(image_bgr[y, x - 1 : x + 2].astype(np.int16) - colour).max(axis=1).min()) < 60 for y in ys
+    ]
+    return sum(hits) / len(hits)
+
+
+async def test_each_line_crossing_makes_a_clip_announced_with_its_line_and_direction(
+    tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path, collector: Collector
+) -> None:
+    pre_s, post_s = 1.0, 2.0
+    clip = write_pattern_clip(tmp_path / "in.mp4", frames=150, gop=FPS)
+    config = line_config(tmp_path, clip, sample_models, pre_s=pre_s, post_s=post_s)
+    await collector.start(nats_server.url, "vidpipe.lines.cam.clips")
+    counts: dict[int, tuple[int, int]] = {}
+
+    def seen(frame: Frame) -> None:
+        (line,) = frame.lines
+        counts[frame.index] = (line.crossed_in, line.crossed_out)
+
+    runtime = Runtime(load_config(config), nats_url=nats_server.url, on_published=seen)
+    await runtime.start()
+    await runtime.wait(60)
+    await runtime.stop()
+    await collector.wait_for(len(CROSSINGS), timeout=10)
+
+    messages = sorted(collector.messages, key=lambda m: m["event"]["frame"])
+    assert [(m["event"]["frame"], m["event"]["direction"]) for m in messages] == CROSSINGS
+    for message, (frame, _) in zip(messages, CROSSINGS, strict=True):
+        assert message["schema"] == "vidpipe.clips/v1"
+        assert message["event"]["type"] == "line_cross" and message["event"]["line"] == "door"
+        assert message["event"]["label"] == "square" and message["event"]["track_id"] == 1
+        assert message["event"]["pts"] == pytest.approx(frame / FPS, abs=1e-3)
+        # The clip starts at the keyframe (one a second) at or before event - pre_s.
+        assert message["start"] == pytest.approx(int(frame / FPS - pre_s), abs=1e-3)
+        end = min(frame / FPS + post_s, 149 / FPS)  # the last one ends with the file
+        assert message["end"] == pytest.approx(end, abs=1.5 / FPS)
+        probe = ffprobe(Path(message["path"]))
+        assert (probe["codec_type"], probe["codec_name"], probe["width"], probe["height"]) == (
+            "video", "h264", W, H,
+        )  # fmt: skip
+        assert probe["duration"] == pytest.approx(message["duration"] + 1 / FPS, abs=1e-3)
+        assert probe["frames"] == round(probe["duration"] * FPS)
+        assert message["bytes"] == Path(message["path"]).stat().st_size
+    # Each frame carries the line's crossings so far, and the recording shows the line.
+    assert [counts[i] for i in (20, 21, 60, 61, 100, 101, 149)] == [
+        (0, 0), (0, 1), (0, 1), (1, 1), (1, 1), (1, 2), (2, 2),
+    ]  # fmt: skip
+    with av.open(str(tmp_path / "out" / "cam.mp4")) as f:
+        image = next(fr for i, fr in enumerate(f.decode(video=0)) if i == 40).to_ndarray(format="bgr24")
+    assert line_pixels(image, 160, range(0, 100)) > 0.9  # the square is lower down in frame 40
+    # The arrow points the way "in" goes: to the picture's left of a top-to-bottom line.
+    mask = line_mask(image)
+    assert mask[115:126, 142:156].sum() >= 20 and mask[115:126, 165:178].sum() == 0
+    assert line_pixels(image, 100, range(0, 100)) == 0
+
+
+def vidpipe_run(config: Path, *args: str) -> subprocess.Popen[str]:
+    """``vidpipe run CONFIG ARGS`` as a user runs it, output merged into one pipe."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", str(config), *args],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+async def finish(proc: subprocess.Popen[str], timeout: float = 120) -> str:
+    out, _ = await asyncio.to_thread(proc.communicate, timeout=timeout)
+    return out
+
+
+@pytest.mark.parametrize("stop", ["sigint", "end_of_file", "max_frames"])
+async def test_a_source_that_stops_while_a_clip_records_leaves_every_file_playable(
+    stop: str, tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path, collector: Collector
+) -> None:
+    # The clip opens at the first crossing (frame 21) and would record 30 s more: every stop
+    # comes while it records.
+    frames = {"sigint": 300, "end_of_file": 45, "max_frames": 300}[stop]
+    clip = write_pattern_clip(tmp_path / "in.mp4", frames=frames, gop=FPS)
+    realtime = ", realtime: true" if stop == "sigint" else ""
+    config = line_config(tmp_path, clip, sample_models, post_s=30.0, source_extra=realtime)
+    await collector.start(nats_server.url, "vidpipe.lines.cam.*")
+    args = ["--nats", nats_server.url] + (["--max-frames", "40"] if stop == "max_frames" else [])
+    proc = vidpipe_run(config, *args)
+    try:
+        if stop == "sigint":
+            deadline = time.monotonic() + 60
+            while not any(m.get("type") == "line_cross" for m in collector.messages):
+                assert time.monotonic() < deadline and proc.poll() is None, "no crossing"
+                await asyncio.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+        out = await finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    done = [line for line in out.splitlines() if "done: " in line]
+    assert len(done) == 1, out
+    published = int(done[0].split("done: ")[1].split()[0])
+    if stop == "max_frames":
+        assert published == 40
+    elif stop == "end_of_file":
+        assert published == 45
+    else:
+        assert 21 < published < 300
+    await collector.wait_for(1, timeout=10)
+    (announced,) = [m for m in collector.messages if m.get("schema") == "vidpipe.clips/v1"]
+    assert announced["event"]["frame"] == 21 and announced["start"] == 0.0
+    (recording,) = (tmp_path / "out").iterdir()
+    (written,) = (tmp_path / "clips").iterdir()
+    assert Path(announced["path"]) == written
+    assert ffprobe(recording)["frames"] == published
+    probe = ffprobe(written)
+    assert probe["frames"] >= 22 and probe["duration"] == pytest.approx(
+        announced["duration"] + 1 / FPS, abs=1e-3
+    )
+
+
+async def test_a_killed_run_leaves_a_recording_that_plays_to_the_kill_and_the_next_run_keeps_it(
+    tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path, collector: Collector
+) -> None:
+    clip = write_pattern_clip(tmp_path / "in.mp4", frames=600, gop=FPS)
+    config = line_config(tmp_path, clip, sample_models, source_extra=", realtime: true")
+    await collector.start(nats_server.url, "vidpipe.lines.cam.detections")
+    proc = vidpipe_run(config, "--nats", nats_server.url)
+    try:
+        deadline = time.monotonic() + 60
+        while not collector.messages or collector.messages[-1]["frame"] < 4 * FPS:
+            assert time.monotonic() < deadline and proc.poll() is None, "the run did not get going"
+            await asyncio.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        await finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    last = collector.messages[-1]["frame"]
+    recording = tmp_path / "out" / "cam.mp4"
+    with av.open(str(recording)) as f:
+        pts = [float(fr.pts * fr.time_base) for fr in f.decode(video=0)]
+    assert pts[0] == 0.0
+    # Everything published until two seconds before the kill plays.
+    assert last / FPS - 2.0 <= pts[-1] <= last / FPS, (last, pts[-1])
+    killed = recording.read_bytes()
+
+    proc = vidpipe_run(config, "--nats", nats_server.url, "--max-frames", "10")
+    out = await finish(proc)
+    assert proc.returncode == 0, out
+    assert recording.read_bytes() == killed
+    assert ffprobe(tmp_path / "out" / "cam.1.mp4")["frames"] == 10
