@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
+from pipeline.annotate import LINE_COLOUR, ZONE_COLOUR
 from pipeline.nats_server import EmbeddedNats
 from tests.pipeline.stack import Stack, until
 
@@ -164,6 +165,102 @@ async def test_whep_client_receives_annotated_video(
         async with stack.http.delete(location) as resp:
             assert resp.status == 200
         assert stack.api.whep.sessions == {}
+    finally:
+        await pc.close()
+        await stack.close()
+
+
+ZONES_CONFIG = """\
+pipeline: live
+models: {models}
+sources: [{{url: "test://?width=320&height=240&fps={fps}", id: cam}}]
+stages:
+  - {{name: objects, type: infer, model: squares}}
+  - name: gate
+    type: zones
+    zones: [{{name: dock, polygon: [[20, 20], [100, 20], [100, 220], [20, 220]]}}]
+    lines: [{{name: door, points: [[160, 20], [160, 220]]}}]
+nats: {{url: "{nats}"}}
+http: {{listen: "127.0.0.1:0", token: {token}}}
+"""
+
+
+def coloured(image_bgr: np.ndarray, colour: tuple[int, int, int]) -> np.ndarray:
+    """Where the image is ``colour`` (within JPEG / VP8 error)."""
+    return np.abs(image_bgr.astype(np.int16) - np.array(colour, dtype=np.int16)).max(axis=2) < 60
+
+
+def square_clear(image: np.ndarray) -> bool:
+    """The pattern's white square, its box and caption are right of x = 196: nothing hides the shapes."""
+    xs = np.nonzero(image.min(axis=2) > 200)[1]
+    return xs.size > 0 and int(xs.min()) >= 200
+
+
+def assert_line_and_zone_drawn(image: np.ndarray, where: str) -> None:
+    line = coloured(image, LINE_COLOUR)
+    # Along the segment (x = 160, y 20 to 220), give or take a pixel.
+    along = line[20:221, 159:162].any(axis=1)
+    assert along.mean() > 0.95, (where, along.mean())
+    assert not line[20:221, 120].any() and not line[:20, 159:162].any(), where
+    # The arrow from its middle points to the line's right walking down it: the picture's left.
+    assert line[116:125, 140:156].sum() >= 15 and not line[116:125, 166:180].any(), where
+    zone = coloured(image, ZONE_COLOUR)
+    assert zone[30:211, 19:22].any(axis=1).mean() > 0.95, where  # its left edge at x = 20
+    assert zone[30:211, 99:102].any(axis=1).mean() > 0.95, where  # and its right one at x = 100
+    assert not zone[30:211, 60].any(), where
+
+
+async def test_lines_and_zones_are_drawn_on_the_snapshot_mjpeg_and_whep(
+    tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path
+) -> None:
+    text = ZONES_CONFIG.format(models=sample_models, fps=FPS, nats=nats_server.url, token=TOKEN)
+    stack = await Stack.start(tmp_path, text, nats_server.url, token=TOKEN)
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    try:
+        await until(lambda: stack.runtime.sources["cam"].published > 2, what="the pipeline to run")
+
+        # The square goes everywhere: each view is checked on its first frame with the square
+        # clear of the shapes (about a third of the frames).
+        async def snapshot() -> np.ndarray:
+            async with stack.http.get("/v1/sources/cam/snapshot.jpg") as resp:
+                assert resp.status == 200
+                decoded = cv2.imdecode(np.frombuffer(await resp.read(), np.uint8), cv2.IMREAD_COLOR)
+                assert decoded is not None
+                return decoded
+
+        for _ in range(400):
+            image = await snapshot()
+            if square_clear(image):
+                break
+            await asyncio.sleep(1 / FPS)
+        assert_line_and_zone_drawn(image, "snapshot")
+        async with stack.http.get("/v1/sources/cam/stream.mjpeg?fps=20") as resp:
+            async for jpeg in mjpeg_parts(resp):
+                decoded = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)
+                assert decoded is not None
+                image = decoded
+                if square_clear(image):
+                    break
+        assert_line_and_zone_drawn(image, "mjpeg")
+
+        pc.addTransceiver("video", direction="recvonly")
+        got: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        pc.on("track", got.set_result)
+        await pc.setLocalDescription(await pc.createOffer())
+        async with stack.http.post(
+            "/whep/cam", data=pc.localDescription.sdp, headers={"Content-Type": "application/sdp"}
+        ) as resp:
+            assert resp.status == 201, await resp.text()
+            answer = await resp.text()
+        await pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
+        track = await asyncio.wait_for(got, 10)
+        # The first frames of a WebRTC stream are coarse while its bitrate ramps up.
+        for i in range(300):
+            frame = await asyncio.wait_for(track.recv(), 10)  # type: ignore[attr-defined]
+            image = frame.to_ndarray(format="bgr24")
+            if i >= 20 and square_clear(image):
+                break
+        assert_line_and_zone_drawn(image, "whep")
     finally:
         await pc.close()
         await stack.close()
