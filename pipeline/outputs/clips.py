@@ -191,6 +191,8 @@ class ClipRecorder:
         self._lock = threading.Lock()
         self._ring: collections.deque[tuple[float, Any]] = collections.deque()
         self._ring_bytes = 0
+        # True from an overflow of the ring to the next keyframe.
+        self._starved = False
         # The input stream the ring's packets came from (compared by identity, never read
         # after its first packet) and its codec parameters copied out of its container.
         self._stream: Any = None
@@ -210,6 +212,12 @@ class ClipRecorder:
     def ring_bytes(self) -> int:
         """Bytes of packets in the ring now."""
         return self._ring_bytes
+
+    @property
+    def ring_seconds(self) -> float:
+        """Stream time the ring spans now."""
+        with self._lock:
+            return self._ring[-1][0] - self._ring[0][0] if self._ring else 0.0
 
     # -- source thread ---------------------------------------------------------------------
 
@@ -240,9 +248,13 @@ class ClipRecorder:
                         done.append(clip)
                         self._active = None
             if self._ring or packet.is_keyframe:  # a ring starts at a keyframe, or nothing decodes
+                self._starved = False
                 self._ring.append((seconds, packet))
                 self._ring_bytes += packet.size
                 self._trim(seconds)
+            elif self._starved:  # the ring overflowed and waits for a keyframe: counted too
+                self.dropped_packets += 1
+                self.dropped_bytes += packet.size
         for finished in done:
             self._writer.submit(self._write, finished)
 
@@ -276,6 +288,7 @@ class ClipRecorder:
             self.dropped_bytes += self._ring_bytes
             ring.clear()
             self._ring_bytes = 0
+            self._starved = True
             now = time.monotonic()
             if now - self._warned_at >= 60:
                 self._warned_at = now
@@ -292,6 +305,7 @@ class ClipRecorder:
         clip, self._active = self._active, None
         self._ring.clear()
         self._ring_bytes = 0
+        self._starved = False
         self._stream = None
         self._template = None
         self._delta = None

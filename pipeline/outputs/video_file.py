@@ -19,12 +19,15 @@ path that exists all the same gets ``.1``, ``.2``, ... before its extension.
 
 from __future__ import annotations
 
+import logging
 import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger("vidpipe.outputs")
 
 __all__ = ["FRAGMENT_S", "VideoFileWriter", "recording_path"]
 
@@ -81,6 +84,7 @@ class VideoFileWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         fragmented = path.suffix.lower() in (".mp4", ".m4v", ".mov")
         self._container = av.open(str(path), "w", options=FRAGMENTED if fragmented else {})
+        log.info("recording to %s", path)
         options = {}
         if self.codec in ("libx264", "libx265"):
             # zerolatency: no lookahead and no B-frames, so every frame encoded so far is in

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -20,11 +22,12 @@ import numpy as np
 import pytest
 
 from pipeline.annotate import LINE_COLOUR
-from pipeline.config import load_config
+from pipeline.config import ClipsOutputConfig, load_config
 from pipeline.events import Event
 from pipeline.frames import DetectedObject, Frame
 from pipeline.nats_server import EmbeddedNats
-from pipeline.outputs.clips import clip_event, prune_clips
+from pipeline.outputs import clips
+from pipeline.outputs.clips import HEADROOM_S, MAX_GOP_S, ClipRecorder, clip_event, prune_clips
 from pipeline.runtime import Runtime
 from pipeline.sources.pattern import pattern_background, pattern_square_box
 from tests.conftest import ROOT, Collector
@@ -394,3 +397,85 @@ async def test_a_killed_run_leaves_a_recording_that_plays_to_the_kill_and_the_ne
     assert proc.returncode == 0, out
     assert recording.read_bytes() == killed
     assert ffprobe(tmp_path / "out" / "cam.1.mp4")["frames"] == 10
+
+
+def encode_one_keyframe(path: Path, frames: int, size: tuple[int, int], noise: bool) -> Path:
+    """H.264 with a keyframe at its start and none after (a huge GOP), at 10 fps."""
+    rng = np.random.default_rng(7)
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=10, options={"g": "100000", "keyint_min": "100000",
+                                                             "sc_threshold": "0", "bf": "0", "crf": "10"})  # fmt: skip
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        for i in range(frames):
+            if noise:
+                image = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+            else:
+                image = np.full((size[1], size[0], 3), (i * 3) % 256, dtype=np.uint8)
+            frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+            frame.pts, frame.time_base = i, Fraction(1, 10)
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return path
+
+
+def feed(recorder: ClipRecorder, path: Path) -> tuple[int, float, int]:
+    """Every packet of ``path`` through ``recorder`` as the decode loop hands them over.
+
+    Returns the bytes fed, and the most seconds and bytes the ring held at any time.
+    """
+    fed, most_s, most_bytes = 0, 0.0, 0
+    with av.open(str(path)) as f:
+        stream = f.streams.video[0]
+        keyframes = 0
+        for packet in f.demux(stream):
+            if packet.size:
+                fed += packet.size
+                keyframes += packet.is_keyframe
+                recorder.on_packet(packet, stream)
+                most_s, most_bytes = max(most_s, recorder.ring_seconds), max(most_bytes, recorder.ring_bytes)
+        assert keyframes == 1
+    return fed, most_s, most_bytes
+
+
+def test_the_clip_ring_is_bounded_in_time_without_a_later_keyframe_and_released_at_the_end(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    video = encode_one_keyframe(tmp_path / "one-gop.mp4", frames=400, size=(64, 48), noise=False)
+    config = ClipsOutputConfig(type="clips", dir="clips", pre_s=1.0, post_s=2.0)
+    with ThreadPoolExecutor(1) as writer:
+        recorder = ClipRecorder(config, "cam", tmp_path / "clips", writer, lambda info: None)
+        fed, most_s, _ = feed(recorder, video)
+        # 40 s of stream; the ring lets go once it spans pre_s + HEADROOM_S + MAX_GOP_S.
+        assert most_s == pytest.approx(config.pre_s + HEADROOM_S + MAX_GOP_S, abs=0.1)
+        # Nothing after the one keyframe can start a ring again: all of it was dropped, counted.
+        assert recorder.ring_bytes == 0 and recorder.dropped_bytes == fed
+        assert recorder.dropped_packets == 400
+    assert "no keyframe in 26 s" in caplog.text and "keyframe interval (GOP)" in caplog.text
+
+
+def test_the_clip_ring_is_bounded_in_bytes_at_any_bitrate_and_a_stop_releases_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cap = 1_000_000
+    monkeypatch.setattr(clips, "RING_MAX_BYTES", cap)
+    # Noise at crf 10: about 100 kB a frame, 8 Mb/s at 10 fps.
+    video = encode_one_keyframe(tmp_path / "noise.mp4", frames=60, size=(320, 240), noise=True)
+    config = ClipsOutputConfig(type="clips", dir="clips", pre_s=3.0, post_s=2.0)
+    with ThreadPoolExecutor(1) as writer:
+        recorder = ClipRecorder(config, "cam", tmp_path / "clips", writer, lambda info: None)
+        fed, _, most_bytes = feed(recorder, video)
+        assert fed > 3 * cap
+        assert cap * 0.9 < most_bytes <= cap
+        assert recorder.dropped_bytes + recorder.ring_bytes == fed
+    # A source that stops lets its ring go.
+    with ThreadPoolExecutor(1) as writer:
+        recorder = ClipRecorder(config, "cam", tmp_path / "clips", writer, lambda info: None)
+        with av.open(str(video)) as f:
+            stream = f.streams.video[0]
+            for packet in itertools.islice(f.demux(stream), 10):
+                recorder.on_packet(packet, stream)
+        assert recorder.ring_bytes > 0
+        recorder.close()
+        assert recorder.ring_bytes == 0 and recorder.ring_seconds == 0.0
