@@ -3,8 +3,8 @@
 ::
 
     outputs:
-      - {type: file, path: "out/{source}.mp4", annotate: true}
-      - {type: clips, dir: clips/, pre_s: 3, post_s: 5, on: [track_start]}
+      - {type: file, path: "out/{source}-{start}.mp4", annotate: true}
+      - {type: clips, dir: clips/, pre_s: 3, post_s: 5, on: [track_start, line_cross]}
 
 After a frame is published the runtime hands it to :meth:`Outputs.frame_published`.
 A source nobody watches and nothing records costs a dictionary look-up there.
@@ -19,7 +19,10 @@ result to live viewers through the :class:`FrameRelay`:
   asks: frames above that rate, or while the worker is busy, are not drawn.
 
 Clip recorders get every published frame on the event loop (a cheap look at
-its objects) and every packet on the source's thread.
+its objects and at the events any stage attached to it: the one way events
+reach outputs) and every packet on the source's thread. When a live source's
+stream ends (it goes to backoff) the runtime calls :meth:`Outputs.stream_ended`
+so the clip rings let their packets go.
 """
 
 from __future__ import annotations

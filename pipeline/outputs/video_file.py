@@ -44,15 +44,23 @@ FRAGMENTED = {
 
 
 def recording_path(template: Path, now: float | None = None) -> Path:
-    """Where a recording opening now goes: ``{start}`` filled in, an existing file never reused."""
+    """A new, empty file for a recording opening now: ``{start}`` filled in, no file reused.
+
+    The file is created here (exclusively), so two recordings opening at once cannot
+    both take the same name.
+    """
     stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(time.time() if now is None else now))
     path = Path(str(template).replace("{start}", stamp))
+    path.parent.mkdir(parents=True, exist_ok=True)
     n = 0
     candidate = path
-    while candidate.exists():
-        n += 1
-        candidate = path.with_name(f"{path.stem}.{n}{path.suffix}")
-    return candidate
+    while True:
+        try:
+            candidate.open("xb").close()
+            return candidate
+        except FileExistsError:
+            n += 1
+            candidate = path.with_name(f"{path.stem}.{n}{path.suffix}")
 
 
 class VideoFileWriter:
@@ -81,7 +89,6 @@ class VideoFileWriter:
         import av
 
         self.path = path = recording_path(self.template)
-        path.parent.mkdir(parents=True, exist_ok=True)
         fragmented = path.suffix.lower() in (".mp4", ".m4v", ".mov")
         self._container = av.open(str(path), "w", options=FRAGMENTED if fragmented else {})
         log.info("recording to %s", path)
