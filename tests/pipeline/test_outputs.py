@@ -31,6 +31,8 @@ from pipeline.outputs.clips import HEADROOM_S, MAX_GOP_S, ClipRecorder, clip_eve
 from pipeline.runtime import Runtime
 from pipeline.sources.pattern import pattern_background, pattern_square_box
 from tests.conftest import ROOT, Collector
+from tests.pipeline.stack import until
+from tests.support.rtsp_server import RtspTestServer, gstreamer_available
 
 W, H, FPS = 320, 240, 15
 
@@ -479,3 +481,30 @@ def test_the_clip_ring_is_bounded_in_bytes_at_any_bitrate_and_a_stop_releases_it
         assert recorder.ring_bytes > 0
         recorder.close()
         assert recorder.ring_bytes == 0 and recorder.ring_seconds == 0.0
+
+
+async def test_a_live_stream_that_ends_releases_its_clip_ring(
+    tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path
+) -> None:
+    if not gstreamer_available():
+        pytest.skip("needs /usr/bin/python3 with PyGObject and gst-rtsp-server")
+    with RtspTestServer({"/live": "live"}) as server:
+        config = tmp_path / "p.yaml"
+        config.write_text(
+            f"pipeline: ring\nmodels: {sample_models}\n"
+            f"sources: [{{url: '{server.url('/live')}', id: cam, stall_timeout: 1.0,"
+            " reconnect: {min_delay: 30, max_delay: 30}}]\n"
+            "stages: [{name: objects, type: infer, model: squares}]\n"
+            "outputs: [{type: clips, dir: clips, pre_s: 1, post_s: 1, on: [track_start]}]\n"
+        )
+        runtime = Runtime(load_config(config), nats_url=nats_server.url)
+        await runtime.start()
+        try:
+            (recorder,) = runtime.outputs._sources["cam"].clips
+            await until(lambda: recorder.ring_seconds > 1.0, what="a second of packets in the ring")
+            server.kill()
+            # The stream ends; the source waits 30 s to reconnect, without its packets.
+            await until(lambda: recorder.ring_bytes == 0, what="the ring to be released")
+            assert runtime.sources["cam"].source.state.value == "backoff"
+        finally:
+            await runtime.stop()
