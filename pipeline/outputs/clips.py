@@ -202,6 +202,7 @@ class ClipRecorder:
         self._active: _Clip | None = None
         self._known: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._warned_at = -math.inf
+        self._closed = False  # the source ended: packets still on their way are not kept
         self.clips = 0
         self.failed = 0
         # Packets the ring let go before their time because of its bounds (no keyframe).
@@ -223,7 +224,7 @@ class ClipRecorder:
 
     def on_packet(self, packet: Any, stream: Any) -> None:
         seconds = _seconds(packet)
-        if seconds is None or packet.size == 0:
+        if seconds is None or packet.size == 0 or self._closed:
             return
         done: list[_Clip] = []
         with self._lock:
@@ -360,7 +361,8 @@ class ClipRecorder:
                 self._active = clip
 
     def close(self) -> None:
-        """The source ended: write the clip that is recording, as far as it got."""
+        """The source ended: write the clip that is recording, as far as it got; keep nothing more."""
+        self._closed = True
         self.stream_ended()
 
     # -- writer thread ---------------------------------------------------------------------
