@@ -1,6 +1,10 @@
 # The two commands a newcomer needs:
 #   make demo   installs what is needed and runs the demo pipeline end to end
 #   make test   installs what is needed and runs lint, types and the whole test suite
+# While working on the code:
+#   make unit             the fast tier: every test not marked slow (under 90 s on 2 cores)
+#   make test-under-load  make test while two busy loops keep two cores busy (tests must not
+#                         depend on timing)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,7 +20,8 @@ APT_PACKAGES := $(RUNTIME_APT) ffmpeg python3-gi gir1.2-gstreamer-1.0 gir1.2-gst
 	chromium fonts-dejavu-core buildah debootstrap prometheus
 PYTEST_ARGS ?=
 
-.PHONY: demo test install lock runtime-deps system-deps apt-install lint typecheck unit bench clean
+.PHONY: demo test install lock runtime-deps system-deps apt-install lint typecheck unit suite \
+	test-under-load bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -77,10 +82,23 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+# The fast tier leaves out the tests marked `slow` (real servers started per test,
+# subprocess runs of the CLI, soaks); tests/conftest.py says how a test gets the mark.
 unit: install system-deps
+	$(BIN)/pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+
+suite: install system-deps
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
-test: lint typecheck unit
+test: lint typecheck suite
+
+# Two busy loops for as long as `make test` runs, stopped however it ends.
+LOAD_JOBS ?= 2
+test-under-load: install
+	@pids=; for i in $$(seq $(LOAD_JOBS)); do sh -c 'while :; do :; done' & pids="$$pids $$!"; done; \
+	trap 'kill $$pids 2>/dev/null' EXIT INT TERM; \
+	echo "busy loops: $$pids"; \
+	$(MAKE) --no-print-directory test
 
 bench: install
 	$(BIN)/python bench/batching.py

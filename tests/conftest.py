@@ -23,6 +23,91 @@ if str(ROOT) not in sys.path:
 
 ARTIFACTS = ROOT / "test-artifacts"
 
+# The slow tier: `make unit` leaves these out, `make test` runs them. A test belongs here
+# when it takes more than about a second on an idle 2-core machine: it starts a server
+# per test (RTSP, Triton, Prometheus, an image), runs `vidpipe` in a subprocess, or runs
+# a real model over a whole clip. ALL marks a whole module (its fixture is the slow part).
+ALL = frozenset({"*"})
+SLOW: dict[str, frozenset[str] | set[str]] = {
+    "tests/deploy/test_image.py": ALL,
+    "tests/deploy/test_ops_stack.py": ALL,
+    "tests/inference/test_openvino.py": {
+        "test_a_piece_that_fails_leaves_the_requests_free_for_the_next_batch",
+        "test_default_precision_reads_the_same_text_and_boxes_as_f32",
+        "test_static_shapes_run_a_batch_as_pieces_with_the_answers_of_single_runs",
+        "test_text_boxes_are_the_same_normalised_in_the_model_or_on_the_host",
+    },
+    "tests/inference/test_triton.py": ALL,
+    "tests/pipeline/test_api.py": {
+        "test_refuses_to_listen_publicly_without_a_token",
+    },
+    "tests/pipeline/test_bad_input.py": ALL,
+    "tests/pipeline/test_cli.py": ALL,
+    "tests/pipeline/test_cli_tune.py": ALL,
+    "tests/pipeline/test_config.py": {
+        "test_bad_source_flag_is_a_usage_error",
+        "test_every_shipped_config_validates",
+        "test_exposed_http_without_token_is_refused_before_start",
+        "test_validate_exits_2_with_file_line_errors_and_no_traceback",
+        "test_validate_good_file_exits_0",
+        "test_validate_missing_file_exits_2",
+    },
+    "tests/pipeline/test_dashboard.py": ALL,
+    "tests/pipeline/test_embed.py": {
+        "test_the_documented_example_runs_as_written",
+    },
+    "tests/pipeline/test_end_to_end.py": ALL,
+    "tests/pipeline/test_first_hour.py": ALL,
+    "tests/pipeline/test_fleet.py": ALL,
+    "tests/pipeline/test_hostile.py": {
+        "test_deep_nesting_is_refused_with_a_config_error",
+    },
+    "tests/pipeline/test_hostile_api.py": {
+        "test_open_file_limit_no_flood_no_busy_loop",
+        "test_short_token_off_loopback_is_refused",
+    },
+    "tests/pipeline/test_hostile_sources.py": {
+        "test_a_frame_over_max_pixels_fails_the_source_before_any_buffer",
+        "test_allow_redirects_lets_ffmpeg_follow_the_camera",
+        "test_config_refuses_a_file_path_with_a_newline",
+        "test_source_flag_refuses_a_crlf_url_with_exit_2",
+        "test_source_flag_refuses_a_raw_at_in_the_password",
+    },
+    "tests/pipeline/test_inputs.py": {
+        "test_https_checks_the_certificate_unless_told_not_to",
+        "test_mpegts_pushed_over_udp_and_rtp_arrives_in_order",
+    },
+    "tests/pipeline/test_live_view.py": {
+        "test_mjpeg_viewer_gets_frames_and_one_that_never_reads_does_not_slow_the_pipeline",
+    },
+    "tests/pipeline/test_models_add.py": ALL,
+    "tests/pipeline/test_ocr.py": ALL,
+    "tests/pipeline/test_reliability.py": {
+        "test_core_mode_rides_out_a_broker_outage_and_counts_what_it_drops",
+        "test_jetstream_keeps_every_run_of_a_source",
+        "test_jetstream_mode_loses_and_duplicates_nothing_across_a_broker_kill",
+        "test_second_signal_forces_exit",
+        "test_sigterm_drains_in_flight_frames_and_exits_0",
+    },
+    "tests/pipeline/test_rtsp.py": ALL,
+    "tests/pipeline/test_tracking.py": {
+        "test_reinfer_interval_classifies_a_track_when_new_moved_or_every_n_frames",
+    },
+    "tests/pipeline/test_zones.py": {
+        "test_a_square_crossing_a_line_each_way_gives_two_crossings_and_matching_events",
+        "test_summary_counts_frames_not_events",
+    },
+    "tests/test_soak.py": ALL,
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module, _, name = item.nodeid.partition("::")
+        slow = SLOW.get(module, ())
+        if slow is ALL or name.split("[")[0] in slow:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
