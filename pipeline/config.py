@@ -79,8 +79,8 @@ class SourceConfig:
     url: str = field(metadata=spec(check=check_url, help="e.g. samples/clip.mp4 or rtsp://cam/stream"))
     id: str | None = field(default=None, metadata=spec(check=check_name, help=NAME_HELP))
     loop: bool = False
-    realtime: bool | None = field(
-        default=None, metadata=spec(help="pace files at their frame rate; default: as fast as possible")
+    realtime: bool = field(
+        default=False, metadata=spec(help="pace files at their frame rate; default: as fast as possible")
     )
     max_fps: float | None = field(default=None, metadata=spec(gt=0, help="drop frames above this rate"))
     queue_size: int = field(default=8, metadata=spec(ge=1, le=1024))

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from inference.config import (
     BackendOptions,
@@ -38,15 +39,15 @@ from tests.conftest import ROOT
 LOADER_FIELDS = {"base_dir", "file", "lines"}  # set by the loader, refused in YAML
 
 
-@pytest.mark.parametrize(
-    ("doc", "classes"),
-    [
+DOCUMENTED = [
         ("config.md", [PipelineConfig, SourceConfig, ReconnectConfig, StageOptions, InferOptions, TrackOptions,
                        ZonesOptions, ZoneConfig, LineConfig, NatsConfig, RuntimeConfig, HttpConfig, FleetConfig]),
         ("models.md", [ModelConfig, ModelFile, InputConfig, TaskConfig, DynamicBatching, QueuePolicy, InstanceGroup, BackendOptions]),
         ("outputs.md", [FileOutputConfig, ClipsOutputConfig]),
-    ],
-)  # fmt: skip
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("doc", "classes"), DOCUMENTED)
 def test_every_config_key_is_documented(doc: str, classes: list[type]) -> None:
     # The reference tables count, not the examples in fenced blocks.
     text = re.sub(r"```.*?```", "", (ROOT / "docs" / doc).read_text(), flags=re.S)
@@ -90,3 +91,79 @@ def test_every_module_is_on_the_architecture_map() -> None:
     )
     missing = [str(m) for m in modules if m.name not in text]
     assert not missing, f"docs/architecture.md does not name: {', '.join(missing)}"
+
+
+def _documented_defaults(doc: str) -> dict[str, list[object]]:
+    """Each key of the reference tables with the default(s) written for it (``none`` as None)."""
+    out: dict[str, list[object]] = {}
+    column = None
+    for line in (ROOT / "docs" / doc).read_text().splitlines():
+        if not line.startswith("|"):
+            column = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if column is None:
+            column = cells.index("default") if "default" in cells else -1
+            continue
+        if column < 0 or len(cells) <= column or set(cells[0]) <= {"-", " "}:
+            continue
+        keys = [k.split(".")[-1] for k in re.findall(r"`([a-z_0-9.]+)`", cells[0])]
+        cell = cells[column]
+        values: list[object]
+        if cell == "none":
+            values = [None] * len(keys)
+        elif not cell.startswith("`"):  # "required", "the model's", "all but `v4l2`": prose
+            continue
+        else:
+            values = [yaml.safe_load(v) for v in re.findall(r"`([^`]+)`", cell)]
+        if len(values) == len(keys):
+            for key, value in zip(keys, values, strict=True):
+                out.setdefault(key, []).append(value)
+    return out
+
+
+def _same(documented: object, default: object) -> bool:
+    if isinstance(documented, str) and re.fullmatch(r"\d+/\d+", documented):
+        num, den = documented.split("/")
+        documented = int(num) / int(den)
+    if isinstance(default, tuple):
+        default = list(default)
+    if documented is None:  # "none": no value, or an empty list or string
+        return default in (None, [], "")
+    if default is None:  # derived at run time; the docs name where from (`runtime.max_sources`)
+        return isinstance(documented, str)
+    if isinstance(default, list) and default and not isinstance(documented, list):
+        # One number for every channel: `0` documents [0.0, 0.0, 0.0].
+        return all(_same(documented, item) for item in default)
+    if (
+        isinstance(default, float)
+        and isinstance(documented, int | float)
+        and not isinstance(documented, bool)
+    ):
+        return abs(default - documented) < 1e-9
+    return type(documented) is type(default) and documented == default
+
+
+@pytest.mark.parametrize(("doc", "classes"), DOCUMENTED)
+def test_every_documented_default_is_the_code_default(doc: str, classes: list[type]) -> None:
+    # The dataclass is where a default is written; the tables must say the same value.
+    documented = _documented_defaults(doc)
+    wrong = []
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            if f.name not in documented or f.name in LOADER_FIELDS:
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                continue
+            simple = int | float | str | bool | type(None)
+            if isinstance(default, list | tuple) and not all(isinstance(v, simple) for v in default):
+                continue
+            if not isinstance(default, simple | list | tuple):
+                continue
+            if not any(_same(value, default) for value in documented[f.name]):
+                wrong.append(f"{cls.__name__}.{f.name} = {default!r}, docs/{doc} says {documented[f.name]}")
+    assert not wrong, "\n".join(wrong)

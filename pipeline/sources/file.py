@@ -57,7 +57,7 @@ class FileSource(AvSource):
     def run(self) -> None:
         if self.path is not None and not self.path.is_file():
             raise SourceError(self.id, f"file not found: {self.path}", "not_found")
-        realtime = bool(self.config.realtime)
+        realtime = self.config.realtime
         while not self.stopping:
             container = self.open()
             try:
