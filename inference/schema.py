@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -173,6 +174,23 @@ _LineLoader.add_implicit_resolver(
     list("tTfF"),
 )
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+class _OutOfRange(yaml.constructor.ConstructorError):
+    """An integer with more digits than Python converts (``sys.get_int_max_str_digits``)."""
+
+
+def _construct_int(loader: _LineLoader, node: yaml.ScalarNode) -> int:
+    try:
+        return int(yaml.SafeLoader.construct_yaml_int(loader, node))
+    except ValueError:
+        digits = sum(c.isdigit() for c in node.value)
+        raise _OutOfRange(
+            None, None, f"out of range: an integer of {digits} digits", node.start_mark
+        ) from None
+
+
+_LineLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
 
 
@@ -246,6 +264,9 @@ def load_yaml_text(text: str, file: str) -> Any:
         raise ConfigError(
             file, None, "", f"nested deeper than {MAX_CONFIG_DEPTH} levels", "flatten the structure"
         ) from None
+    except _OutOfRange as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark else None
+        raise ConfigError(file, line, "", str(exc.problem)) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         # An unclosed bracket or quote is reported at the end of the file; the line
@@ -343,6 +364,16 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# Integers (and integers given for numbers) beyond 64 bits are refused where they are
+# read: no setting needs them, and a 400-digit one would overflow on first use.
+MAX_INTEGER = 2**63 - 1
+
+
+def _too_large(value: int) -> str:
+    digits = len(str(abs(value)))
+    return f"out of range: an integer of {digits} digits (at most ±{MAX_INTEGER:,})"
+
+
 def _convert(value: Any, tp: Any, ctx: _Ctx, meta: Mapping[str, Any]) -> Any:
     origin = get_origin(tp)
     if tp is Any:
@@ -401,10 +432,18 @@ def _convert(value: Any, tp: Any, ctx: _Ctx, meta: Mapping[str, Any]) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ctx.error(f"expected an integer, got {_shown(value)}", meta.get("help", ""))
+        if not -MAX_INTEGER <= value <= MAX_INTEGER:
+            raise ctx.error(_too_large(value), meta.get("help", ""))
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ctx.error(f"expected a number, got {_shown(value)}", meta.get("help", ""))
+        if isinstance(value, int) and not -MAX_INTEGER <= value <= MAX_INTEGER:
+            raise ctx.error(_too_large(value), meta.get("help", ""))
+        if not math.isfinite(value):
+            # NaN passes every bound check (each comparison is false) and inf overflows
+            # arithmetic later: a reconnect delay of NaN retried without pause.
+            raise ctx.error(f"expected a finite number, got {value}", meta.get("help", ""))
         return float(value)
     if tp is str:
         if not isinstance(value, str):
