@@ -23,7 +23,7 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Any, Literal, Protocol, TypeVar, Union, get_args, get_origin
 
 import yaml
 
@@ -307,10 +307,34 @@ def spec(
     gt: float | None = None,
     min_len: int | None = None,
     help: str = "",
-    check: Callable[[Any], str | None] | None = None,
+    check: Callable[[Any], str | tuple[str, str] | None] | None = None,
+    kinds: KindOptions | None = None,
+    kind_key: str | None = None,
 ) -> dict[str, Any]:
-    """Validation metadata for a dataclass field (bounds, a help hint, a custom check)."""
-    return {"ge": ge, "le": le, "gt": gt, "min_len": min_len, "help": help, "check": check}
+    """Validation metadata for a dataclass field (bounds, a help hint, a custom check).
+
+    ``check`` returns the problem, or ``(problem, hint)``, or None. ``kinds``: the
+    field's options class depends on a kind (:class:`inference.kinds.Kinds`),
+    named by the sibling key ``kind_key`` or, without one, inside the mapping.
+    """
+    return {
+        "ge": ge,
+        "le": le,
+        "gt": gt,
+        "min_len": min_len,
+        "help": help,
+        "check": check,
+        "kinds": kinds,
+        "kind_key": kind_key,
+    }
+
+
+class KindOptions(Protocol):
+    """What a field's ``spec(kinds=...)`` must do (see :class:`inference.kinds.Kinds`)."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def build(self, data: Any, kind: str | None, file: str, path: str, line: int | None = None) -> Any: ...
 
 
 @dataclass
@@ -468,6 +492,8 @@ def _check_bounds(value: Any, ctx: _Ctx, meta: Mapping[str, Any]) -> None:
     check = meta.get("check")
     if check is not None:
         problem = check(value)
+        if isinstance(problem, tuple):
+            raise ctx.error(*problem)
         if problem:
             raise ctx.error(problem, hint)
 
@@ -498,7 +524,15 @@ def _build_dataclass(data: dict[str, Any], cls: type[T], ctx: _Ctx) -> T:
                 errors.append(ctx.error(f"missing required key {name!r}", f.metadata.get("help", "")))
             continue
         try:
-            value = _convert(data[name], hints[name], child, f.metadata)
+            kinds = f.metadata.get("kinds")
+            if kinds is not None:
+                by = f.metadata.get("kind_key")
+                kind = data.get(by, fields[by].default) if by else None
+                if by and kind not in kinds:
+                    continue  # the kind's own key says what is wrong with it
+                value = kinds.build(data[name], kind, child.file, child.path, child.line)
+            else:
+                value = _convert(data[name], hints[name], child, f.metadata)
             _check_bounds(value, child, f.metadata)
         except ConfigError as exc:
             errors.append(exc)

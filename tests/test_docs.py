@@ -5,18 +5,19 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from inference.config import (
-    BackendOptions,
+    BACKEND_OPTIONS,
+    TASK_OPTIONS,
     DynamicBatching,
     InputConfig,
     InstanceGroup,
     ModelConfig,
     ModelFile,
     QueuePolicy,
-    TaskConfig,
 )
 from pipeline.config import (
     ClipsOutputConfig,
@@ -43,7 +44,8 @@ LOADER_FIELDS = {"base_dir", "file", "lines"}  # set by the loader, refused in Y
     [
         ("config.md", [PipelineConfig, SourceConfig, ReconnectConfig, StageOptions, InferOptions, TrackOptions,
                        ZonesOptions, ZoneConfig, LineConfig, NatsConfig, RuntimeConfig, HttpConfig, FleetConfig]),
-        ("models.md", [ModelConfig, ModelFile, InputConfig, TaskConfig, DynamicBatching, QueuePolicy, InstanceGroup, BackendOptions]),
+        ("models.md", [ModelConfig, ModelFile, InputConfig, DynamicBatching, QueuePolicy, InstanceGroup,
+                       *(TASK_OPTIONS[k] for k in TASK_OPTIONS), *(BACKEND_OPTIONS[k] for k in BACKEND_OPTIONS)]),
         ("outputs.md", [FileOutputConfig, ClipsOutputConfig]),
     ],
 )  # fmt: skip
@@ -90,3 +92,16 @@ def test_every_module_is_on_the_architecture_map() -> None:
     )
     missing = [str(m) for m in modules if m.name not in text]
     assert not missing, f"docs/architecture.md does not name: {', '.join(missing)}"
+
+
+@pytest.mark.parametrize(
+    ("heading", "kinds"), [("### Task options", TASK_OPTIONS), ("### Backend options", BACKEND_OPTIONS)]
+)
+def test_the_per_kind_tables_list_exactly_each_kind_s_keys(heading: str, kinds: Any) -> None:
+    text = (ROOT / "docs" / "models.md").read_text()
+    section = text.split(heading, 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `([a-z_0-9]+)` \| `([a-z_0-9]+)` \|", section, re.M)
+    documented = {(kind, key) for kind, key in rows}
+    # The tag itself (task.kind) is the table's first column, not a row.
+    wanted = {(kind, key) for kind in kinds for key in kinds.keys_of(kind) if key != "kind"}
+    assert sorted(documented) == sorted(wanted)
