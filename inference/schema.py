@@ -10,6 +10,11 @@ reads ``FILE:LINE: path.to.key: what is wrong (hint: what to do)``.
 A dataclass field can carry validation metadata::
 
     threshold: float = field(default=0.5, metadata=spec(ge=0, le=1, help="..."))
+    backend_options: BackendOptions = field(metadata=spec(kinds=BACKEND_OPTIONS, kind_key="backend"))
+
+The second form makes a field's options class depend on a kind
+(:mod:`inference.kinds`). Every number read is finite (``.nan``, ``.inf`` and
+JSON's ``NaN``/``Infinity`` are refused) and every integer fits 64 bits.
 """
 
 from __future__ import annotations
@@ -174,6 +179,7 @@ _LineLoader.add_implicit_resolver(
     list("tTfF"),
 )
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
 
 
 class _OutOfRange(yaml.constructor.ConstructorError):
@@ -191,7 +197,6 @@ def _construct_int(loader: _LineLoader, node: yaml.ScalarNode) -> int:
 
 
 _LineLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
-_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
 
 
 # Bounds on what a config file may make the loader build. Real pipeline and model
