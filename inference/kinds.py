@@ -117,12 +117,18 @@ class Kinds(Generic[T]):
                 raise ConfigError(file, line_of(data, self.tag) or line, at, *problem)
             kind = str(named)
         takes = self.keys_of(kind)
+        # Each key once against a map of the others' keys: a body may hold thousands of keys.
+        owners_of: dict[str, list[str]] = {}
+        for other in self._kinds:
+            if other != kind:
+                for key in self.keys_of(other):
+                    owners_of.setdefault(key, []).append(other)
         errors: list[ConfigError] = []
+        misplaced: set[str] = set()
         for key in data:
-            if key in takes:
-                continue
-            owners = [k for k in self._kinds if k != kind and key in self.keys_of(k)]
+            owners = owners_of.get(key) if key not in takes else None
             if owners:
+                misplaced.add(key)
                 errors.append(
                     ConfigError(
                         file,
@@ -135,7 +141,7 @@ class Kinds(Generic[T]):
         rest = data
         if errors:
             # Validated without them, so their kind's unknown-key check does not repeat them.
-            rest = LineDict({k: v for k, v in data.items() if k in takes or not self._owned(k)})
+            rest = LineDict({k: v for k, v in data.items() if k not in misplaced})
             rest.line = line or 0
             rest.key_lines = getattr(data, "key_lines", {})
         try:
@@ -144,6 +150,3 @@ class Kinds(Generic[T]):
             errors.append(exc)
         raise_errors(errors)
         return built
-
-    def _owned(self, key: str) -> bool:
-        return any(key in self.keys_of(k) for k in self._kinds)

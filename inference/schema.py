@@ -515,12 +515,18 @@ def _build_dataclass(data: dict[str, Any], cls: type[T], ctx: _Ctx) -> T:
     # Every problem of this mapping (and those below it) is collected, not just the first.
     errors: list[ConfigError] = []
     suggested: set[str] = set()  # a missing key an unknown one was taken for is not said twice
-    for key in data:
-        if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            suggested.update(close)
-            hint = f"did you mean {close[0]!r}?" if close else "allowed keys: " + ", ".join(fields)
-            errors.append(ctx.child(key, key_lines.get(key)).error("unknown key", hint))
+    unknown = [key for key in data if key not in fields]
+    # Past the errors a reader is shown, unknown keys are counted, not each matched and
+    # reported: a body of 60,000 keys would otherwise cost seconds of suggestions.
+    shown = unknown if len(unknown) <= MAX_REPORTED_ERRORS else unknown[: MAX_REPORTED_ERRORS - 1]
+    for key in shown:
+        close = difflib.get_close_matches(key, list(fields), n=1)
+        suggested.update(close)
+        hint = f"did you mean {close[0]!r}?" if close else "allowed keys: " + ", ".join(fields)
+        errors.append(ctx.child(key, key_lines.get(key)).error("unknown key", hint))
+    if len(shown) < len(unknown):
+        rest = len(unknown) - len(shown)
+        errors.append(ctx.error(f"{rest} more unknown key(s)", "allowed keys: " + ", ".join(fields)))
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         child = ctx.child(name, key_lines.get(name))

@@ -216,3 +216,23 @@ def test_json_nan_and_infinity_are_refused_by_the_same_converters() -> None:
         "request:1: sources.max_fps: expected a finite number, got nan (hint: drop frames above this rate)\n"
         "request:1: sources.reconnect.jitter: expected a finite number, got inf"
     )
+
+
+def test_thousands_of_unknown_keys_are_counted_not_each_matched() -> None:
+    import time
+
+    from pipeline.config import SourceConfig
+
+    data = {"url": "rtsp://cam/stream", **{f"key{i}": 1 for i in range(60_000)}}
+    start = time.process_time()
+    with pytest.raises(ConfigError) as err:
+        build(data, SourceConfig, "request", path="sources")
+    lines = str(err.value).splitlines()
+    assert len(err.value.errors) == 20 and len(lines) == 20
+    assert lines[0].startswith("request:1: sources.key0: unknown key (hint: allowed keys: url, id, ")
+    assert lines[18].startswith("request:1: sources.key18: unknown key")
+    assert lines[-1].startswith(
+        "request:1: sources: 59981 more unknown key(s) (hint: allowed keys: url, id, "
+    )
+    # Matching each key against the allowed ones took seconds of the event loop's time.
+    assert time.process_time() - start < 1.0
