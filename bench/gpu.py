@@ -47,12 +47,12 @@ BATCHES = (1, 2, 4, 8, 16, 32)
 
 def _det_config(max_batch: int = 32, fp16: bool = True) -> Any:
     from inference.config import (
-        BackendOptions,
         InputConfig,
         InstanceGroup,
         ModelConfig,
         ModelFile,
         TaskConfig,
+        TensorRTOptions,
     )
 
     return ModelConfig(
@@ -65,18 +65,18 @@ def _det_config(max_batch: int = 32, fp16: bool = True) -> Any:
         backend="tensorrt",
         max_batch_size=max_batch,
         instance_group=[InstanceGroup(kind="KIND_GPU")],
-        backend_options=BackendOptions(fp16=fp16, workspace_mb=4096),
+        backend_options=TensorRTOptions(fp16=fp16, workspace_mb=4096),
     )
 
 
 def _squares_config(max_batch: int = 32, fp16: bool = True) -> Any:
     from inference.config import (
-        BackendOptions,
         InputConfig,
         InstanceGroup,
         ModelConfig,
         ModelFile,
         TaskConfig,
+        TensorRTOptions,
     )
 
     return ModelConfig(
@@ -87,7 +87,7 @@ def _squares_config(max_batch: int = 32, fp16: bool = True) -> Any:
         backend="tensorrt",
         max_batch_size=max_batch,
         instance_group=[InstanceGroup(kind="KIND_GPU")],
-        backend_options=BackendOptions(fp16=fp16),
+        backend_options=TensorRTOptions(fp16=fp16),
     )
 
 

@@ -22,6 +22,18 @@ Triton's dynamic batcher and are configured per model in ``config.yaml``::
 Batch formation (:func:`next_batch`), evaluated whenever an instance is free:
 
 * ``max_batch_size: 0`` sends one request per execution, as soon as one is pending.
+* With ``max_queue_delay_microseconds: 0`` and other instances idle, this
+  instance counts only its share of the pending requests (rounded up); the
+  rules below apply to that share. **This departs from Triton**, whose first
+  free instance takes a batch that fills a preferred size at once: with
+  preferred ``[4]``, four pending requests and four idle instances, Triton
+  runs one batch of four and vidpipe four batches of one, side by side. On a
+  CPU the instances share the cores, so an idle instance is throughput left
+  unused, and the frames queued behind a batch held by one instance wait for
+  all of it: the one-camera OCR demo, its detector at batch 4, ran at 32
+  frames/s with Triton's rule and 52 with the split (docs/PERFORMANCE.md).
+  Under load no instance is idle and nothing is split; with a queue delay the
+  operator asked for fuller batches, and Triton's rule holds unchanged.
 * If the pending requests (capped at ``max_batch_size``) can fill a preferred
   size, the largest such preferred size is sent at once.
 * Without preferred sizes, a full ``max_batch_size`` batch is sent at once.
@@ -184,26 +196,27 @@ def next_batch(
     pending: Sequence[int],
     oldest_enqueue: float | None,
     now: float,
-    instance_free: bool,
+    *,
     idle_instances: int = 0,
 ) -> Decision:
-    """Decide whether to send a batch now, and how big, or how long to wait.
+    """Decide, for an instance that is free, whether to send a batch now and how big, or how long to wait.
 
     ``pending`` counts the queued requests per priority level (index 0 = level 1),
     ``oldest_enqueue`` is the enqueue time of the oldest of them. Timed-out
     requests must have been expired (:meth:`PendingQueue.expire`) before calling.
 
     ``idle_instances`` counts the other instances waiting for work. Without a
-    queue delay, the requests waiting are shared with them: four requests and
+    queue delay, the requests waiting are shared with them (the one departure
+    from Triton's rules; the module's docstring says why): four requests and
     four free instances make four batches of one that run at once, not one batch
     of four while three instances sit idle. Under load no instance is idle and a
     free one takes up to ``max_batch_size``, so batches grow as before. With a
     queue delay the operator asked for bigger batches, and gets them.
     """
     total = sum(pending)
-    if total == 0 or not instance_free:
-        # Nothing to do until a request arrives or an instance frees up; a free
-        # instance then sees the whole backlog, which is how batches grow under load.
+    if total == 0:
+        # Nothing to do until a request arrives; an instance busy until then sees the
+        # whole backlog when it is free, which is how batches grow under load.
         return Wait(None)
     if policy.max_batch_size == 0:
         return Send(1, split_by_level(pending, 1))

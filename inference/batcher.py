@@ -364,7 +364,7 @@ class DynamicBatcher:
                     self._stats.received += 1
                     if self._idle and (
                         len(queue) == 1
-                        or type(next_batch(policy, queue.counts, queue.oldest_enqueue(), now, True)) is Send
+                        or type(next_batch(policy, queue.counts, queue.oldest_enqueue(), now)) is Send
                     ):
                         # Wake a worker only when its decision changes: the first
                         # request starts the delay timer, or a batch can go now.
@@ -417,7 +417,11 @@ class DynamicBatcher:
                         decision: Send | None = Send(n, split_by_level(queue.counts, n))
                     else:
                         d = next_batch(
-                            policy, queue.counts, queue.oldest_enqueue(), self._clock(), True, self._idle
+                            policy,
+                            queue.counts,
+                            queue.oldest_enqueue(),
+                            self._clock(),
+                            idle_instances=self._idle,
                         )
                         decision = d if type(d) is Send else None
                         wait = None if decision else d.seconds  # type: ignore[union-attr]

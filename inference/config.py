@@ -16,13 +16,20 @@ user's intuition carries over::
       default_queue_policy: {max_queue_size: 256, timeout_action: REJECT}
     instance_group: [{count: 1, kind: KIND_CPU}]
     backend_options: {intra_op_threads: 2}
+
+``task:`` and ``backend_options:`` are per kind: ``task.kind`` selects one of
+the task options classes (:data:`TASK_OPTIONS`) and ``backend:`` one of the
+backend options classes (:data:`BACKEND_OPTIONS`), so a key of another kind
+(``workspace_mb`` on an OpenVINO model) is an error at its line that names the
+kind it belongs to.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
+from inference.kinds import Kinds
 from inference.schema import ConfigError, ConfigOrigin, spec
 
 TaskKind = Literal["yolo", "classify", "text_detect", "text_recognize"]
@@ -81,26 +88,63 @@ class InputConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Pre/post-processing kind and its parameters."""
+    """``task:``: the pre/post-processing kind; each kind derives its own options from this.
 
-    kind: TaskKind = field(metadata=spec(help="yolo, classify, text_detect or text_recognize"))
-    # yolo
+    ``TaskConfig(kind="yolo")`` in code stands for that kind's defaults
+    (:class:`ModelConfig` turns it into :class:`YoloOptions`).
+    """
+
+    kind: str = field(metadata=spec(help="yolo, classify, text_detect or text_recognize"))
+
+
+@dataclass(frozen=True)
+class YoloOptions(TaskConfig):
+    """``task: {kind: yolo}``: YOLOv5/v8/v11 box decoding and NMS."""
+
+    kind: str = "yolo"
     layout: Literal["auto", "yolov8", "yolov5"] = "auto"
     confidence: float = field(default=0.25, metadata=spec(ge=0, le=1))
     iou: float = field(default=0.45, metadata=spec(ge=0, le=1))
     max_detections: int = field(default=300, metadata=spec(ge=1))
-    # classify
+
+
+@dataclass(frozen=True)
+class ClassifyOptions(TaskConfig):
+    """``task: {kind: classify}``: softmax where needed, the top classes."""
+
+    kind: str = "classify"
     top_k: int = field(default=1, metadata=spec(ge=1))
-    # text_detect (DB)
+
+
+@dataclass(frozen=True)
+class TextDetectOptions(TaskConfig):
+    """``task: {kind: text_detect}``: DB text detection (PP-OCR det)."""
+
+    kind: str = "text_detect"
     thresh: float = field(default=0.3, metadata=spec(ge=0, le=1))
     box_thresh: float = field(default=0.5, metadata=spec(ge=0, le=1))
     unclip_ratio: float = field(default=1.6, metadata=spec(gt=0))
     max_candidates: int = field(default=1000, metadata=spec(ge=1))
     min_box_size: float = field(default=3.0, metadata=spec(ge=0))
-    # text_recognize (CTC)
+
+
+@dataclass(frozen=True)
+class TextRecognizeOptions(TaskConfig):
+    """``task: {kind: text_recognize}``: CTC decoding (PP-OCR rec)."""
+
+    kind: str = "text_recognize"
     dictionary_key: str = field(
         default="character", metadata=spec(help="model metadata key that holds the dictionary")
     )
+
+
+# task.kind -> its options. The classes that run them register with the same names
+# (inference.processing.tasks).
+TASK_OPTIONS: Kinds[type[TaskConfig]] = Kinds("task kind")
+TASK_OPTIONS.register("yolo", YoloOptions)
+TASK_OPTIONS.register("classify", ClassifyOptions)
+TASK_OPTIONS.register("text_detect", TextDetectOptions)
+TASK_OPTIONS.register("text_recognize", TextRecognizeOptions)
 
 
 @dataclass(frozen=True)
@@ -150,17 +194,27 @@ class InstanceGroup:
 
 @dataclass(frozen=True)
 class BackendOptions:
-    """Backend tuning knobs."""
+    """``backend_options:``; each backend derives its own (an empty one stands for its defaults)."""
+
+
+@dataclass(frozen=True)
+class OnnxRuntimeOptions(BackendOptions):
+    """``backend: onnxruntime`` (inference/backends/onnxruntime.py)."""
 
     intra_op_threads: int = field(default=0, metadata=spec(ge=0, help="0 = the runtime's default"))
     inter_op_threads: int = field(default=0, metadata=spec(ge=0))
     execution_providers: list[str] = field(
         default_factory=list, metadata=spec(help="ONNX Runtime providers; default: best available")
     )
+    # For the TensorRT execution provider, as for backend tensorrt.
     fp16: bool = False
-    cuda_graphs: bool = False
     workspace_mb: int = field(default=1024, metadata=spec(ge=16))
-    # OpenVINO (inference/backends/openvino.py)
+
+
+@dataclass(frozen=True)
+class OpenVinoOptions(BackendOptions):
+    """``backend: openvino`` (inference/backends/openvino.py)."""
+
     device: Literal["CPU", "GPU", "AUTO"] = field(
         default="CPU", metadata=spec(help="OpenVINO device: CPU, GPU (Intel) or AUTO")
     )
@@ -170,8 +224,8 @@ class BackendOptions:
     preprocess: Literal["auto", "model", "cpu"] = field(
         default="auto",
         metadata=spec(
-            help="where images are normalised: model = inside the compiled model, fed uint8 NHWC "
-            "(OpenVINO); cpu = on the host, fed float NCHW; auto = model on OpenVINO, else cpu"
+            help="where images are normalised: model (or auto) = inside the compiled model, fed uint8 "
+            "NHWC; cpu = on the host, fed float NCHW"
         ),
     )
     streams: int = field(default=0, metadata=spec(ge=0, help="OpenVINO streams; 0 = one per instance"))
@@ -186,12 +240,37 @@ class BackendOptions:
             "axis; a batch runs as pieces of them, side by side"
         ),
     )
-    # Triton / KServe v2 over gRPC (inference/backends/triton.py)
+
+
+@dataclass(frozen=True)
+class TensorRTOptions(BackendOptions):
+    """``backend: tensorrt`` (inference/backends/tensorrt.py)."""
+
+    fp16: bool = False
+    cuda_graphs: bool = False
+    workspace_mb: int = field(default=1024, metadata=spec(ge=16))
+
+
+@dataclass(frozen=True)
+class TritonOptions(BackendOptions):
+    """``backend: triton``: KServe v2 over gRPC (inference/backends/triton.py)."""
+
     url: str | None = field(default=None, metadata=spec(help="grpc://HOST:PORT of the inference server"))
     model_name: str | None = field(default=None, metadata=spec(help="the model's name on the server"))
     timeout_ms: int = field(
         default=5000, metadata=spec(ge=1, help="a batch that takes longer on the server fails its requests")
     )
+
+
+# backend -> its options. The classes that run them register with the same names
+# (inference.backends).
+BACKEND_OPTIONS: Kinds[type[BackendOptions]] = Kinds("backend")
+BACKEND_OPTIONS.register("onnxruntime", OnnxRuntimeOptions)
+BACKEND_OPTIONS.register("openvino", OpenVinoOptions)
+BACKEND_OPTIONS.register("tensorrt", TensorRTOptions)
+BACKEND_OPTIONS.register("triton", TritonOptions)
+
+Opts = TypeVar("Opts")
 
 
 class ModelConfigError(ConfigError):
@@ -217,23 +296,33 @@ class ModelConfig:
     """One model in the repository."""
 
     name: str
-    task: TaskConfig
+    task: TaskConfig = field(metadata=spec(kinds=TASK_OPTIONS))
     # Every input key has a default, shape included (read from the model), so input: may be left out.
     input: InputConfig = field(default_factory=InputConfig)
     # None only for a remote backend (triton), whose model lives on the server.
     model_file: ModelFile | None = None
-    backend: Literal["onnxruntime", "openvino", "tensorrt", "triton"] = "onnxruntime"
+    backend: str = field(
+        default="onnxruntime",
+        metadata=spec(check=BACKEND_OPTIONS.check, help="onnxruntime, openvino, tensorrt or triton"),
+    )
     max_batch_size: int = field(default=8, metadata=spec(ge=0, le=4096))
     labels: list[str] = field(default_factory=list)
     labels_file: str | None = None
     version: int | None = field(default=None, metadata=spec(ge=1))
     dynamic_batching: DynamicBatching = field(default_factory=DynamicBatching)
     instance_group: list[InstanceGroup] = field(default_factory=lambda: [InstanceGroup()])
-    backend_options: BackendOptions = field(default_factory=BackendOptions)
+    backend_options: BackendOptions = field(
+        default_factory=BackendOptions, metadata=spec(kinds=BACKEND_OPTIONS, kind_key="backend")
+    )
     # Set by the repository to the file it read, so later checks can point at lines.
     origin: ConfigOrigin | None = field(default=None, compare=False, repr=False, metadata={"yaml": False})
 
     def __post_init__(self) -> None:
+        # Built in code, an empty BackendOptions or a bare TaskConfig stands for the kind's defaults.
+        object.__setattr__(
+            self, "backend_options", _of_kind(BACKEND_OPTIONS, self.backend, self.backend_options)
+        )
+        object.__setattr__(self, "task", _of_kind(TASK_OPTIONS, self.task.kind, self.task))
         if self.labels and self.labels_file:
             raise ValueError("set labels or labels_file, not both")
         if self.model_file is None and self.backend != "triton":
@@ -245,6 +334,14 @@ class ModelConfig:
                     f"dynamic_batching.preferred_batch_size {too_big} exceeds max_batch_size "
                     f"{self.max_batch_size}"
                 )
+
+    def backend_options_as(self, cls: type[Opts]) -> Opts:
+        """``backend_options`` as ``cls``, the options of this config's backend (a backend's own view)."""
+        return _narrow(self.backend_options, cls, f"backend {self.backend}")
+
+    def task_as(self, cls: type[Opts]) -> Opts:
+        """``task`` as ``cls``, the options of this config's task kind (a task's own view)."""
+        return _narrow(self.task, cls, f"task kind {self.task.kind}")
 
     @property
     def instance_count(self) -> int:
@@ -271,3 +368,21 @@ class ModelConfig:
         if self.origin is None:
             return kind(self.name, f"model {self.name!r}", None, key, problem, hint)
         return kind(self.name, self.origin.file, self.origin.line(key), key, problem, hint)
+
+
+def _of_kind(kinds: Kinds[type[Any]], kind: str, options: Any) -> Any:
+    """``options`` checked against ``kind``'s class; the base class itself becomes its defaults."""
+    cls = kinds.get(kind)
+    if cls is None:
+        raise ValueError(kinds.check(kind)[0])  # type: ignore[index]
+    if isinstance(options, cls):
+        return options
+    if type(options) in (BackendOptions, TaskConfig):
+        return cls()
+    raise ValueError(f"{kinds.what} {kind} takes {cls.__name__}, not {type(options).__name__}")
+
+
+def _narrow(options: Any, cls: type[Opts], what: str) -> Opts:
+    if not isinstance(options, cls):
+        raise TypeError(f"{what} has {type(options).__name__}, not {cls.__name__}")
+    return options

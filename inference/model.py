@@ -65,8 +65,7 @@ from inference.config import ModelConfig
 from inference.introspect import fill_input_shape
 from inference.memory import BufferPool
 from inference.processing.base import Task
-from inference.processing.resize import ImageResizer
-from inference.processing.resize import check_image as check_rgb_image
+from inference.processing.resize import ImageResizer, check_image
 from inference.processing.tasks import create_task
 from inference.results import Result
 
@@ -173,14 +172,6 @@ def load_labels(config: ModelConfig, model_dir: Path) -> list[str]:
     while lines and not lines[-1].strip():
         lines.pop()
     return [line.strip() for line in lines]
-
-
-def check_image(name: str, image: Any) -> None:
-    """Refuse anything but an H×W×3 uint8 array before it reaches a batch (at the caller, not in it)."""
-    try:
-        check_rgb_image(image)
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
 
 
 def preprocess_site(config: ModelConfig, backend: Backend) -> str:
@@ -389,7 +380,8 @@ class Model:
         batcher = self._batcher
         if batcher is None or self.state is not ModelState.READY:
             raise ModelUnavailable(self.name, self.state, self.reason)
-        check_image(self.name, image)
+        # Refused at the caller, before it reaches (and fails) a batch.
+        check_image(image, model=self.name)
         result: Result = await batcher.infer(image, priority=priority, timeout_us=timeout_us)
         return result
 
@@ -400,7 +392,8 @@ class Model:
         batcher = self._batcher
         if batcher is None or self.state is not ModelState.READY:
             raise ModelUnavailable(self.name, self.state, self.reason)
-        check_image(self.name, image)
+        # Refused at the caller, before it reaches (and fails) a batch.
+        check_image(image, model=self.name)
         return batcher.submit(image, priority=priority, timeout_us=timeout_us)
 
     def _execute(self, inst: ModelInstance, images: list[Any]) -> list[Result]:

@@ -42,7 +42,7 @@ from typing import Any
 from inference.backends import create_backend
 from inference.backends.base import TensorSpec
 from inference.batcher import InferenceObserver, NullObserver
-from inference.config import ModelConfig
+from inference.config import ModelConfig, YoloOptions
 from inference.errors import VidpipeError
 from inference.introspect import (
     ModelDescription,
@@ -368,7 +368,7 @@ def _labels_cell(labels: list[str], shown: int = 3) -> str:
 
 
 def _task_cell(cfg: ModelConfig) -> str:
-    if cfg.task.kind == "yolo" and cfg.task.layout != "auto":
+    if isinstance(cfg.task, YoloOptions) and cfg.task.layout != "auto":
         return f"yolo/{cfg.task.layout}"
     return cfg.task.kind
 

@@ -10,19 +10,25 @@ reads ``FILE:LINE: path.to.key: what is wrong (hint: what to do)``.
 A dataclass field can carry validation metadata::
 
     threshold: float = field(default=0.5, metadata=spec(ge=0, le=1, help="..."))
+    backend_options: BackendOptions = field(metadata=spec(kinds=BACKEND_OPTIONS, kind_key="backend"))
+
+The second form makes a field's options class depend on a kind
+(:mod:`inference.kinds`). Every number read is finite (``.nan``, ``.inf`` and
+JSON's ``NaN``/``Infinity`` are refused) and every integer fits 64 bits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Any, Literal, Protocol, TypeVar, Union, get_args, get_origin
 
 import yaml
 
@@ -176,6 +182,23 @@ _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _con
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
 
 
+class _OutOfRange(yaml.constructor.ConstructorError):
+    """An integer with more digits than Python converts (``sys.get_int_max_str_digits``)."""
+
+
+def _construct_int(loader: _LineLoader, node: yaml.ScalarNode) -> int:
+    try:
+        return int(yaml.SafeLoader.construct_yaml_int(loader, node))
+    except ValueError:
+        digits = sum(c.isdigit() for c in node.value)
+        raise _OutOfRange(
+            None, None, f"out of range: an integer of {digits} digits", node.start_mark
+        ) from None
+
+
+_LineLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
 # Bounds on what a config file may make the loader build. Real pipeline and model
 # configs are a few hundred nodes, a few levels deep and a few KiB; the bounds stop a
 # file (or an API body) whose aliases expand to millions of nodes ("billion laughs")
@@ -246,6 +269,9 @@ def load_yaml_text(text: str, file: str) -> Any:
         raise ConfigError(
             file, None, "", f"nested deeper than {MAX_CONFIG_DEPTH} levels", "flatten the structure"
         ) from None
+    except _OutOfRange as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark else None
+        raise ConfigError(file, line, "", str(exc.problem)) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         # An unclosed bracket or quote is reported at the end of the file; the line
@@ -286,10 +312,34 @@ def spec(
     gt: float | None = None,
     min_len: int | None = None,
     help: str = "",
-    check: Callable[[Any], str | None] | None = None,
+    check: Callable[[Any], str | tuple[str, str] | None] | None = None,
+    kinds: KindOptions | None = None,
+    kind_key: str | None = None,
 ) -> dict[str, Any]:
-    """Validation metadata for a dataclass field (bounds, a help hint, a custom check)."""
-    return {"ge": ge, "le": le, "gt": gt, "min_len": min_len, "help": help, "check": check}
+    """Validation metadata for a dataclass field (bounds, a help hint, a custom check).
+
+    ``check`` returns the problem, or ``(problem, hint)``, or None. ``kinds``: the
+    field's options class depends on a kind (:class:`inference.kinds.Kinds`),
+    named by the sibling key ``kind_key`` or, without one, inside the mapping.
+    """
+    return {
+        "ge": ge,
+        "le": le,
+        "gt": gt,
+        "min_len": min_len,
+        "help": help,
+        "check": check,
+        "kinds": kinds,
+        "kind_key": kind_key,
+    }
+
+
+class KindOptions(Protocol):
+    """What a field's ``spec(kinds=...)`` must do (see :class:`inference.kinds.Kinds`)."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def build(self, data: Any, kind: str | None, file: str, path: str, line: int | None = None) -> Any: ...
 
 
 @dataclass
@@ -341,6 +391,16 @@ def _shown(value: Any) -> str:
         return "nothing (null)"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# Integers (and integers given for numbers) beyond 64 bits are refused where they are
+# read: no setting needs them, and a 400-digit one would overflow on first use.
+MAX_INTEGER = 2**63 - 1
+
+
+def _too_large(value: int) -> str:
+    digits = len(str(abs(value)))
+    return f"out of range: an integer of {digits} digits (at most ±{MAX_INTEGER:,})"
 
 
 def _convert(value: Any, tp: Any, ctx: _Ctx, meta: Mapping[str, Any]) -> Any:
@@ -401,10 +461,18 @@ def _convert(value: Any, tp: Any, ctx: _Ctx, meta: Mapping[str, Any]) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ctx.error(f"expected an integer, got {_shown(value)}", meta.get("help", ""))
+        if not -MAX_INTEGER <= value <= MAX_INTEGER:
+            raise ctx.error(_too_large(value), meta.get("help", ""))
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ctx.error(f"expected a number, got {_shown(value)}", meta.get("help", ""))
+        if isinstance(value, int) and not -MAX_INTEGER <= value <= MAX_INTEGER:
+            raise ctx.error(_too_large(value), meta.get("help", ""))
+        if not math.isfinite(value):
+            # NaN passes every bound check (each comparison is false) and inf overflows
+            # arithmetic later: a reconnect delay of NaN retried without pause.
+            raise ctx.error(f"expected a finite number, got {value}", meta.get("help", ""))
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -429,6 +497,8 @@ def _check_bounds(value: Any, ctx: _Ctx, meta: Mapping[str, Any]) -> None:
     check = meta.get("check")
     if check is not None:
         problem = check(value)
+        if isinstance(problem, tuple):
+            raise ctx.error(*problem)
         if problem:
             raise ctx.error(problem, hint)
 
@@ -445,12 +515,18 @@ def _build_dataclass(data: dict[str, Any], cls: type[T], ctx: _Ctx) -> T:
     # Every problem of this mapping (and those below it) is collected, not just the first.
     errors: list[ConfigError] = []
     suggested: set[str] = set()  # a missing key an unknown one was taken for is not said twice
-    for key in data:
-        if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            suggested.update(close)
-            hint = f"did you mean {close[0]!r}?" if close else "allowed keys: " + ", ".join(fields)
-            errors.append(ctx.child(key, key_lines.get(key)).error("unknown key", hint))
+    unknown = [key for key in data if key not in fields]
+    # Past the errors a reader is shown, unknown keys are counted, not each matched and
+    # reported: a body of 60,000 keys would otherwise cost seconds of suggestions.
+    shown = unknown if len(unknown) <= MAX_REPORTED_ERRORS else unknown[: MAX_REPORTED_ERRORS - 1]
+    for key in shown:
+        close = difflib.get_close_matches(key, list(fields), n=1)
+        suggested.update(close)
+        hint = f"did you mean {close[0]!r}?" if close else "allowed keys: " + ", ".join(fields)
+        errors.append(ctx.child(key, key_lines.get(key)).error("unknown key", hint))
+    if len(shown) < len(unknown):
+        rest = len(unknown) - len(shown)
+        errors.append(ctx.error(f"{rest} more unknown key(s)", "allowed keys: " + ", ".join(fields)))
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         child = ctx.child(name, key_lines.get(name))
@@ -459,7 +535,15 @@ def _build_dataclass(data: dict[str, Any], cls: type[T], ctx: _Ctx) -> T:
                 errors.append(ctx.error(f"missing required key {name!r}", f.metadata.get("help", "")))
             continue
         try:
-            value = _convert(data[name], hints[name], child, f.metadata)
+            kinds = f.metadata.get("kinds")
+            if kinds is not None:
+                by = f.metadata.get("kind_key")
+                kind = data.get(by, fields[by].default) if by else None
+                if by and kind not in kinds:
+                    continue  # the kind's own key says what is wrong with it
+                value = kinds.build(data[name], kind, child.file, child.path, child.line)
+            else:
+                value = _convert(data[name], hints[name], child, f.metadata)
             _check_bounds(value, child, f.metadata)
         except ConfigError as exc:
             errors.append(exc)

@@ -47,7 +47,7 @@ import cv2
 import numpy as np
 
 from inference.batcher import InferenceRejected
-from inference.config import InstanceGroup, ModelConfig
+from inference.config import BACKEND_OPTIONS, InstanceGroup, ModelConfig, OnnxRuntimeOptions, OpenVinoOptions
 from inference.model import Model, ModelState
 from inference.repository import ModelSource, read_source
 from inference.schema import ConfigOrigin, build, load_yaml_text
@@ -75,12 +75,16 @@ class TrialPoint:
     @classmethod
     def from_config(cls, config: ModelConfig) -> TrialPoint:
         opts = config.backend_options
-        ov = config.backend == "openvino"
+        precision, threads = _NATIVE, 0
+        if isinstance(opts, OpenVinoOptions):
+            precision, threads = opts.precision, opts.threads
+        elif isinstance(opts, OnnxRuntimeOptions):
+            threads = opts.intra_op_threads
         return cls(
             backend=config.backend,
-            precision=opts.precision if ov else _NATIVE,
+            precision=precision,
             instances=config.instance_count,
-            threads=opts.threads if ov else opts.intra_op_threads,
+            threads=threads,
             max_batch_size=config.max_batch_size,
             preferred=tuple(config.dynamic_batching.preferred_batch_size),
             delay_us=config.dynamic_batching.max_queue_delay_microseconds,
@@ -88,15 +92,18 @@ class TrialPoint:
 
     def apply(self, config: ModelConfig) -> ModelConfig:
         """``config`` with this point's knobs set (and every other setting kept)."""
+        # Another backend starts from its own defaults: the old one's keys do not apply.
         opts = config.backend_options
-        if self.backend == "openvino":
+        if self.backend != config.backend:
+            opts = BACKEND_OPTIONS[self.backend]()
+        if isinstance(opts, OpenVinoOptions):
             opts = dataclasses.replace(opts, precision=self.precision, threads=self.threads)  # type: ignore[arg-type]
-        else:
+        elif isinstance(opts, OnnxRuntimeOptions):
             opts = dataclasses.replace(opts, intra_op_threads=self.threads)
         kind = config.instance_group[0].kind if config.instance_group else "KIND_CPU"
         return dataclasses.replace(
             config,
-            backend=self.backend,  # type: ignore[arg-type]
+            backend=self.backend,
             max_batch_size=self.max_batch_size,
             dynamic_batching=dataclasses.replace(
                 config.dynamic_batching,
@@ -670,6 +677,12 @@ def tuned_config_text(text: str, config: ModelConfig, point: TrialPoint, file: s
     changes: list[str] = []
     if point.backend != config.backend:
         _set(doc, "backend", point.backend, changes, "backend")
+        # Keys of the old backend's options would make the file invalid for the new one.
+        section = doc.get("backend_options")
+        takes = BACKEND_OPTIONS.keys_of(point.backend)
+        for key in [k for k in section or {} if k not in takes]:
+            changes.append(f"backend_options.{key}: {_show(section[key])} -> (unset)")
+            del section[key]
     if point.max_batch_size != config.max_batch_size:
         _set(doc, "max_batch_size", point.max_batch_size, changes, "max_batch_size")
     if point.preferred != current.preferred or point.delay_us != current.delay_us:
@@ -703,9 +716,15 @@ def tuned_config_text(text: str, config: ModelConfig, point: TrialPoint, file: s
             changes.append(
                 f"instance_group: {config.instance_count} instance(s) -> [{{count: {point.instances}}}]"
             )
-    opts = config.backend_options
+    # What the file says now, for the point's backend (its defaults after a switch).
+    was = current
+    if point.backend != config.backend:
+        defaults = BACKEND_OPTIONS[point.backend]()
+        was = TrialPoint.from_config(
+            dataclasses.replace(config, backend=point.backend, backend_options=defaults)
+        )
     if point.backend == "openvino":
-        if point.precision != opts.precision:
+        if point.precision != was.precision:
             _set(
                 _section(doc, "backend_options"),
                 "precision",
@@ -713,11 +732,11 @@ def tuned_config_text(text: str, config: ModelConfig, point: TrialPoint, file: s
                 changes,
                 "backend_options.precision",
             )
-        if point.threads != opts.threads:
+        if point.threads != was.threads:
             _set(
                 _section(doc, "backend_options"), "threads", point.threads, changes, "backend_options.threads"
             )
-    elif point.threads != opts.intra_op_threads:
+    elif point.threads != was.threads:
         _set(
             _section(doc, "backend_options"),
             "intra_op_threads",

@@ -5,19 +5,20 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from inference.config import (
-    BackendOptions,
+    BACKEND_OPTIONS,
+    TASK_OPTIONS,
     DynamicBatching,
     InputConfig,
     InstanceGroup,
     ModelConfig,
     ModelFile,
     QueuePolicy,
-    TaskConfig,
 )
 from pipeline.config import (
     ClipsOutputConfig,
@@ -42,7 +43,8 @@ LOADER_FIELDS = {"base_dir", "file", "lines"}  # set by the loader, refused in Y
 DOCUMENTED = [
         ("config.md", [PipelineConfig, SourceConfig, ReconnectConfig, StageOptions, InferOptions, TrackOptions,
                        ZonesOptions, ZoneConfig, LineConfig, NatsConfig, RuntimeConfig, HttpConfig, FleetConfig]),
-        ("models.md", [ModelConfig, ModelFile, InputConfig, TaskConfig, DynamicBatching, QueuePolicy, InstanceGroup, BackendOptions]),
+        ("models.md", [ModelConfig, ModelFile, InputConfig, DynamicBatching, QueuePolicy, InstanceGroup,
+                       *(TASK_OPTIONS[k] for k in TASK_OPTIONS), *(BACKEND_OPTIONS[k] for k in BACKEND_OPTIONS)]),
         ("outputs.md", [FileOutputConfig, ClipsOutputConfig]),
 ]  # fmt: skip
 
@@ -96,7 +98,7 @@ def test_every_module_is_on_the_architecture_map() -> None:
 def _documented_defaults(doc: str) -> dict[str, list[object]]:
     """Each key of the reference tables with the default(s) written for it (``none`` as None)."""
     out: dict[str, list[object]] = {}
-    column = None
+    column = key_column = None
     for line in (ROOT / "docs" / doc).read_text().splitlines():
         if not line.startswith("|"):
             column = None
@@ -104,10 +106,12 @@ def _documented_defaults(doc: str) -> dict[str, list[object]]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if column is None:
             column = cells.index("default") if "default" in cells else -1
+            # Per-kind tables name the kind first and the key in a column of its own.
+            key_column = cells.index("key") if "key" in cells else 0
             continue
         if column < 0 or len(cells) <= column or set(cells[0]) <= {"-", " "}:
             continue
-        keys = [k.split(".")[-1] for k in re.findall(r"`([a-z_0-9.]+)`", cells[0])]
+        keys = [k.split(".")[-1] for k in re.findall(r"`([a-z_0-9.]+)`", cells[key_column or 0])]
         cell = cells[column]
         values: list[object]
         if cell == "none":
@@ -167,3 +171,16 @@ def test_every_documented_default_is_the_code_default(doc: str, classes: list[ty
             if not any(_same(value, default) for value in documented[f.name]):
                 wrong.append(f"{cls.__name__}.{f.name} = {default!r}, docs/{doc} says {documented[f.name]}")
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    ("heading", "kinds"), [("### Task options", TASK_OPTIONS), ("### Backend options", BACKEND_OPTIONS)]
+)
+def test_the_per_kind_tables_list_exactly_each_kind_s_keys(heading: str, kinds: Any) -> None:
+    text = (ROOT / "docs" / "models.md").read_text()
+    section = text.split(heading, 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `([a-z_0-9]+)` \| `([a-z_0-9]+)` \|", section, re.M)
+    documented = {(kind, key) for kind, key in rows}
+    # The tag itself (task.kind) is the table's first column, not a row.
+    wanted = {(kind, key) for kind in kinds for key in kinds.keys_of(kind) if key != "kind"}
+    assert sorted(documented) == sorted(wanted)

@@ -11,9 +11,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
+from inference.config import BackendOptions, ModelConfig
 from inference.errors import VidpipeError
 
 
@@ -35,8 +38,15 @@ class BackendError(VidpipeError, RuntimeError):
 
 
 class Backend(ABC):
-    """One loaded instance of a model."""
+    """One loaded instance of a model.
 
+    A backend kind names itself (``kind``, the ``backend:`` in config.yaml) and its
+    options (``options_type``, what ``backend_options:`` takes); see
+    :func:`inference.backends.register_backend`.
+    """
+
+    kind: ClassVar[str]
+    options_type: ClassVar[type[BackendOptions]] = BackendOptions
     input: TensorSpec  # the image input the config feeds (checked at load)
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
@@ -48,6 +58,9 @@ class Backend(ABC):
     # and the model itself swaps channels, normalises and transposes (OpenVINO's
     # backend_options.preprocess: model). False: float N×C×H×W tensors, normalised on the host.
     takes_images: bool = False
+
+    def __init__(self, config: ModelConfig, model_path: Path, instance: int = 0) -> None:  # noqa: B027
+        """Load instance number ``instance`` (0-based, across all instance groups) of a model."""
 
     @abstractmethod
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -28,7 +28,7 @@ import numpy as np
 
 from inference.backends.base import Backend, BackendError, TensorSpec
 from inference.backends.inputs import check_input
-from inference.config import ModelConfig
+from inference.config import ModelConfig, OnnxRuntimeOptions
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -54,7 +54,7 @@ def choose_providers(
 ) -> list[str | tuple[str, dict[str, Any]]]:
     """Execution providers for one instance, best first, always ending with the CPU."""
     group, gpu = config.placement(instance)
-    opts = config.backend_options
+    opts = config.backend_options_as(OnnxRuntimeOptions)
     if group.kind == "KIND_CPU":
         return [CPU]
     asked = [_ALIASES.get(p.lower(), p) for p in opts.execution_providers]
@@ -109,6 +109,9 @@ def _spec(arg: Any) -> TensorSpec:
 class OnnxRuntimeBackend(Backend):
     """One ONNX Runtime session; called from a single worker thread."""
 
+    kind = "onnxruntime"
+    options_type = OnnxRuntimeOptions
+
     def __init__(self, config: ModelConfig, model_path: Path, instance: int = 0) -> None:
         try:
             import onnxruntime as ort
@@ -121,7 +124,7 @@ class OnnxRuntimeBackend(Backend):
             raise BackendError(
                 f"{config.name}: model file not found: {self.model_path} (check model_file in config.yaml)"
             )
-        opts = config.backend_options
+        opts = config.backend_options_as(OnnxRuntimeOptions)
         so = ort.SessionOptions()
         so.intra_op_num_threads = opts.intra_op_threads
         so.inter_op_num_threads = opts.inter_op_threads

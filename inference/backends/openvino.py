@@ -47,7 +47,7 @@ import numpy as np
 
 from inference.backends.base import Backend, BackendError, TensorSpec
 from inference.backends.inputs import check_input
-from inference.config import ModelConfig, ModelConfigError
+from inference.config import ModelConfig, ModelConfigError, OpenVinoOptions
 
 SUFFIXES = (".onnx", ".xml")
 # The device capability each explicit precision needs (OPTIMIZATION_CAPABILITIES).
@@ -128,7 +128,7 @@ def _metadata(model: Any) -> dict[str, str]:
 
 def _device(config: ModelConfig, ov_core: Any, instance: int) -> str:
     group, _ = config.placement(instance)
-    device = config.backend_options.device
+    device = config.backend_options_as(OpenVinoOptions).device
     if group.kind == "KIND_GPU" and device == "CPU":
         raise _option_error(
             config,
@@ -155,7 +155,7 @@ def _device(config: ModelConfig, ov_core: Any, instance: int) -> str:
 
 
 def _compile_options(config: ModelConfig, ov_core: Any, device: str) -> dict[str, str]:
-    opts = config.backend_options
+    opts = config.backend_options_as(OpenVinoOptions)
     properties: dict[str, str] = {}
     if opts.precision != "auto":
         if device != "AUTO":
@@ -209,7 +209,7 @@ def _check_files(config: ModelConfig, model_path: Path) -> None:
 
 def preprocesses_in_model(config: ModelConfig) -> bool:
     """Whether the compiled model normalises the images (``backend_options.preprocess`` auto or model)."""
-    return config.backend_options.preprocess in ("auto", "model")
+    return config.backend_options_as(OpenVinoOptions).preprocess in ("auto", "model")
 
 
 def with_preprocessing(ov: Any, model: Any, name: str, config: ModelConfig) -> Any:
@@ -265,7 +265,9 @@ def _load(config: ModelConfig, model_path: Path, ov: Any, device: str) -> _Share
     # max_batch_size, so the device compiles for the shapes the batcher sends.
     c, h, w = config.input.shape
     # Checked whatever max_batch_size says, so a list that cannot apply is not ignored silently.
-    sizes = static_batch_sizes(config) if config.backend_options.static_batch_sizes else []
+    sizes = (
+        static_batch_sizes(config) if config.backend_options_as(OpenVinoOptions).static_batch_sizes else []
+    )
     if config.max_batch_size > 1 and sizes:
         by_size = {
             # Preprocessing rewrites the model's input, so each shape starts from a clean copy.
@@ -288,7 +290,7 @@ def _load(config: ModelConfig, model_path: Path, ov: Any, device: str) -> _Share
 
 def static_batch_sizes(config: ModelConfig) -> list[int]:
     """``backend_options.static_batch_sizes``, checked: it holds 1 and nothing over max_batch_size."""
-    sizes = sorted(set(config.backend_options.static_batch_sizes))
+    sizes = sorted(set(config.backend_options_as(OpenVinoOptions).static_batch_sizes))
     key = "backend_options.static_batch_sizes"
     if sizes[0] < 1:
         raise _option_error(
@@ -365,6 +367,9 @@ def precision_of(compiled: Any) -> str:
 
 class OpenVinoBackend(Backend):
     """One infer request of the model's shared compiled model; called from a single worker thread."""
+
+    kind = "openvino"
+    options_type = OpenVinoOptions
 
     def __init__(self, config: ModelConfig, model_path: Path, instance: int = 0) -> None:
         ov = _openvino(config)

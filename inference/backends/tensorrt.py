@@ -45,7 +45,7 @@ import numpy as np
 
 from inference.backends.base import Backend, BackendError, TensorSpec
 from inference.backends.inputs import check_input
-from inference.config import ModelConfig
+from inference.config import ModelConfig, TensorRTOptions
 from inference.device import DLPACK_CUDA_DEVICES, gpu_available
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,9 @@ _engines_lock = threading.Lock()
 class TensorRTBackend(Backend):
     """One TensorRT execution context with its own stream and preallocated buffers."""
 
+    kind = "tensorrt"
+    options_type = TensorRTOptions
+
     def __init__(self, config: ModelConfig, model_path: Path, instance: int = 0) -> None:
         self.config = config
         self.model_path = Path(model_path)
@@ -206,7 +209,7 @@ class TensorRTBackend(Backend):
             file_sha256(self.model_path),
             str(trt.__version__),
             self.gpu_name,
-            config.backend_options.fp16,
+            config.backend_options_as(TensorRTOptions).fp16,
             self.profile,
             tuple(config.input.shape),
         )
@@ -259,7 +262,7 @@ class TensorRTBackend(Backend):
         log.info(
             "%s: building a TensorRT engine (fp16=%s, batch profile %s); this can take minutes",
             self.config.name,
-            self.config.backend_options.fp16,
+            self.config.backend_options_as(TensorRTOptions).fp16,
             self.profile,
         )
         plan = self._build(logger)
@@ -274,7 +277,7 @@ class TensorRTBackend(Backend):
                     "model_file": str(self.model_path),
                     "tensorrt": str(trt.__version__),
                     "gpu": self.gpu_name,
-                    "fp16": self.config.backend_options.fp16,
+                    "fp16": self.config.backend_options_as(TensorRTOptions).fp16,
                     "profile": self.profile,
                     "item_shape": list(self.config.input.shape),
                     "key": self.cache_key,
@@ -311,8 +314,10 @@ class TensorRTBackend(Backend):
                 f"(export the model with an opset TensorRT supports, or use backend: onnxruntime)"
             )
         build = builder.create_builder_config()
-        build.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, config.backend_options.workspace_mb << 20)
-        if config.backend_options.fp16:
+        build.set_memory_pool_limit(
+            trt.MemoryPoolType.WORKSPACE, config.backend_options_as(TensorRTOptions).workspace_mb << 20
+        )
+        if config.backend_options_as(TensorRTOptions).fp16:
             build.set_flag(trt.BuilderFlag.FP16)
         profile = builder.create_optimization_profile()
         c, h, w = config.input.shape
@@ -464,7 +469,7 @@ class TensorRTBackend(Backend):
             target.set(host, stream=self._stream)
             return batch, int(self._input.data.ptr)
         device = self._device_input(value)
-        if self.config.backend_options.cuda_graphs:
+        if self.config.backend_options_as(TensorRTOptions).cuda_graphs:
             # Graphs replay fixed addresses: bring the batch into the instance's own buffer (D2D).
             target = self._input.reshape(-1)[: device.size].reshape(shape)
             with self._stream:
@@ -521,7 +526,7 @@ class TensorRTBackend(Backend):
 
     def _execute(self, batch: int, pointer: int) -> dict[str, Any]:
         outputs = self._bind(batch, pointer)
-        if not self.config.backend_options.cuda_graphs or batch in self._graphs_failed:
+        if not self.config.backend_options_as(TensorRTOptions).cuda_graphs or batch in self._graphs_failed:
             self._enqueue()
             return outputs
         graph = self._graphs.get(batch)

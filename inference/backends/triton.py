@@ -38,7 +38,7 @@ import numpy as np
 
 from inference.backends.base import Backend, BackendError, TensorSpec
 from inference.backends.inputs import check_input
-from inference.config import ModelConfig
+from inference.config import ModelConfig, TritonOptions
 
 # KServe v2 datatypes and their NumPy names.
 _DTYPES = {
@@ -79,7 +79,7 @@ class TritonServerError(TritonError):
 
 def parse_url(config: ModelConfig) -> str:
     """``HOST:PORT`` from ``backend_options.url`` (``grpc://HOST:PORT``), or a config error at it."""
-    url = config.backend_options.url
+    url = config.backend_options_as(TritonOptions).url
     if not url:
         raise config.error(
             "backend_options", "backend triton needs backend_options.url", "add url: grpc://HOST:PORT"
@@ -131,6 +131,9 @@ def _spec(tensor: Mapping[str, Any]) -> TensorSpec:
 class TritonBackend(Backend):
     """One gRPC client to the server; one instance runs one batch at a time."""
 
+    kind = "triton"
+    options_type = TritonOptions
+
     def __init__(self, config: ModelConfig, model_path: Path, instance: int = 0) -> None:
         try:
             import tritonclient.grpc as grpcclient
@@ -141,7 +144,7 @@ class TritonBackend(Backend):
             ) from exc
         self.config = config
         self.instance = instance
-        opts = config.backend_options
+        opts = config.backend_options_as(TritonOptions)
         address = parse_url(config)
         if not opts.model_name:
             raise config.error(

@@ -63,7 +63,6 @@ class _HostStaging:
         self.host: np.ndarray | None = None
         self.device: Any = None
         self.done: Any = None  # event after the last copy out of ``host``
-        self.allocations = 0
 
     def reserve(self, nbytes: int) -> None:
         from inference.gpu.memory import pinned_array
@@ -75,7 +74,6 @@ class _HostStaging:
             size = max(nbytes, 2 * (self.host.nbytes if self.host is not None else 0))
             self.host = pinned_array((size,), np.uint8)
             self.device = self._cp.empty((size,), dtype=self._cp.uint8)
-            self.allocations += 1
 
 
 class GpuPreprocessor:
@@ -104,11 +102,6 @@ class GpuPreprocessor:
         self.done: Any = None
         self._items_copied: Any = None
         self._keep: list[Any] = []
-
-    @property
-    def staging_allocations(self) -> int:
-        """How often the host-image staging grew (constant once the largest batch was seen)."""
-        return self._staging.allocations
 
     def geometry(self, src_w: int, src_h: int) -> ResizeMeta:
         """Where a ``src_w × src_h`` image lands in this model's input."""

@@ -17,17 +17,25 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from inference.backends.base import TensorSpec
-from inference.config import ModelConfig
+from inference.config import ModelConfig, TaskConfig
 from inference.results import Result
 
 
 class Task(ABC):
-    """Batched pre/post-processing for one model."""
+    """Batched pre/post-processing for one model.
+
+    A task kind names itself (``kind``, the ``task.kind`` in config.yaml) and its
+    options (``options_type``, what the rest of ``task:`` takes); see
+    :func:`inference.processing.tasks.register_task`.
+    """
+
+    kind: ClassVar[str]
+    options_type: ClassVar[type[TaskConfig]] = TaskConfig
 
     def __init__(
         self,

@@ -137,8 +137,11 @@ def geometry(mode: str, src_w: int, src_h: int, dst_w: int, dst_h: int) -> Resiz
     return fn(src_w, src_h, dst_w, dst_h)
 
 
-def check_image(image: np.ndarray, index: int = 0) -> None:
-    """Raise ``ValueError`` unless ``image`` is a non-empty H×W×3 uint8 array."""
+def check_image(image: object, index: int = 0, *, model: str = "") -> None:
+    """Raise ``ValueError`` unless ``image`` is a non-empty H×W×3 uint8 array.
+
+    The message names the image by ``index`` and, when given, the ``model`` it was for.
+    """
     if (
         not isinstance(image, np.ndarray)
         or image.dtype != np.uint8
@@ -149,7 +152,8 @@ def check_image(image: np.ndarray, index: int = 0) -> None:
     ):
         shape = getattr(image, "shape", None)
         dtype = getattr(image, "dtype", type(image).__name__)
-        raise ValueError(f"image {index}: expected a non-empty H×W×3 uint8 RGB array, got {shape} {dtype}")
+        where = f"{model}: image {index}" if model else f"image {index}"
+        raise ValueError(f"{where}: expected a non-empty H×W×3 uint8 RGB array, got {shape} {dtype}")
 
 
 def _check_batch(count: int, out: np.ndarray, item_shape: tuple[int, int, int]) -> None:

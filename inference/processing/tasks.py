@@ -1,6 +1,10 @@
 """Concrete :class:`~inference.processing.base.Task` implementations and the factory that picks one.
 
-``task.kind`` in a model config selects the class:
+``task.kind`` in a model config selects the class, and with it the options the
+rest of ``task:`` may hold (the class's ``options_type``; a key another kind
+takes is a ``FILE:LINE`` error that names that kind)::
+
+    task: {kind: yolo, confidence: 0.3, iou: 0.5}     # YoloOptions
 
 ================  ======================  =================================
 kind              class                   result per image
@@ -31,8 +35,16 @@ from typing import Any
 import numpy as np
 
 from inference.backends.base import TensorSpec
-from inference.config import ModelConfig
+from inference.config import (
+    TASK_OPTIONS,
+    ClassifyOptions,
+    ModelConfig,
+    TextDetectOptions,
+    TextRecognizeOptions,
+    YoloOptions,
+)
 from inference.introspect import metadata_labels
+from inference.kinds import Kinds
 from inference.processing.base import Task
 from inference.processing.classify import classify
 from inference.processing.ctc import CTCDecoder, parse_dictionary
@@ -41,7 +53,15 @@ from inference.processing.resize import ImagePreprocessor
 from inference.processing.yolo import decode_yolo, resolve_layout
 from inference.results import Detection, Recognition, Result
 
-__all__ = ["ClassifyTask", "TextDetectTask", "TextRecognizeTask", "YoloTask", "create_task"]
+__all__ = [
+    "TASKS",
+    "ClassifyTask",
+    "TextDetectTask",
+    "TextRecognizeTask",
+    "YoloTask",
+    "create_task",
+    "register_task",
+]
 
 
 class _ImageTask(Task):
@@ -79,6 +99,9 @@ class _ImageTask(Task):
 class YoloTask(_ImageTask):
     """YOLOv5/v8/v11 detectors: letterboxed input, decoded and NMS-filtered boxes in source pixels."""
 
+    kind = "yolo"
+    options_type = YoloOptions
+
     def __init__(
         self,
         config: ModelConfig,
@@ -87,6 +110,7 @@ class YoloTask(_ImageTask):
         labels: Sequence[str],
     ) -> None:
         super().__init__(config, input_spec, metadata, labels or metadata_labels(metadata))
+        self.options = config.task_as(YoloOptions)
         self._layouts: dict[tuple[int, ...], str] = {}
 
     def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
@@ -95,11 +119,11 @@ class YoloTask(_ImageTask):
         layout = self._layouts.get(key)
         if layout is None:
             try:
-                layout = resolve_layout(out.shape, self.config.task.layout, len(self.labels) or None)
+                layout = resolve_layout(out.shape, self.options.layout, len(self.labels) or None)
             except ValueError as exc:
                 raise self.config.error("task.layout", str(exc)) from None
             self._layouts[key] = layout
-        t = self.config.task
+        t = self.options
         decoded = decode_yolo(
             out,
             metas,
@@ -127,6 +151,9 @@ class YoloTask(_ImageTask):
 class ClassifyTask(_ImageTask):
     """Image classifiers: softmax if needed, top-k labelled classes."""
 
+    kind = "classify"
+    options_type = ClassifyOptions
+
     def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
         if not outputs:
             raise self.config.error("task.kind", "the model returned no outputs")
@@ -136,7 +163,7 @@ class ClassifyTask(_ImageTask):
         n = len(metas)
         if out.ndim < 2 or out.shape[0] < n:
             raise self.config.error("task.kind", f"output of shape {list(out.shape)} is not [N, classes]")
-        return list(classify(out[:n], self.labels, self.config.task.top_k))
+        return list(classify(out[:n], self.labels, self.config.task_as(ClassifyOptions).top_k))
 
 
 class TextDetectTask(_ImageTask):
@@ -146,6 +173,9 @@ class TextDetectTask(_ImageTask):
     configures it) grows the thresholded map by a 2×2 dilation, which lets the
     boxes reach the outer edge of the glyphs.
     """
+
+    kind = "text_detect"
+    options_type = TextDetectOptions
 
     def __init__(
         self,
@@ -157,7 +187,7 @@ class TextDetectTask(_ImageTask):
         dilate: bool = True,
     ) -> None:
         super().__init__(config, input_spec, metadata, labels)
-        t = config.task
+        t = config.task_as(TextDetectOptions)
         self.params = DBParams(
             thresh=t.thresh,
             box_thresh=t.box_thresh,
@@ -191,6 +221,9 @@ class TextDetectTask(_ImageTask):
 class TextRecognizeTask(_ImageTask):
     """CTC text recognisers (PP-OCR rec); the dictionary comes from the model's metadata."""
 
+    kind = "text_recognize"
+    options_type = TextRecognizeOptions
+
     def __init__(
         self,
         config: ModelConfig,
@@ -199,7 +232,7 @@ class TextRecognizeTask(_ImageTask):
         labels: Sequence[str],
     ) -> None:
         super().__init__(config, input_spec, metadata, labels)
-        key = config.task.dictionary_key
+        key = self.dictionary_key = config.task_as(TextRecognizeOptions).dictionary_key
         text = self.metadata.get(key)
         if not text:
             present = ", ".join(sorted(self.metadata)) or "none"
@@ -221,18 +254,33 @@ class TextRecognizeTask(_ImageTask):
                 decoder = CTCDecoder.from_dictionary(self.dictionary, out.shape[2])
             except ValueError as exc:
                 raise self.config.error(
-                    "task.dictionary_key", f"dictionary {self.config.task.dictionary_key!r}: {exc}"
+                    "task.dictionary_key", f"dictionary {self.dictionary_key!r}: {exc}"
                 ) from None
             self._decoder = decoder
         return [Recognition(text, score) for text, score in decoder.decode(out)]
 
 
-_TASKS: dict[str, type[_ImageTask]] = {
-    "yolo": YoloTask,
-    "classify": ClassifyTask,
-    "text_detect": TextDetectTask,
-    "text_recognize": TextRecognizeTask,
-}
+def _options(cls: type[Task]) -> type:
+    return cls.options_type
+
+
+# task.kind -> the class that runs it; the config loader reads TASK_OPTIONS, which
+# register_task keeps in step.
+TASKS: Kinds[type[Task]] = Kinds("task kind", options=_options)
+
+
+def register_task(cls: type[Task]) -> type[Task]:
+    """Make ``cls.kind`` a task kind, taking ``cls.options_type`` as the rest of ``task:``.
+
+    Register before configs are read; a name taken by another class is an error.
+    """
+    TASK_OPTIONS.register(cls.kind, cls.options_type)
+    TASKS.register(cls.kind, cls)
+    return cls
+
+
+for _cls in (YoloTask, ClassifyTask, TextDetectTask, TextRecognizeTask):
+    register_task(_cls)
 
 
 def create_task(
@@ -245,10 +293,9 @@ def create_task(
 
     A setup it cannot serve is a :class:`~inference.config.ModelConfigError`.
     """
-    try:
-        cls = _TASKS[config.task.kind]
-    except KeyError:
-        raise config.error(
-            "task.kind", f"unknown task kind {config.task.kind!r}; expected one of {sorted(_TASKS)}"
-        ) from None
+    cls = TASKS.get(config.task.kind)
+    if cls is None:
+        # A config built in code; one read from a file was checked against the names.
+        problem, hint = TASK_OPTIONS.check(config.task.kind) or ("", "")
+        raise config.error("task.kind", problem, hint)
     return cls(config, input_spec, metadata, labels)

@@ -19,17 +19,8 @@ from typing import Any
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
-from inference.errors import VidpipeError
 from inference.schema import build
 from pipeline.config import SourceConfig
-
-
-class DesiredSourceError(VidpipeError):
-    """A desired-source change was refused; ``status`` is the HTTP status that fits."""
-
-    def __init__(self, message: str, status: int) -> None:
-        self.status = status
-        super().__init__(message)
 
 
 def encode_source(config: SourceConfig) -> bytes:

@@ -17,12 +17,19 @@ loaded::
 
 from __future__ import annotations
 
+from inference.kinds import Kinds
 from pipeline.stages.base import Stage, StageContext, StageOptions
 from pipeline.stages.infer import InferStage
 from pipeline.stages.track import TrackStage
 from pipeline.stages.zones import ZonesStage
 
-_KINDS: dict[str, type[Stage]] = {}
+
+def _options(cls: type[Stage]) -> type:
+    return cls.options_type
+
+
+# The same registry backends and task kinds use (inference.kinds): type -> stage class.
+_KINDS: Kinds[type[Stage]] = Kinds("stage type", tag="type", options=_options)
 
 
 def register_stage(cls: type[Stage]) -> type[Stage]:
@@ -30,7 +37,7 @@ def register_stage(cls: type[Stage]) -> type[Stage]:
     taken = _KINDS.get(cls.kind)
     if taken is not None and taken is not cls:
         raise ValueError(f"stage kind {cls.kind!r} is already {taken.__module__}.{taken.__qualname__}")
-    _KINDS[cls.kind] = cls
+    _KINDS.register(cls.kind, cls)
     return cls
 
 
@@ -38,12 +45,12 @@ def unregister_stage(kind: str) -> None:
     """Forget a kind added with :func:`register_stage` (the built-ins stay)."""
     if kind in BUILTIN_KINDS:
         raise ValueError(f"stage kind {kind!r} is built in")
-    _KINDS.pop(kind, None)
+    _KINDS.unregister(kind)
 
 
 def stage_kinds() -> dict[str, type[Stage]]:
     """Every known kind, built-ins first."""
-    return dict(_KINDS)
+    return {kind: _KINDS[kind] for kind in _KINDS}
 
 
 def stage_kind(kind: str) -> type[Stage]:

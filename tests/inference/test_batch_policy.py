@@ -43,88 +43,84 @@ def policy(
 
 
 def test_empty_queue_waits_for_a_request() -> None:
-    assert next_batch(policy(), [0], None, 10.0, True) == Wait(None)
-
-
-def test_busy_instances_wait_for_one_to_free_up() -> None:
-    assert next_batch(policy(), [5], 0.0, 10.0, False) == Wait(None)
+    assert next_batch(policy(), [0], None, 10.0) == Wait(None)
 
 
 def test_no_delay_sends_whatever_is_pending_at_once() -> None:
-    assert next_batch(policy(max_batch_size=8), [3], 9.9, 10.0, True) == Send(3, (3,))
+    assert next_batch(policy(max_batch_size=8), [3], 9.9, 10.0) == Send(3, (3,))
 
 
 def test_no_delay_caps_at_max_batch_size() -> None:
-    assert next_batch(policy(max_batch_size=8), [20], 9.9, 10.0, True) == Send(8, (8,))
+    assert next_batch(policy(max_batch_size=8), [20], 9.9, 10.0) == Send(8, (8,))
 
 
 def test_without_preferred_sizes_a_full_batch_goes_before_the_delay() -> None:
     p = policy(max_batch_size=4, delay_s=1.0)
-    assert next_batch(p, [4], 10.0, 10.0, True) == Send(4, (4,))
-    assert next_batch(p, [9], 10.0, 10.0, True) == Send(4, (4,))
+    assert next_batch(p, [4], 10.0, 10.0) == Send(4, (4,))
+    assert next_batch(p, [9], 10.0, 10.0) == Send(4, (4,))
 
 
 def test_with_delay_a_partial_batch_waits_for_the_remaining_delay() -> None:
     p = policy(max_batch_size=8, delay_s=0.002)
-    decision = next_batch(p, [3], 10.0, 10.0005, True)
+    decision = next_batch(p, [3], 10.0, 10.0005)
     assert isinstance(decision, Wait)
     assert decision.seconds == pytest.approx(0.0015)
 
 
 def test_with_delay_a_partial_batch_goes_once_the_oldest_has_waited_the_delay() -> None:
     p = policy(max_batch_size=8, delay_s=0.002)
-    assert next_batch(p, [3], 10.0, 10.002, True) == Send(3, (3,))
-    assert next_batch(p, [3], 10.0, 10.5, True) == Send(3, (3,))
+    assert next_batch(p, [3], 10.0, 10.002) == Send(3, (3,))
+    assert next_batch(p, [3], 10.0, 10.5) == Send(3, (3,))
 
 
 def test_the_largest_fillable_preferred_size_goes_at_once() -> None:
     p = policy(max_batch_size=16, preferred=(4, 8), delay_s=1.0)
-    assert next_batch(p, [4], 10.0, 10.0, True) == Send(4, (4,))
+    assert next_batch(p, [4], 10.0, 10.0) == Send(4, (4,))
     # 7 pending fill 4 but not 8: send 4 now, the other 3 wait.
-    assert next_batch(p, [7], 10.0, 10.0, True) == Send(4, (4,))
-    assert next_batch(p, [8], 10.0, 10.0, True) == Send(8, (8,))
+    assert next_batch(p, [7], 10.0, 10.0) == Send(4, (4,))
+    assert next_batch(p, [8], 10.0, 10.0) == Send(8, (8,))
     # More than the largest preferred size: still the largest preferred size, not everything.
-    assert next_batch(p, [13], 10.0, 10.0, True) == Send(8, (8,))
+    assert next_batch(p, [13], 10.0, 10.0) == Send(8, (8,))
 
 
 def test_below_the_smallest_preferred_size_waits_for_the_delay() -> None:
     p = policy(max_batch_size=16, preferred=(4, 8), delay_s=1.0)
-    assert next_batch(p, [3], 10.0, 10.25, True) == Wait(0.75)
+    assert next_batch(p, [3], 10.0, 10.25) == Wait(0.75)
 
 
 def test_after_the_delay_everything_pending_goes_preferred_or_not() -> None:
     # As in Triton: once the oldest request has waited the delay, the batch is not
     # trimmed to a preferred size; it takes everything up to max_batch_size.
     p = policy(max_batch_size=16, preferred=(4, 8), delay_s=1.0)
-    assert next_batch(p, [3], 10.0, 11.0, True) == Send(3, (3,))
-    assert next_batch(p, [13], 10.0, 11.0, True) == Send(13, (13,))
-    assert next_batch(p, [40], 10.0, 11.0, True) == Send(16, (16,))
+    assert next_batch(p, [3], 10.0, 11.0) == Send(3, (3,))
+    assert next_batch(p, [13], 10.0, 11.0) == Send(13, (13,))
+    assert next_batch(p, [40], 10.0, 11.0) == Send(16, (16,))
 
 
 def test_zero_delay_with_preferred_sizes_sends_preferred_then_the_rest() -> None:
     p = policy(max_batch_size=16, preferred=(4, 8), delay_s=0.0)
-    assert next_batch(p, [5], 10.0, 10.0, True) == Send(4, (4,))
-    assert next_batch(p, [1], 10.0, 10.0, True) == Send(1, (1,))
-    assert next_batch(p, [12], 10.0, 10.0, True) == Send(8, (8,))
+    assert next_batch(p, [5], 10.0, 10.0) == Send(4, (4,))
+    assert next_batch(p, [1], 10.0, 10.0) == Send(1, (1,))
+    assert next_batch(p, [12], 10.0, 10.0) == Send(8, (8,))
 
 
 def test_max_batch_size_zero_sends_one_request_per_execution() -> None:
     # Preferred sizes and delays do not apply to a model without a batch axis.
     p = policy(max_batch_size=0, delay_s=5.0)
-    assert next_batch(p, [7], 10.0, 10.0, True) == Send(1, (1,))
+    assert next_batch(p, [7], 10.0, 10.0) == Send(1, (1,))
     assert p.batch_limit == 1
 
 
 def test_higher_priority_levels_drain_first() -> None:
     p = policy(max_batch_size=8, levels=(LevelPolicy(), LevelPolicy(), LevelPolicy()))
-    assert next_batch(p, [2, 3, 9], 10.0, 10.0, True) == Send(8, (2, 3, 3))
-    assert next_batch(p, [0, 0, 5], 10.0, 10.0, True) == Send(5, (0, 0, 5))
+    assert next_batch(p, [2, 3, 9], 10.0, 10.0) == Send(8, (2, 3, 3))
+    assert next_batch(p, [0, 0, 5], 10.0, 10.0) == Send(5, (0, 0, 5))
 
 
 def test_batch_size_counts_all_levels_together() -> None:
     p = policy(max_batch_size=8, preferred=(4,), delay_s=1.0, levels=(LevelPolicy(), LevelPolicy()))
-    assert next_batch(p, [1, 3], 10.0, 10.0, True) == Send(4, (1, 3))
-    assert next_batch(p, [1, 2], 10.0, 10.0, True) == Wait(1.0)
+    assert next_batch(p, [1, 3], 10.0, 10.0) == Send(4, (1, 3))
+    assert next_batch(p, [1, 2], 10.0, 10.0) == Wait(1.0)
 
 
 def test_split_by_level() -> None:
@@ -274,15 +270,16 @@ def test_the_deadline_heap_stays_small_under_steady_traffic() -> None:
 
 def test_without_delay_the_waiting_requests_are_shared_with_idle_instances() -> None:
     p = policy(max_batch_size=4, preferred=(4,))
-    # Four waiting, this instance and three idle ones: one each, all run at once.
-    assert next_batch(p, [4], 10.0, 10.0, True, idle_instances=3) == Send(1, (1,))
+    # Four waiting, this instance and three idle ones: one each, all run at once. Triton would
+    # send the filled preferred batch of four to this instance; the split is deliberate.
+    assert next_batch(p, [4], 10.0, 10.0, idle_instances=3) == Send(1, (1,))
     # Seven waiting, one other idle instance: this one takes its share, rounded up.
-    assert next_batch(p, [7], 10.0, 10.0, True, idle_instances=1) == Send(4, (4,))
-    assert next_batch(p, [5], 10.0, 10.0, True, idle_instances=1) == Send(3, (3,))
+    assert next_batch(p, [7], 10.0, 10.0, idle_instances=1) == Send(4, (4,))
+    assert next_batch(p, [5], 10.0, 10.0, idle_instances=1) == Send(3, (3,))
     # No idle instance (under load): the whole batch, as before.
-    assert next_batch(p, [9], 10.0, 10.0, True, idle_instances=0) == Send(4, (4,))
+    assert next_batch(p, [9], 10.0, 10.0, idle_instances=0) == Send(4, (4,))
 
 
 def test_with_a_delay_idle_instances_do_not_split_the_batch() -> None:
     p = policy(max_batch_size=4, preferred=(4,), delay_s=0.002)
-    assert next_batch(p, [4], 10.0, 10.0, True, idle_instances=3) == Send(4, (4,))
+    assert next_batch(p, [4], 10.0, 10.0, idle_instances=3) == Send(4, (4,))

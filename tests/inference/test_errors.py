@@ -138,3 +138,101 @@ def test_origin_is_set_by_the_loader_and_refused_in_yaml() -> None:
     with pytest.raises(ConfigError) as err:
         build(data, ModelConfig, "c.yaml")
     assert (err.value.line, err.value.path, err.value.problem) == (7, "origin", "unknown key")
+
+
+NON_FINITE = [
+    (".nan", "expected a finite number, got nan"),
+    (".inf", "expected a finite number, got inf"),
+    ("-.inf", "expected a finite number, got -inf"),
+    ("9" * 400, "out of range: an integer of 400 digits (at most ±9,223,372,036,854,775,807)"),
+]
+
+
+@pytest.mark.parametrize(("value", "problem"), NON_FINITE)
+def test_a_number_that_is_not_finite_is_refused_in_a_model_config(
+    tmp_path: Path, value: str, problem: str
+) -> None:
+    text = CONFIG.format(name="cls").replace("{shape: [3, 8, 8]}", f"{{shape: [3, 8, 8], scale: {value}}}")
+    path, reason = _reason(tmp_path, text)
+    assert reason == f"{path}:4: input.scale: {problem}"
+
+
+def test_a_400_digit_integer_is_refused_in_a_model_config(tmp_path: Path) -> None:
+    path, reason = _reason(
+        tmp_path, CONFIG.format(name="cls").replace("max_batch_size: 4", "max_batch_size: " + "4" * 400)
+    )
+    assert (
+        reason
+        == f"{path}:3: max_batch_size: out of range: an integer of 400 digits (at most ±9,223,372,036,854,775,807)"
+    )
+
+
+@pytest.mark.parametrize(("value", "problem"), NON_FINITE)
+def test_a_number_that_is_not_finite_is_refused_in_a_pipeline_config(
+    tmp_path: Path, value: str, problem: str
+) -> None:
+    from pipeline.config import load_config
+
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "pipeline: p\nsources:\n  - url: rtsp://cam/stream\n    reconnect: {min_delay: " + value + "}\n"
+        "stages: []\nruntime: {max_in_flight: 2}\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert (
+        str(err.value) == f"{path}:4: sources[0].reconnect.min_delay: {problem} (hint: seconds, at least 0.1)"
+    )
+
+
+def test_a_400_digit_integer_is_refused_in_a_pipeline_config(tmp_path: Path) -> None:
+    from pipeline.config import load_config
+
+    path = tmp_path / "p.yaml"
+    path.write_text("pipeline: p\nsources: [{url: test://}]\nruntime:\n  max_in_flight: " + "7" * 400 + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (
+        f"{path}:4: runtime.max_in_flight: out of range: an integer of 400 digits "
+        "(at most ±9,223,372,036,854,775,807) (hint: frames of one source processed at once)"
+    )
+
+
+def test_an_integer_past_what_python_converts_is_a_config_error_at_its_line() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_yaml_text("name: cls\nmax_batch_size: " + "1" * 5000 + "\n", "c.yaml")
+    assert str(err.value) == "c.yaml:2: out of range: an integer of 5000 digits"
+
+
+def test_json_nan_and_infinity_are_refused_by_the_same_converters() -> None:
+    import json
+
+    from pipeline.config import SourceConfig
+
+    data = json.loads('{"url": "test://", "max_fps": NaN, "reconnect": {"jitter": Infinity}}')
+    with pytest.raises(ConfigError) as err:
+        build(data, SourceConfig, "request", path="sources")
+    assert str(err.value) == (
+        "request:1: sources.max_fps: expected a finite number, got nan (hint: drop frames above this rate)\n"
+        "request:1: sources.reconnect.jitter: expected a finite number, got inf"
+    )
+
+
+def test_thousands_of_unknown_keys_are_counted_not_each_matched() -> None:
+    import time
+
+    from pipeline.config import SourceConfig
+
+    data = {"url": "rtsp://cam/stream", **{f"key{i}": 1 for i in range(60_000)}}
+    start = time.process_time()
+    with pytest.raises(ConfigError) as err:
+        build(data, SourceConfig, "request", path="sources")
+    lines = str(err.value).splitlines()
+    assert len(err.value.errors) == 20 and len(lines) == 20
+    assert lines[0].startswith("request:1: sources.key0: unknown key (hint: allowed keys: url, id, ")
+    assert lines[18].startswith("request:1: sources.key18: unknown key")
+    assert lines[-1].startswith(
+        "request:1: sources: 59981 more unknown key(s) (hint: allowed keys: url, id, "
+    )
+    # Matching each key against the allowed ones took seconds of the event loop's time.
+    assert time.process_time() - start < 1.0

@@ -270,7 +270,7 @@ def test_gpu_modules_import_without_cupy_or_tensorrt() -> None:
 
 
 def _trt_config(**options: Any) -> Any:
-    from inference.config import BackendOptions, DynamicBatching, ModelConfig, ModelFile, TaskConfig
+    from inference.config import DynamicBatching, ModelConfig, ModelFile, TaskConfig, TensorRTOptions
 
     return ModelConfig(
         name="squares",
@@ -280,7 +280,7 @@ def _trt_config(**options: Any) -> Any:
         backend="tensorrt",
         max_batch_size=8,
         dynamic_batching=DynamicBatching(preferred_batch_size=[4, 8]),
-        backend_options=BackendOptions(**options),
+        backend_options=TensorRTOptions(**options),
     )
 
 

@@ -19,12 +19,12 @@ from inference.backends.base import TensorSpec
 from inference.backends.inputs import InputMismatchError
 from inference.backends.onnxruntime import OnnxRuntimeBackend, choose_providers
 from inference.config import (
-    BackendOptions,
     InputConfig,
     InstanceGroup,
     ModelConfig,
     ModelConfigError,
     ModelFile,
+    OnnxRuntimeOptions,
     TaskConfig,
 )
 from inference.model import ModelState, ModelUnavailable
@@ -293,6 +293,55 @@ async def test_wrong_type_is_reported_with_its_line(tmp_path: Path) -> None:
     assert reason == f"{path}:3: max_batch_size: expected an integer, got 'lots'"
 
 
+async def test_a_tensorrt_key_on_an_openvino_model_names_the_key_and_its_backend(tmp_path: Path) -> None:
+    text = CONFIG.format(name="cls") + (
+        "backend: openvino\n"
+        "backend_options:\n"
+        "  precision: f32\n"
+        "  workspace_mb: 2048\n"
+        "  cuda_graphs: true\n"
+        "  url: grpc://127.0.0.1:8001\n"
+        "  intra_op_threads: 2\n"
+        "  thread: 2\n"
+    )
+    path, reason = await load_error(tmp_path, text)
+    takes = "device, precision, preprocess, streams, threads, cache_dir, static_batch_sizes"
+    assert reason.splitlines() == [
+        f"{path}:10: backend_options.workspace_mb: belongs to backend onnxruntime or tensorrt, not "
+        f"openvino (hint: backend openvino takes: {takes})",
+        f"{path}:11: backend_options.cuda_graphs: belongs to backend tensorrt, not openvino "
+        f"(hint: backend openvino takes: {takes})",
+        f"{path}:12: backend_options.url: belongs to backend triton, not openvino "
+        f"(hint: backend openvino takes: {takes})",
+        f"{path}:13: backend_options.intra_op_threads: belongs to backend onnxruntime, not openvino "
+        f"(hint: backend openvino takes: {takes})",
+        f"{path}:14: backend_options.thread: unknown key (hint: did you mean 'threads'?)",
+    ]
+
+
+async def test_a_key_of_another_task_kind_names_the_kind_it_belongs_to(tmp_path: Path) -> None:
+    text = CONFIG.format(name="cls").replace("{kind: classify}", "{kind: classify, top_k: 2, iou: 0.5}")
+    path, reason = await load_error(tmp_path, text)
+    assert reason == (
+        f"{path}:5: task.iou: belongs to task kind yolo, not classify (hint: task kind classify takes: "
+        "kind, top_k)"
+    )
+
+
+async def test_an_unknown_backend_or_task_kind_suggests_the_closest(tmp_path: Path) -> None:
+    text = CONFIG.format(name="cls").replace("{kind: classify}", "{kind: clasify}") + (
+        "backend: openvno\nbackend_options: {workspace_mb: 64}\n"
+    )
+    path, reason = await load_error(tmp_path, text)
+    # Options of a backend that does not exist are not checked against any.
+    assert reason.splitlines() == [
+        f"{path}:5: task.kind: unknown task kind 'clasify'; expected one of 'yolo', 'classify', "
+        "'text_detect', 'text_recognize' (hint: did you mean 'classify'?)",
+        f"{path}:7: backend: unknown backend 'openvno'; expected one of 'onnxruntime', 'openvino', "
+        "'tensorrt', 'triton' (hint: did you mean 'openvino'?)",
+    ]
+
+
 async def test_missing_model_file_is_reported_at_model_file(tmp_path: Path) -> None:
     text = CONFIG.format(name="cls").replace("model.onnx", "missing.onnx")
     path, reason = await load_error(tmp_path, text)
@@ -459,7 +508,7 @@ def test_corrupt_and_missing_model_files_name_the_path(tmp_path: Path) -> None:
 def test_execution_provider_choice() -> None:
     cpu_only = ["CPUExecutionProvider"]
     assert choose_providers(config(), 0, cpu_only) == ["CPUExecutionProvider"]
-    auto = config(backend_options=BackendOptions(execution_providers=["auto"]))
+    auto = config(backend_options=OnnxRuntimeOptions(execution_providers=["auto"]))
     assert choose_providers(auto, 0, cpu_only) == ["CPUExecutionProvider"]
     gpu = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     groups = [InstanceGroup(count=1, kind="KIND_CPU"), InstanceGroup(count=3, kind="KIND_GPU", gpus=[0, 1])]
@@ -475,7 +524,9 @@ def test_execution_provider_choice() -> None:
         choose_providers(mixed, 1, cpu_only)
     assert err.value.key == "instance_group"
     with pytest.raises(ModelConfigError, match="'CUDAExecutionProvider' is not available") as err:
-        choose_providers(config(backend_options=BackendOptions(execution_providers=["cuda"])), 0, cpu_only)
+        choose_providers(
+            config(backend_options=OnnxRuntimeOptions(execution_providers=["cuda"])), 0, cpu_only
+        )
     assert err.value.key == "backend_options.execution_providers"
 
 
