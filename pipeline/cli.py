@@ -603,7 +603,7 @@ def _with_fleet(cfg: PipelineConfig, name: str | None) -> PipelineConfig:
     if name is None:
         return cfg
     from pipeline.config import FleetConfig
-    from pipeline.stages.base import check_name
+    from pipeline.names import check_name
 
     problem = check_name(name)
     if problem:
@@ -631,8 +631,9 @@ async def cmd_fleet(args: argparse.Namespace) -> int:
     from pipeline.fleet.buckets import open_bucket
     from pipeline.fleet.desired import DesiredSources
     from pipeline.fleet.status import format_status, read_status
-    from pipeline.sources.schemes import check_url, derive_id, resolve_url
-    from pipeline.stages.base import check_name
+    from pipeline.names import check_name
+    from pipeline.sources.schemes import check_url
+    from pipeline.urls import derive_id, resolve_url
 
     problem = check_name(args.fleet)
     if problem:

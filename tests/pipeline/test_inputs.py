@@ -27,10 +27,11 @@ from pipeline.queues import EndOfStream, FrameQueue
 from pipeline.runtime import Runtime
 from pipeline.sources.base import Source, SourceState
 from pipeline.sources.file import FileSource
-from pipeline.sources.schemes import check_url, create_source, derive_id, ffmpeg_protocol_missing, is_live
+from pipeline.sources.registry import create_source
+from pipeline.sources.schemes import check_url, ffmpeg_protocol_missing, is_live
 from pipeline.sources.stream import StreamSource
 from pipeline.stages.base import Stage, StageContext, StageOptions
-from pipeline.urls import protocol_whitelist
+from pipeline.urls import derive_id, protocol_whitelist
 from tests.conftest import Collector
 from tests.pipeline.stack import Stack, stage_kinds, until
 from tests.support.media_servers import FfmpegPush, MediaHttpServer, ffmpeg_cli, level, level_clip, level_of

@@ -19,7 +19,7 @@ from pipeline.redact import redact_text, redact_url
 from pipeline.sources.base import SourceError, SourceState
 from pipeline.sources.decode import ffmpeg_reason
 from pipeline.sources.rtsp import RtspSource
-from pipeline.sources.schemes import derive_id
+from pipeline.urls import derive_id
 from tests.support.live_source import run_until_reconnects
 from tests.support.rtsp_server import free_port
 
