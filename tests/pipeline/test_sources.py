@@ -12,7 +12,7 @@ from pipeline.config import SourceConfig
 from pipeline.sources.decode import copy_rgb
 from pipeline.sources.file import FileSource
 from pipeline.sources.pattern import TestPatternSource
-from pipeline.sources.registry import create_source
+from pipeline.sources.registry import create_source, register_source, source_class
 from pipeline.sources.rtsp import RtspSource
 from pipeline.sources.schemes import SCHEMES, check_url, is_live
 from pipeline.sources.whip import WhipSource
@@ -109,3 +109,33 @@ def test_file_urls_keep_their_host_part_everywhere(tmp_path: Path) -> None:
     source = create_source(SourceConfig(url=resolve_url(url, tmp_path), id="lobby"))
     assert isinstance(source, FileSource)
     assert source.path == tmp_path / "clips" / "lobby.mp4"
+
+
+def test_source_classes_register_per_scheme_like_stage_kinds() -> None:
+    class Marked(TestPatternSource):
+        schemes = ("test",)
+
+    assert source_class("test", live=True) is TestPatternSource
+    try:
+        assert register_source(Marked) is Marked
+        assert type(create_source(SourceConfig(url="test://", id="t"))) is Marked
+    finally:
+        register_source(TestPatternSource)
+    assert type(create_source(SourceConfig(url="test://", id="t"))) is TestPatternSource
+
+    class Finite(FileSource):
+        schemes = ("rtsp",)
+
+    with pytest.raises(ValueError, match="Finite: rtsp:// sources are never finite"):
+        register_source(Finite)
+
+    class Unknown(FileSource):
+        schemes = ("ftp",)
+
+    with pytest.raises(ValueError, match="Unknown: unknown source scheme 'ftp'"):
+        register_source(Unknown)
+    # Every scheme is served both ways it can be.
+    for name, scheme in SCHEMES.items():
+        for live in (True, False):
+            if scheme.can_be_live if live else scheme.can_be_finite:
+                assert source_class(name, live) is not None
