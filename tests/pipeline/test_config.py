@@ -19,11 +19,14 @@ from pipeline import Pipeline
 from pipeline.config import SourcePolicy, SourceRefused, load_config, parse_source
 from pipeline.fleet.buckets import open_bucket
 from pipeline.fleet.desired import decode_source, encode_source
+from pipeline.fleet.worker import FleetWorker
 from pipeline.nats_server import EmbeddedNats
 from pipeline.redact import redact_url
+from pipeline.runtime import Runtime
 from pipeline.urls import v4l2_device
 from tests.conftest import ROOT, run_cli
-from tests.pipeline.stack import Stack
+from tests.pipeline.stack import Stack, until
+from tests.support.raw_rtsp import RawListener
 
 GOOD = """\
 pipeline: shop
@@ -406,3 +409,36 @@ def test_webcam_paths_are_normalised_before_the_scheme_check(tmp_path: Path) -> 
             continue
         assert (cfg.sources[0].scheme, cfg.sources[0].id, cfg.sources[0].live) == ("v4l2", "video0", True)
         assert v4l2_device(cfg.sources[0].url) == "/dev/video0"
+
+
+async def test_a_fleet_worker_never_starts_a_stored_source_with_nan(
+    tmp_path: Path, nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    # NaN in the store made 11,224 connection attempts in 10 s: NaN passes every bound.
+    path = write(tmp_path, "pipeline: fleet\nfleet: {name: nan, lease_ttl: 2, worker_id: only}\n")
+    cfg = load_config(path)
+    assert cfg.fleet is not None
+    runtime = Runtime(cfg, nats_url=nats_server.url)
+    await runtime.prepare()
+    nc = await nats.connect(nats_server.url)
+    with RawListener() as camera:
+        kv = await open_bucket(nc.jetstream(), "nan", "sources")
+        bad = f'{{"url": "rtsp://127.0.0.1:{camera.port}/x", "reconnect": {{"min_delay": NaN}}}}'
+        await kv.put("bad", bad.encode())
+        await kv.put("good", b'{"url": "test://?width=64&height=48&fps=20"}')
+        fleet = FleetWorker(runtime, cfg.fleet, nats_server.url)
+        await fleet.start()
+        try:
+            await until(lambda: "good" in runtime.sources, what="the good source to start")
+            await until(
+                lambda: any("must be a finite number, got nan" in r.getMessage() for r in caplog.records),
+                what="the refusal in the log",
+            )
+            assert set(runtime.sources) == {"good"}
+            refusal = next(r.getMessage() for r in caplog.records if "got nan" in r.getMessage())
+            assert "sources.bad.reconnect.min_delay: must be a finite number, got nan" in refusal
+        finally:
+            await fleet.stop()
+            await runtime.stop()
+            await nc.close()
+        assert camera.connections == 0
