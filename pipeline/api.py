@@ -60,7 +60,7 @@ import logging
 import resource
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -430,9 +430,12 @@ class ApiServer:
             return _error(400, f"body: {exc}")
         base_dir = self.runtime.config.base_dir
         policy = SourcePolicy.from_http(self.config, base_dir)
-        # An id derived from the URL is unique among the running (or the fleet's desired) sources.
+        # An id derived from the URL is unique among the running (or the fleet's desired) sources;
+        # the fleet's are read only when an id is to be derived.
         sources = self.runtime.sources
-        taken = [c.source_id for c in self.fleet.desired_configs()] if self.fleet is not None else sources
+        taken: Collection[str] = sources
+        if self.fleet is not None and not (isinstance(data, dict) and data.get("id") is not None):
+            taken = [c.source_id for c in self.fleet.desired_configs()]
         try:
             config = parse_source(data, base_dir=base_dir, taken_ids=taken, policy=policy, file="request")
         except ConfigError as exc:
