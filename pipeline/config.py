@@ -325,6 +325,10 @@ class PipelineConfig:
         return sorted({m for s in self.stages for m in s.models()})
 
 
+class SchemeKeyError(ConfigError):
+    """A key that another scheme takes on a source whose scheme does not (``transport:`` on a file)."""
+
+
 class SourceRefused(ConfigError):
     """A source that is well formed but that this door does not allow: a scheme
     ``http.source_schemes`` leaves out, a file outside ``http.file_roots`` (HTTP 403)."""
@@ -408,7 +412,7 @@ def _scheme_key_errors(item: dict[str, Any], url: str, path: str, file: str) -> 
         return []
     common = [f.name for f in dataclasses.fields(SourceConfig) if f.name not in _SCHEME_KEYS]
     return [
-        ConfigError(
+        SchemeKeyError(
             file,
             line_of(item, key) or line_of(item),
             f"{path}.{key}",
@@ -666,7 +670,17 @@ def _build_sources(
             src = parse_source(item, base_dir=base_dir, taken_ids=taken, file=file, path=path)
         except ConfigError as exc:
             errors.extend(exc.errors)
-            continue
+            misplaced = {e.path.rsplit(".", 1)[-1] for e in exc.errors if isinstance(e, SchemeKeyError)}
+            if len(misplaced) < len(exc.errors):
+                continue
+            # Only keys of another scheme: the source without them is still checked further
+            # (its file, its id), so every problem is reported at once.
+            rest = LineDict((k, v) for k, v in item.items() if k not in misplaced)
+            rest.line, rest.key_lines = getattr(item, "line", 0), getattr(item, "key_lines", {})
+            try:
+                src = parse_source(rest, base_dir=base_dir, taken_ids=taken, file=file, path=path)
+            except ConfigError:
+                continue
         taken.add(src.source_id)
         out.append((i, src))
     return out
