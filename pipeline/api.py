@@ -60,7 +60,7 @@ import logging
 import resource
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -70,8 +70,8 @@ from aiohttp import web
 
 from inference.errors import VidpipeError
 from inference.model import ModelState
-from inference.schema import ConfigError, build
-from pipeline.config import HttpConfig, SourceConfig, _unique_ids
+from inference.schema import ConfigError
+from pipeline.config import HttpConfig, SourceConfig, SourcePolicy, SourceRefused, parse_source
 from pipeline.fleet.worker import FleetWorker
 from pipeline.frames import Frame
 from pipeline.health import readiness_problems
@@ -81,7 +81,6 @@ from pipeline.outputs.whep import WhepServer
 from pipeline.runtime import Runtime, SourceLimitError
 from pipeline.snapshot import render_snapshot
 from pipeline.sources.base import SourceError, SourceState
-from pipeline.sources.schemes import resolve_url
 from pipeline.sources.whip import MAX_SDP_BYTES, WhipError, WhipSource
 from pipeline.stats import ModelReport, PipelineReport, SourceReport
 
@@ -101,17 +100,6 @@ PROBE_PATHS = frozenset({"/healthz", "/readyz"})
 OPEN_PATHS = frozenset({"/"})
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 OPEN_PREFIXES = ("/web/",)
-# Bounds for sources added over the API that the YAML schema leaves open: a
-# client must not be able to hand a thread an overflowing timeout.
-API_LIMITS: dict[str, float] = {
-    "open_timeout": 3600.0,
-    "read_timeout": 3600.0,
-    "stall_timeout": 3600.0,
-    "max_fps": 1000.0,
-    "reconnect.min_delay": 3600.0,
-    "reconnect.max_delay": 3600.0,
-}
-MAX_URL_CHARS = 4096
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 RATE_WINDOW = 5  # seconds of samples behind the fps figure
 # Live MJPEG views: frames per second a viewer gets unless it asks (?fps=), and the most.
@@ -440,38 +428,21 @@ class ApiServer:
             data = _parse_json(body)
         except ValueError as exc:
             return _error(400, f"body: {exc}")
+        base_dir = self.runtime.config.base_dir
+        policy = SourcePolicy.from_http(self.config, base_dir)
+        # An id derived from the URL is unique among the running (or the fleet's desired) sources;
+        # the fleet's are read only when an id is to be derived.
+        sources = self.runtime.sources
+        taken: Collection[str] = sources
+        if self.fleet is not None and not (isinstance(data, dict) and data.get("id") is not None):
+            taken = [c.source_id for c in self.fleet.desired_configs()]
         try:
-            config = build(data, SourceConfig, "request", path="sources")
+            config = parse_source(data, base_dir=base_dir, taken_ids=taken, policy=policy, file="request")
         except ConfigError as exc:
             hint = f" (hint: {exc.hint})" if exc.hint else ""
-            return _error(400, f"{exc.path}: {exc.problem}{hint}")
-        problem = _api_limits(config)
-        if problem:
-            return _error(400, problem)
-        if config.scheme not in self.config.source_schemes:
-            # Config files may name any scheme; over the API a caller reaches only these.
-            allowed = ", ".join(self.config.source_schemes) or "none"
-            return _error(
-                403,
-                f"sources.url: {config.scheme}:// sources cannot be added over the API "
-                f"(http.source_schemes allows: {allowed})",
-            )
-        config = dataclasses.replace(config, url=resolve_url(config.url, Path(self.runtime.config.base_dir)))
-        if config.scheme == "file":
-            # Decided on the path alone, before anything looks at the file: a caller learns
-            # nothing about which paths exist outside the roots.
-            path = Path(config.url).resolve()
-            base = Path(self.runtime.config.base_dir)
-            roots = [(base / root).resolve() for root in self.config.file_roots]
-            if not any(path.is_relative_to(root) for root in roots):
-                return _error(403, _FILE_ROOTS_REFUSAL)
-            config = dataclasses.replace(config, url=str(path))
+            return _error(403 if isinstance(exc, SourceRefused) else 400, f"{exc.path}: {exc.problem}{hint}")
         if self.fleet is not None:
             return await self._add_desired(config)
-        sources = self.runtime.sources
-        if config.id is None:
-            # The same derivation as the YAML loader, unique among the running sources.
-            config = _unique_ids([run.config for run in sources.values()] + [config])[-1]
         sid = config.source_id
         if sid in sources:
             return _error(409, f"sources.id: source {sid!r} already exists; DELETE it first")
@@ -504,8 +475,6 @@ class ApiServer:
     async def _add_desired(self, config: SourceConfig) -> web.Response:
         """Add to the fleet's desired sources; the worker placement picks starts it (202)."""
         assert self.fleet is not None and self.fleet.desired is not None
-        if config.id is None:
-            config = _unique_ids([*self.fleet.desired_configs(), config])[-1]
         sid = config.source_id
         if not await self.fleet.desired.add(config):
             return _error(
@@ -787,26 +756,6 @@ def _parse_json(body: bytes) -> Any:
         if str(exc).startswith("duplicate key"):
             raise
         raise ValueError(f"not valid JSON ({exc})") from None
-
-
-_FILE_ROOTS_REFUSAL = "sources.url: files can be added over the API only from the folders in http.file_roots"
-
-
-def _api_limits(config: SourceConfig) -> str | None:
-    if len(config.url) > MAX_URL_CHARS:
-        return f"sources.url: longer than {MAX_URL_CHARS} characters"
-    values = {
-        "open_timeout": config.open_timeout,
-        "read_timeout": config.read_timeout,
-        "stall_timeout": config.stall_timeout,
-        "max_fps": config.max_fps,
-        "reconnect.min_delay": config.reconnect.min_delay,
-        "reconnect.max_delay": config.reconnect.max_delay,
-    }
-    for key, value in values.items():
-        if value is not None and not value <= API_LIMITS[key]:
-            return f"sources.{key}: must be at most {API_LIMITS[key]:g}, got {value:g}"
-    return None
 
 
 def _readiness_counts(report: PipelineReport) -> dict[str, Any]:

@@ -603,7 +603,7 @@ def _with_fleet(cfg: PipelineConfig, name: str | None) -> PipelineConfig:
     if name is None:
         return cfg
     from pipeline.config import FleetConfig
-    from pipeline.stages.base import check_name
+    from pipeline.names import check_name
 
     problem = check_name(name)
     if problem:
@@ -627,12 +627,11 @@ async def _start_fleet(runtime: Any, cfg: PipelineConfig, nats_url: str) -> Any:
 async def cmd_fleet(args: argparse.Namespace) -> int:
     import nats
 
-    from pipeline.config import SourceConfig
+    from pipeline.config import parse_source
     from pipeline.fleet.buckets import open_bucket
     from pipeline.fleet.desired import DesiredSources
     from pipeline.fleet.status import format_status, read_status
-    from pipeline.sources.schemes import check_url, derive_id, resolve_url
-    from pipeline.stages.base import check_name
+    from pipeline.names import check_name
 
     problem = check_name(args.fleet)
     if problem:
@@ -650,13 +649,12 @@ async def cmd_fleet(args: argparse.Namespace) -> int:
             return EXIT_OK
         desired = DesiredSources(await open_bucket(js, args.fleet, "sources"))
         if args.fleet_command == "add":
-            problem = check_url(args.url)
-            if problem:
-                raise ConfigError("url", None, "", problem)
-            if args.id is not None and check_name(args.id):
-                raise ConfigError("--id", None, "", str(check_name(args.id)))
-            url = resolve_url(args.url, Path.cwd())
-            source = SourceConfig(url=url, id=args.id or derive_id(url))
+            data = {"url": args.url, **({"id": args.id} if args.id is not None else {})}
+            try:
+                source = parse_source(data, base_dir=Path.cwd())  # the checks of every other door
+            except ConfigError as exc:
+                flag = "--id" if exc.path.endswith(".id") else "url"
+                raise ConfigError(flag, None, "", exc.problem, exc.hint) from None
             if not await desired.add(source):
                 print(f"vidpipe: fleet {args.fleet} already has a source {source.source_id}", file=sys.stderr)
                 return EXIT_USAGE

@@ -15,9 +15,12 @@ See docs/config.md for every key.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -25,17 +28,11 @@ from typing import Any, Literal
 from inference.model import load_labels, resolve_model_file
 from inference.repository import CONFIG_FILE, read_source
 from inference.schema import ConfigError, LineDict, build, line_of, load_yaml, raise_errors, spec
-from pipeline.sources.schemes import (
-    SCHEME_OPTIONS,
-    SCHEMES,
-    check_url,
-    derive_id,
-    resolve_live,
-    resolve_url,
-    scheme_of,
-)
-from pipeline.stages.base import NAME_HELP, StageOptions, check_name
+from pipeline.names import NAME_HELP, check_name
+from pipeline.sources.schemes import SCHEME_OPTIONS, SCHEMES, resolve_live, scheme_of, url_check
+from pipeline.stages.base import StageOptions
 from pipeline.stages.registry import stage_kinds
+from pipeline.urls import derive_id, normalise_url, resolve_url, scheme_name
 
 # 8K UHD: the largest picture any camera or clip in scope sends. A frame over it is
 # refused before a buffer is allocated (a 16384x8192 clip of a few hundred KB would
@@ -43,6 +40,17 @@ from pipeline.stages.registry import stage_kinds
 MAX_PIXELS = 7680 * 4320
 # Seconds: the shortest wait between reconnect attempts config or API may ask for.
 MIN_RECONNECT_DELAY = 0.1
+# Seconds: the longest timeout or reconnect delay a source may ask for; a thread must
+# never be handed one that overflows (1e300 did).
+MAX_SOURCE_SECONDS = 3600
+# Frames per second: the highest max_fps a source may ask for.
+MAX_SOURCE_FPS = 1000
+
+
+def _url_problem(url: str) -> str | None:
+    """The url field's check; :func:`parse_source` adds the problem's own hint."""
+    problem = url_check(url)
+    return problem.problem if problem else None
 
 
 @dataclass(frozen=True)
@@ -54,9 +62,13 @@ class ReconnectConfig:
     connections in 10 s).
     """
 
-    min_delay: float = field(default=0.5, metadata=spec(ge=MIN_RECONNECT_DELAY, help="seconds, at least 0.1"))
+    min_delay: float = field(
+        default=0.5,
+        metadata=spec(ge=MIN_RECONNECT_DELAY, le=MAX_SOURCE_SECONDS, help="seconds, at least 0.1"),
+    )
     max_delay: float = field(
-        default=10.0, metadata=spec(ge=MIN_RECONNECT_DELAY, help="seconds, at least 0.1")
+        default=10.0,
+        metadata=spec(ge=MIN_RECONNECT_DELAY, le=MAX_SOURCE_SECONDS, help="seconds, at least 0.1"),
     )
     jitter: float = field(default=0.2, metadata=spec(ge=0, le=1))
 
@@ -76,22 +88,24 @@ class SourceConfig:
     ``/dev/videoN`` or ``v4l2://`` (docs/sources.md).
     """
 
-    url: str = field(metadata=spec(check=check_url, help="e.g. samples/clip.mp4 or rtsp://cam/stream"))
+    url: str = field(metadata=spec(check=_url_problem, help="e.g. samples/clip.mp4 or rtsp://cam/stream"))
     id: str | None = field(default=None, metadata=spec(check=check_name, help=NAME_HELP))
     loop: bool = False
     realtime: bool = field(
         default=False, metadata=spec(help="pace files at their frame rate; default: as fast as possible")
     )
-    max_fps: float | None = field(default=None, metadata=spec(gt=0, help="drop frames above this rate"))
+    max_fps: float | None = field(
+        default=None, metadata=spec(gt=0, le=MAX_SOURCE_FPS, help="drop frames above this rate")
+    )
     queue_size: int = field(default=8, metadata=spec(ge=1, le=1024))
     max_pixels: int = field(
         default=MAX_PIXELS,
         metadata=spec(ge=1, help="largest frame (width x height) accepted; default 8K UHD, 7680x4320"),
     )
     transport: Literal["tcp", "udp"] = "tcp"
-    open_timeout: float = field(default=10.0, metadata=spec(gt=0))
-    read_timeout: float = field(default=5.0, metadata=spec(gt=0))
-    stall_timeout: float = field(default=5.0, metadata=spec(gt=0))
+    open_timeout: float = field(default=10.0, metadata=spec(gt=0, le=MAX_SOURCE_SECONDS))
+    read_timeout: float = field(default=5.0, metadata=spec(gt=0, le=MAX_SOURCE_SECONDS))
+    stall_timeout: float = field(default=5.0, metadata=spec(gt=0, le=MAX_SOURCE_SECONDS))
     reconnect: ReconnectConfig = field(default_factory=ReconnectConfig)
     allow_redirects: bool = field(
         default=False,
@@ -112,7 +126,7 @@ class SourceConfig:
 
     def __post_init__(self) -> None:
         if SCHEMES.get(self.scheme_name) is None:
-            return  # an unknown scheme: check_url has refused it already
+            return  # an unknown scheme: the url check has refused it already
         # Live sources drop the oldest frame when behind and reconnect; files block (lossless).
         object.__setattr__(self, "live", resolve_live(self.url, self.live))
 
@@ -311,20 +325,185 @@ class PipelineConfig:
         return sorted({m for s in self.stages for m in s.models()})
 
 
-def _unique_ids(sources: list[SourceConfig]) -> list[SourceConfig]:
-    """Fill in missing ids from the URL; a clash with another id gets a ``_2``, ``_3`` suffix."""
-    used = {s.id for s in sources if s.id}
-    out = []
-    for src in sources:
-        if src.id is None:
-            base = sid = derive_id(src.url)
-            n = 1
-            while sid in used:
-                n += 1
-                sid = f"{base}_{n}"
-            used.add(sid)
-            src = replace(src, id=sid)
-        out.append(src)
+class SchemeKeyError(ConfigError):
+    """A key that another scheme takes on a source whose scheme does not (``transport:`` on a file)."""
+
+
+class SourceRefused(ConfigError):
+    """A source that is well formed but that this door does not allow: a scheme
+    ``http.source_schemes`` leaves out, a file outside ``http.file_roots`` (HTTP 403)."""
+
+
+@dataclass(frozen=True)
+class SourcePolicy:
+    """Which sources a door lets in. The default (a config file, ``--source``, embedding)
+    allows every scheme and every path; :meth:`from_http` is the API's and the fleet's."""
+
+    # None: every scheme.
+    schemes: tuple[str, ...] | None = None
+    # None: any path; else absolute folders a file source must lie in.
+    file_roots: tuple[Path, ...] | None = None
+
+    @classmethod
+    def from_http(cls, http: HttpConfig | None, base_dir: str | Path) -> SourcePolicy:
+        """What ``POST /v1/sources`` (and so the fleet's desired set) may hold: ``http.source_schemes``
+        and ``http.file_roots`` (relative to ``base_dir``), their defaults without ``http:``."""
+        http = http or HttpConfig()
+        base = Path(base_dir)
+        return cls(tuple(http.source_schemes), tuple((base / root).resolve() for root in http.file_roots))
+
+    def refusal(self, config: SourceConfig, file: str, path: str) -> SourceRefused | None:
+        """Why this policy refuses a built source, or None."""
+        if self.schemes is not None and config.scheme not in self.schemes:
+            # Config files may name any scheme; over the API a caller reaches only these.
+            allowed = ", ".join(self.schemes) or "none"
+            return SourceRefused(
+                file,
+                None,
+                f"{path}.url",
+                f"{config.scheme}:// sources cannot be added over the API "
+                f"(http.source_schemes allows: {allowed})",
+            )
+        if self.file_roots is not None and config.scheme == "file":
+            # Decided on the path alone, before anything looks at the file: a caller
+            # learns nothing about which paths exist outside the roots.
+            where = Path(config.url).resolve()
+            if not any(where.is_relative_to(root) for root in self.file_roots):
+                return SourceRefused(
+                    file,
+                    None,
+                    f"{path}.url",
+                    "files can be added over the API only from the folders in http.file_roots",
+                )
+        return None
+
+
+# Keys some scheme takes and others do not (SCHEME_OPTIONS); every source takes the rest.
+_SCHEME_KEYS = {key for keys in SCHEME_OPTIONS.values() for key in keys}
+# Integers beyond this are no timeout, size or count anything could use; converting
+# one to float overflows (a 400-digit queue_size or timeout).
+_MAX_INT = 2**63 - 1
+
+
+def _number_errors(node: Any, path: str, file: str, line: int | None) -> list[ConfigError]:
+    """Non-finite floats (``.nan``, ``.inf``, JSON's ``1e999``) and integers out of range, anywhere
+    in a source: NaN passes every ``>=`` bound and made a reconnect loop without delay."""
+    if isinstance(node, dict):
+        return [
+            err
+            for key, value in node.items()
+            for err in _number_errors(value, f"{path}.{key}", file, line_of(node, key) or line)
+        ]
+    if isinstance(node, list):
+        return [err for i, v in enumerate(node) for err in _number_errors(v, f"{path}[{i}]", file, line)]
+    if isinstance(node, float) and not math.isfinite(node):
+        return [ConfigError(file, line, path, f"must be a finite number, got {node}")]
+    if isinstance(node, int) and not isinstance(node, bool) and abs(node) > _MAX_INT:
+        digits = math.floor(node.bit_length() * math.log10(2)) + 1
+        return [ConfigError(file, line, path, f"number out of range (about {digits} digits)")]
+    return []
+
+
+def _scheme_key_errors(item: dict[str, Any], url: str, path: str, file: str) -> list[ConfigError]:
+    """Keys some scheme takes on a source whose scheme does not (``transport:`` on a file)."""
+    scheme = scheme_name(url)
+    takes = SCHEME_OPTIONS.get(scheme)
+    if takes is None:
+        return []
+    common = [f.name for f in dataclasses.fields(SourceConfig) if f.name not in _SCHEME_KEYS]
+    return [
+        SchemeKeyError(
+            file,
+            line_of(item, key) or line_of(item),
+            f"{path}.{key}",
+            f"does not apply to a {scheme} source",
+            f"a {scheme} source takes: {', '.join(common + list(takes))}",
+        )
+        for key in item
+        if key in _SCHEME_KEYS and key not in takes
+    ]
+
+
+def parse_source(
+    data: Any,
+    *,
+    base_dir: str | Path,
+    taken_ids: Collection[str] = (),
+    policy: SourcePolicy = SourcePolicy(),
+    file: str = "<source>",
+    path: str = "sources",
+) -> SourceConfig:
+    """One source, as a config file, ``--source``, ``POST /v1/sources``, embedding and the
+    fleet's desired set give it (a mapping, the YAML keys), checked the same way for all::
+
+        {url: rtsp://cam-7/stream, id: cam-7, transport: tcp, reconnect: {min_delay: 1}}
+
+    Types and bounds, numbers that are finite and in range, the URL (a webcam path
+    normalised, its scheme known, with a did-you-mean), keys of another scheme;
+    then a relative file path is resolved against ``base_dir``, ``policy`` is
+    applied (:class:`SourceRefused`), and a missing id is derived from the URL,
+    unique among ``taken_ids``. An explicit id that is taken is the caller's to
+    refuse. Every problem is raised at once (:class:`~inference.schema.ConfigErrors`),
+    each as ``FILE:LINE: path.key: problem (hint)``.
+    """
+    if not isinstance(data, dict):
+        build(data, SourceConfig, file, path=path)  # says what a source should be
+        raise AssertionError("unreachable: build refuses a source that is not a mapping")
+    url = data.get("url")
+    item: Any = data
+    if isinstance(url, str) and normalise_url(url) != url:
+        item = LineDict(data)
+        item.line, item.key_lines = line_of(data), getattr(data, "key_lines", {})
+        item["url"] = url = normalise_url(url)
+    # Numbers first: a value that is no usable number is not checked against its bounds.
+    number_errors = _number_errors(item, path, file, line_of(item))
+    found = url_check(url) if isinstance(url, str) else None
+    errors = list(number_errors)
+    if isinstance(url, str) and found is None:
+        # A key of another scheme is an error, but the source is still checked further.
+        errors.extend(_scheme_key_errors(item, url, path, file))
+    config: SourceConfig | None = None
+    if not number_errors:
+        try:
+            config = build(item, SourceConfig, file, path=path)
+        except ConfigError as exc:
+            # The url's own hint (a did-you-mean, how to encode a password) says more than the field's.
+            for err in exc.errors:
+                if err.path == f"{path}.url" and found is not None and found.hint:
+                    err = ConfigError(err.file, err.line, err.path, err.problem, found.hint)
+                errors.append(err)
+    raise_errors(errors)
+    assert config is not None, "a source that did not build has errors"
+    config = replace(config, url=resolve_url(config.url, Path(base_dir)))
+    refused = policy.refusal(config, file, path)
+    if refused is not None:
+        raise refused
+    if policy.file_roots is not None and config.scheme == "file":
+        config = replace(config, url=str(Path(config.url).resolve()))
+    if config.id is None:
+        base = sid = derive_id(config.url)
+        n = 1
+        while sid in taken_ids:
+            n += 1
+            sid = f"{base}_{n}"
+        config = replace(config, id=sid)
+    return config
+
+
+def source_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """A source's keys (``dataclasses.asdict`` of a :class:`SourceConfig`, or a stored copy of
+    one) without those at their default, ``live`` included when the URL implies it: what
+    a store keeps, so that reading it back is the same :func:`parse_source` as a config file
+    (a file source stored with ``transport: tcp`` would be a key of another scheme)."""
+    # Every field's default (``live`` is filled in from the URL at construction; its default is None).
+    defaults = {**dataclasses.asdict(SourceConfig(url="")), "live": None}
+    del defaults["url"], defaults["id"]
+    out = {k: v for k, v in data.items() if k not in defaults or v != defaults[k]}
+    url = data.get("url")
+    if isinstance(url, str) and isinstance(out.get("live"), bool) and url_check(url) is None:
+        with contextlib.suppress(ValueError):
+            if resolve_live(url, None) == out["live"]:
+                del out["live"]
     return out
 
 
@@ -466,35 +645,10 @@ def _check_resources(
     return errors
 
 
-# Every source takes these; the others belong to some schemes only (SCHEME_OPTIONS).
-_SCHEME_KEYS = {key for keys in SCHEME_OPTIONS.values() for key in keys}
-
-
-def _source_key_errors(item: Any, path: str, file: str) -> list[ConfigError]:
-    """Keys some scheme takes on a source whose scheme does not (``transport:`` on a file)."""
-    url = item.get("url")
-    if not isinstance(url, str) or check_url(url):
-        return []
-    scheme = scheme_of(url).name
-    takes = SCHEME_OPTIONS.get(scheme)
-    if takes is None:
-        return []
-    common = [f.name for f in dataclasses.fields(SourceConfig) if f.name not in _SCHEME_KEYS]
-    return [
-        ConfigError(
-            file,
-            line_of(item, key) or line_of(item),
-            f"{path}.{key}",
-            f"does not apply to a {scheme} source",
-            f"a {scheme} source takes: {', '.join(common + list(takes))}",
-        )
-        for key in item
-        if key in _SCHEME_KEYS and key not in takes
-    ]
-
-
-def _build_sources(raw: Any, file: str, errors: list[ConfigError]) -> list[tuple[int, SourceConfig]]:
-    """Each ``sources[]`` entry validated on its own, so every bad entry is reported; with its index."""
+def _build_sources(
+    raw: Any, file: str, base_dir: Path, errors: list[ConfigError]
+) -> list[tuple[int, SourceConfig]]:
+    """Each ``sources[]`` entry parsed on its own, so every bad entry is reported; with its index."""
     if raw is None:
         return []
     if not isinstance(raw, list):
@@ -502,6 +656,8 @@ def _build_sources(raw: Any, file: str, errors: list[ConfigError]) -> list[tuple
             ConfigError(file, line_of(raw), "sources", f"expected a list, got {type(raw).__name__}")
         )
         return []
+    # Ids derived from URLs avoid every id the file gives, wherever it is given.
+    taken = {item["id"] for item in raw if isinstance(item, dict) and isinstance(item.get("id"), str)}
     out = []
     for i, item in enumerate(raw):
         path = f"sources[{i}]"
@@ -510,12 +666,23 @@ def _build_sources(raw: Any, file: str, errors: list[ConfigError]) -> list[tuple
                 ConfigError(file, line_of(raw, i), path, "expected a mapping", "e.g. {url: clip.mp4}")
             )
             continue
-        # A key of another scheme is an error, but the source is still checked further.
-        errors.extend(_source_key_errors(item, path, file))
         try:
-            out.append((i, build(item, SourceConfig, file, path=path)))
+            src = parse_source(item, base_dir=base_dir, taken_ids=taken, file=file, path=path)
         except ConfigError as exc:
-            errors.append(exc)
+            errors.extend(exc.errors)
+            misplaced = {e.path.rsplit(".", 1)[-1] for e in exc.errors if isinstance(e, SchemeKeyError)}
+            if len(misplaced) < len(exc.errors):
+                continue
+            # Only keys of another scheme: the source without them is still checked further
+            # (its file, its id), so every problem is reported at once.
+            rest = LineDict((k, v) for k, v in item.items() if k not in misplaced)
+            rest.line, rest.key_lines = getattr(item, "line", 0), getattr(item, "key_lines", {})
+            try:
+                src = parse_source(rest, base_dir=base_dir, taken_ids=taken, file=file, path=path)
+            except ConfigError:
+                continue
+        taken.add(src.source_id)
+        out.append((i, src))
     return out
 
 
@@ -690,7 +857,7 @@ def load_config(
     top = LineDict((k, v) for k, v in raw.items() if k not in own)
     top.line, top.key_lines = getattr(raw, "line", 1), getattr(raw, "key_lines", {})
     cfg = _build_top(top, file, errors)
-    file_sources = _build_sources(raw.get("sources"), file, errors)
+    file_sources = _build_sources(raw.get("sources"), file, p.parent.resolve(), errors)
     stages = _build_stages(raw.get("stages"), file, errors)
     outputs = _build_outputs(raw.get("outputs"), file, errors)
     if cfg is None:
@@ -704,18 +871,19 @@ def load_config(
         base_dir=str(p.parent.resolve()),
     )
     if sources is not None:
+        built: list[SourceConfig] = []
         for u in sources:
-            problem = check_url(u)
-            if problem:
-                errors.append(ConfigError("--source", None, "", problem, "docs/sources.md lists the URLs"))
-        cwd = Path.cwd()
-        cfg = replace(
-            cfg, sources=[SourceConfig(url=resolve_url(u, cwd)) for u in sources if not check_url(u)]
-        )
+            try:
+                built.append(
+                    parse_source({"url": u}, base_dir=Path.cwd(), taken_ids={s.source_id for s in built})
+                )
+            except ConfigError as exc:
+                hint = exc.hint or "docs/sources.md lists the URLs"
+                errors.append(ConfigError("--source", None, "", exc.problem, hint))
+        cfg = replace(cfg, sources=built)
     else:
-        base = p.parent.resolve()
-        cfg = replace(cfg, sources=[replace(s, url=resolve_url(s.url, base)) for _, s in file_sources])
-    cfg = replace(cfg, sources=_unique_ids(cfg.sources), file=file)
+        cfg = replace(cfg, sources=[s for _, s in file_sources])
+    cfg = replace(cfg, file=file)
     # Where each source is in the file (an entry that did not build is not among them).
     source_index = [i for i, _ in file_sources] if sources is None else list(range(len(cfg.sources)))
     errors.extend(_check_graph(cfg, raw, file, stages, source_index))

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -45,11 +44,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from inference.schema import build
-from pipeline.config import PipelineConfig, SourceConfig, _unique_ids, load_config
+from pipeline.config import PipelineConfig, load_config, parse_source
 from pipeline.ratelimit import RateLimitedLog
 from pipeline.runtime import Runtime
-from pipeline.sources.schemes import resolve_url
 from pipeline.stats import PipelineReport
 
 __all__ = ["Message", "Pipeline", "ResultCallback", "ResultStream"]
@@ -217,10 +214,10 @@ class Pipeline:
         if not self._started or self._shutdown is not None:
             raise RuntimeError("add_source needs a started pipeline that has not finished")
         data = {"url": url, **({"id": id} if id is not None else {}), **options}
-        config = build(data, SourceConfig, "add_source", path="sources")
-        config = dataclasses.replace(config, url=resolve_url(config.url, Path(self.config.base_dir)))
-        if config.id is None:
-            config = _unique_ids([run.config for run in self.runtime.sources.values()] + [config])[-1]
+        # The checks a config file's source gets; a derived id is unique among the running sources.
+        config = parse_source(
+            data, base_dir=self.config.base_dir, taken_ids=self.runtime.sources, file="add_source"
+        )
         run = self.runtime.add_source(config)
         self._watch_sources()
         return run.source.id

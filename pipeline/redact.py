@@ -1,11 +1,15 @@
 """Credentials out of everything vidpipe shows: logs, API answers, metric labels, errors.
 
-Camera and broker URLs carry passwords (``rtsp://user:secret@10.0.0.7/stream1``).
+Camera and broker URLs carry passwords (``rtsp://user:secret@10.0.0.7/stream1``),
+and many cameras and CDNs take them in the query instead
+(``http://cam/video.cgi?user=admin&pwd=secret``, ``?token=...``, SRT's ``passphrase=``).
 Two functions, used everywhere a URL or a message about one leaves the process:
 
-* :func:`redact_url` hides a URL's user info: ``rtsp://***@10.0.0.7/stream1``;
+* :func:`redact_url` hides a URL's user info and the values of credential query
+  keys: ``rtsp://***@10.0.0.7/stream1``, ``http://cam/video.cgi?user=***&pwd=***``;
 * :func:`redact_text` scrubs free text (an FFmpeg error, which often echoes the URL
-  it failed on) of one URL's credentials and of the user info of any URL in it.
+  it failed on) of one URL's credentials and of the user info and credential
+  query values of any URL in it.
 
 Passwords are often written unescaped, with ``@ / : ? #`` in them, which URL parsers
 misread (``urlsplit`` ends the host at the first ``/``). So the user info is taken
@@ -18,7 +22,7 @@ from __future__ import annotations
 import re
 from urllib.parse import quote, unquote
 
-__all__ = ["redact_text", "redact_url"]
+__all__ = ["QUERY_SECRET_KEYS", "redact_text", "redact_url"]
 
 _URL_USERINFO_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(.*)@", re.DOTALL)
 # A URL inside text ends at white space or a quote; its user info, at the last '@' before that.
@@ -26,11 +30,29 @@ _TEXT_USERINFO_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^\s'\"<>]*@")
 # Pieces of a password this short would blank ordinary words in a message.
 _MIN_PIECE = 4
 _MASK = "***"
+# Query keys whose values are credentials, alone or as the end of a longer key
+# (``api_key``, ``access_token``, ``X-Amz-Signature``), in any case.
+QUERY_SECRET_KEYS = (
+    "user", "username", "usr", "pass", "passwd", "password", "passphrase", "pwd", "token",
+    "key", "apikey", "secret", "auth", "sig", "signature", "credential", "credentials",
+)  # fmt: skip
+# Of those, the ones that name someone rather than hold a secret: masked in URLs, but
+# not hunted through the rest of a message (an "admin" there is usually just a word).
+_QUERY_USER_KEYS = frozenset({"user", "username", "usr"})
+_QUERY_SECRET_RE = re.compile(
+    r"([?&;](?:[A-Za-z0-9_.-]*[_.-])?(" + "|".join(QUERY_SECRET_KEYS) + r")=)([^&;#\s'\"<>]*)",
+    re.IGNORECASE,
+)
+
+
+def _redact_query(text: str) -> str:
+    return _QUERY_SECRET_RE.sub(lambda m: m.group(1) + _MASK if m.group(3) else m.group(0), text)
 
 
 def redact_url(url: str) -> str:
-    """Hide credentials in a URL (``rtsp://user:pass@host`` → ``rtsp://***@host``)."""
-    return _URL_USERINFO_RE.sub(r"\1***@", url, count=1)
+    """Hide credentials in a URL (``rtsp://user:pass@host`` → ``rtsp://***@host``,
+    ``?user=admin&pwd=x`` → ``?user=***&pwd=***``)."""
+    return _redact_query(_URL_USERINFO_RE.sub(r"\1***@", url, count=1))
 
 
 def _userinfo(url: str) -> str:
@@ -38,15 +60,28 @@ def _userinfo(url: str) -> str:
     return match.group(2) if match else ""
 
 
+def _query_secrets(url: str) -> list[str]:
+    """The values of ``url``'s credential query keys, user names aside."""
+    return [
+        m.group(3)
+        for m in _QUERY_SECRET_RE.finditer(url)
+        if m.group(3) and m.group(2).lower() not in _QUERY_USER_KEYS
+    ]
+
+
 def _secrets(url: str) -> list[str]:
-    """What of ``url`` must not be shown, longest first: the URL, its user info, the password."""
+    """What of ``url`` must not be shown, longest first: the URL, its user info, the passwords."""
     userinfo = _userinfo(url)
-    if not userinfo:
+    passwords = _query_secrets(url)
+    if not userinfo and not passwords and redact_url(url) == url:
         return []
-    password = userinfo.partition(":")[2]
-    found = {url, unquote(url), userinfo, unquote(userinfo)}
+    found = {url, unquote(url)}
+    if userinfo:
+        found.update((userinfo, unquote(userinfo)))
+        passwords.append(userinfo.partition(":")[2])
     # As written, decoded, and encoded (a tool may re-encode what it echoes).
-    for secret in (password, unquote(password), quote(unquote(password), safe="")):
+    forms = [form for pw in passwords for form in (pw, unquote(pw), quote(unquote(pw), safe=""))]
+    for secret in forms:
         # A password with URL delimiters in it may reach a message in pieces (a parser
         # that stopped at '/' shows the rest as a path), so its pieces go too.
         pieces = [secret, *re.split(r"[@/:?#%\s]+", secret)]
@@ -64,4 +99,4 @@ def redact_text(text: str, url: str = "") -> str:
         shown = redact_url(url)
         for secret in _secrets(url):
             text = text.replace(secret, shown if secret in (url, unquote(url)) else _MASK)
-    return _TEXT_USERINFO_RE.sub(r"\1***@", text)
+    return _redact_query(_TEXT_USERINFO_RE.sub(r"\1***@", text))

@@ -36,7 +36,7 @@ from pipeline.queues import EndOfStream, FrameQueue, OverflowPolicy
 from pipeline.ratelimit import RateLimitedLog
 from pipeline.sources.base import Source, SourceError, SourceState
 from pipeline.sources.budget import MIB, FrameMemoryBudget
-from pipeline.sources.schemes import create_source
+from pipeline.sources.registry import create_source
 from pipeline.stages.base import Stage, StageContext
 from pipeline.stages.publish import Publisher
 from pipeline.stages.registry import create_stage

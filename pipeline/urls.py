@@ -21,19 +21,45 @@ to a reader, and the password's tail travels in the request path. So:
   its protocol whitelist keeps on the network;
 * :data:`STREAM_FORMATS` names the one demuxer each of the other network and
   device schemes may use (MPEG-TS over UDP and SRT, RTP, video4linux2).
+
+It also reads what a source URL names, without knowing which class serves it:
+its scheme (:func:`scheme_name`), the file a file source reads (:func:`file_path`),
+a webcam's device (:func:`v4l2_device`), a WHIP publisher's name
+(:func:`whip_name`) and the id a source gets when the config gives none
+(:func:`derive_id`). The source classes and the scheme table
+(:mod:`pipeline.sources.schemes`) both read URLs through these.
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+from urllib.parse import parse_qsl, urlsplit
+
+from pipeline.redact import redact_url
 
 __all__ = [
     "FILE_FORMAT_DENYLIST",
+    "MAX_URL_CHARS",
     "PROTOCOL_WHITELISTS",
     "STREAM_FORMATS",
+    "UrlProblem",
+    "derive_id",
+    "file_path",
+    "normalise_url",
     "protocol_whitelist",
+    "resolve_url",
+    "scheme_name",
     "url_problem",
+    "v4l2_device",
+    "whip_name",
 ]
+
+# Longer than any camera, playlist or file URL; a longer one is refused before parsing.
+MAX_URL_CHARS = 4096
 
 # C0 controls, DEL and C1 controls.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -91,24 +117,39 @@ def protocol_whitelist(scheme: str) -> str:
     return PROTOCOL_WHITELISTS[scheme]
 
 
+class UrlProblem(NamedTuple):
+    """Why a URL cannot be a source, and what to do about it."""
+
+    problem: str
+    hint: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.problem}; {self.hint}" if self.hint else self.problem
+
+
 def _show(char: str) -> str:
     return repr(char)[1:-1]
 
 
-def url_problem(url: str) -> str | None:
+_PERCENT_ENCODE_HINT = "e.g. the password p@ss/1 is written rtsp://user:p%40ss%2F1@cam/stream"
+
+
+def url_problem(url: str) -> UrlProblem | None:
     """Why ``url`` may not be used as a source, or None. Never echoes the userinfo."""
+    if len(url) > MAX_URL_CHARS:
+        return UrlProblem(f"the URL is longer than {MAX_URL_CHARS} characters")
     control = _CONTROL.search(url)
     if control:
-        return (
-            f"the URL contains a control character ({_show(control.group())}) at position "
-            f"{control.start()}; remove it (percent-encode it if it is really part of the URL)"
+        return UrlProblem(
+            f"the URL contains a control character ({_show(control.group())}) at position {control.start()}",
+            "remove it (percent-encode it if it is really part of the URL)",
         )
     scheme = _SCHEME.match(url)
     if scheme is None:
         return None  # a plain file path: any other character is a file name's business
     rest = url[scheme.end() :]
     if " " in rest:
-        return "the URL contains a space; percent-encode it as %20"
+        return UrlProblem("the URL contains a space", "percent-encode it as %20")
     # The authority ends at the first '/', '?' or '#'; userinfo is what precedes its '@'.
     end = len(rest)
     for sep in "/?#":
@@ -117,10 +158,128 @@ def url_problem(url: str) -> str | None:
             end = min(end, pos)
     authority, tail = rest[:end], rest[end:]
     if "@" in tail:
-        return (
+        return UrlProblem(
             "the URL has an '@' after the host; if the password contains '@', '/', '?' or '#', "
-            "percent-encode them (%40, %2F, %3F, %23)"
+            "percent-encode them (%40, %2F, %3F, %23)",
+            _PERCENT_ENCODE_HINT,
         )
     if authority.count("@") > 1:
-        return "the URL's user or password contains a raw '@'; percent-encode it as %40"
+        return UrlProblem(
+            "the URL's user or password contains a raw '@'; percent-encode it as %40", _PERCENT_ENCODE_HINT
+        )
     return None
+
+
+# -- what a URL names ---------------------------------------------------------------------
+
+# A plain path naming a video4linux2 device is a webcam, not a file.
+V4L2_PATH = re.compile(r"/dev/video\d+")
+
+
+def normalise_url(url: str) -> str:
+    """``url`` as the scheme check should see it: a plain path that is a webcam once
+    normalised (``/dev/./video0``, ``/dev/video0/``) becomes that device's path."""
+    if not urlsplit(url).scheme and url.startswith("/dev/"):
+        normal = posixpath.normpath(url)
+        if V4L2_PATH.fullmatch(normal):
+            return normal
+    return url
+
+
+def scheme_name(url: str) -> str:
+    """The scheme a source URL names: ``rtsp``, ``file`` for a plain path, ``v4l2`` for ``/dev/videoN``."""
+    scheme = urlsplit(url).scheme.lower()
+    if not scheme and V4L2_PATH.fullmatch(normalise_url(url)):
+        return "v4l2"
+    # No scheme, or one letter (a Windows drive, C:\clips\a.mp4): a file path.
+    return scheme if len(scheme) > 1 else "file"
+
+
+def file_path(url: str) -> Path:
+    """The path a file source reads: a plain path, or ``file://`` (host part included, as written)."""
+    parts = urlsplit(url)
+    return Path(parts.netloc + parts.path) if parts.scheme == "file" else Path(url)
+
+
+def whip_name(url: str) -> str:
+    """The ``<id>`` of ``whip://<id>``: the name publishers use in ``/whip/<id>``."""
+    parts = urlsplit(url)
+    return parts.netloc or parts.path.strip("/")
+
+
+def v4l2_device(url: str) -> str:
+    """The device path of a webcam URL: ``/dev/video0``, ``v4l2:///dev/video0`` or ``v4l2://0``."""
+    parts = urlsplit(url)
+    if parts.scheme != "v4l2":
+        return normalise_url(url)
+    if parts.netloc.isdigit():
+        return f"/dev/video{parts.netloc}"
+    path = parts.netloc + parts.path
+    normal = posixpath.normpath(path) if path.startswith("/dev/") else path
+    return normal if V4L2_PATH.fullmatch(normal) else path
+
+
+def resolve_url(url: str, base: Path) -> str:
+    """Make a relative file path absolute against ``base``; other URLs pass through."""
+    if scheme_name(url) != "file":
+        return url
+    path = file_path(url)
+    return str(path if path.is_absolute() else (base / path).resolve())
+
+
+def _id_from_file(url: str) -> str:
+    return file_path(url).stem
+
+
+def _id_from_test(url: str) -> str:
+    return dict(parse_qsl(urlsplit(url).query)).get("id") or "test"
+
+
+def _id_from_camera(url: str) -> str:
+    parts = urlsplit(url)
+    return parts.path.strip("/").replace("/", "_") or parts.hostname or "camera"
+
+
+def _id_from_http(url: str) -> str:
+    path = urlsplit(url).path.strip("/")
+    stem = path.rsplit(".", 1)[0] if "." in path.rsplit("/", 1)[-1] else path
+    return stem.replace("/", "_") or urlsplit(url).hostname or "http"
+
+
+def _id_from_port(url: str) -> str:
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return f"{parts.scheme}_{port}" if port else parts.scheme
+
+
+def _id_from_v4l2(url: str) -> str:
+    return Path(v4l2_device(url)).name
+
+
+# How each scheme's URL becomes a readable id (before cleaning to [A-Za-z0-9_-]);
+# a scheme not here (an unknown one, refused elsewhere) is named like a file.
+_ID_FROM: dict[str, Callable[[str], str]] = {
+    "file": _id_from_file,
+    "test": _id_from_test,
+    "rtsp": _id_from_camera,
+    "rtsps": _id_from_camera,
+    "whip": whip_name,
+    "http": _id_from_http,
+    "https": _id_from_http,
+    "udp": _id_from_port,
+    "rtp": _id_from_port,
+    "srt": _id_from_port,
+    "v4l2": _id_from_v4l2,
+}
+
+
+def derive_id(url: str) -> str:
+    """A readable id from a URL: the file stem, the camera path, the WHIP name, ``udp_5000``..."""
+    id_from = _ID_FROM.get(scheme_name(url), _id_from_file)
+    # A password must never become part of an id (a subject and a metric label).
+    raw = id_from(redact_url(url))
+    cleaned = re.sub(r"[^A-Za-z0-9_-]+", "_", raw).strip("_")[:64]
+    return cleaned or "source"

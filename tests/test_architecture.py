@@ -1,8 +1,10 @@
 """The module map stays a map: no import cycles, and ``inference`` never imports ``pipeline``.
 
 Imports are read with ``ast`` from the source files, so the test sees what a
-reader sees: module-level imports and the lazy ones inside functions alike.
-Imports under ``if TYPE_CHECKING:`` are for the type checker only and do not count.
+reader sees: module-level imports, the lazy ones inside functions, the ones under
+``if TYPE_CHECKING:`` (the type checker follows them, and a ring through them is
+a ring in the design) and modules named as strings to ``importlib.import_module``
+alike.
 """
 
 from __future__ import annotations
@@ -32,16 +34,25 @@ def module_files() -> dict[str, Path]:
 MODULES = module_files()
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _all_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, wherever it is (module level, functions, ``if TYPE_CHECKING:``)."""
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
+
+
+def _imported_by_name(tree: ast.Module) -> Iterator[ast.Import]:
+    """``importlib.import_module("a.b")`` (or ``import_module``, ``__import__``) with a literal
+    name, as the import statement it stands for."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        func = node.func
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        first = node.args[0]
+        if called in ("import_module", "__import__") and isinstance(first, ast.Constant):
+            if isinstance(first.value, str):
+                yield ast.Import(names=[ast.alias(name=first.value)])
 
 
 def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
@@ -75,18 +86,11 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Each module's project imports: module level and inside functions, not TYPE_CHECKING ones."""
+    """Each module's project imports, of every kind."""
     graph: dict[str, set[str]] = {}
     for module, path in MODULES.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        checking_only = {
-            id(n)
-            for block in ast.walk(tree)
-            if isinstance(block, ast.If) and _is_type_checking(block.test)
-            for stmt in block.body
-            for n in ast.walk(stmt)
-        }
-        nodes = [n for n in _all_imports(tree) if id(n) not in checking_only]
+        nodes = [*_all_imports(tree), *_imported_by_name(tree)]
         graph[module] = set().union(*(_targets(module, n) for n in nodes))
     return graph
 
@@ -129,6 +133,22 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_checker_finds_a_cycle() -> None:
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_type_checking_and_importlib_imports_count() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import importlib\n"
+        "if TYPE_CHECKING:\n"
+        "    from pipeline.config import PipelineConfig\n"
+        "def make():\n"
+        "    return importlib.import_module('pipeline.sources.file')\n"
+    )
+    tree = ast.parse(source)
+    module = "pipeline.sources.schemes"
+    nodes = [*_all_imports(tree), *_imported_by_name(tree)]
+    found = set().union(*(_targets(module, n) for n in nodes))
+    assert found == {"pipeline.config", "pipeline.sources.file"}
 
 
 GRAPH = import_graph()

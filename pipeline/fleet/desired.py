@@ -19,22 +19,27 @@ from typing import Any
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
-from inference.schema import build
-from pipeline.config import SourceConfig
+from pipeline.config import SourceConfig, SourcePolicy, parse_source, source_keys
 
 
 def encode_source(config: SourceConfig) -> bytes:
-    return json.dumps(dataclasses.asdict(config), separators=(",", ":")).encode()
+    return json.dumps(source_keys(dataclasses.asdict(config)), separators=(",", ":")).encode()
 
 
-def decode_source(source_id: str, value: bytes) -> SourceConfig:
-    """The config stored under ``source_id``; its id is the key, whatever the value says."""
+def decode_source(
+    source_id: str, value: bytes, policy: SourcePolicy | None = None, base_dir: str = "."
+) -> SourceConfig:
+    """The config stored under ``source_id``; its id is the key, whatever the value says.
+
+    The store is input like any other: the value gets the checks of ``POST /v1/sources``
+    (``policy``; by default the API's defaults), keys at their default aside.
+    """
     data: Any = json.loads(value)
     if not isinstance(data, dict):
         raise ValueError(f"desired source {source_id}: expected a JSON object")
-    data["id"] = source_id
-    config: SourceConfig = build(data, SourceConfig, "fleet", path=f"sources.{source_id}")
-    return config
+    data = {**source_keys(data), "id": source_id}
+    policy = policy or SourcePolicy.from_http(None, base_dir)
+    return parse_source(data, base_dir=base_dir, policy=policy, file="fleet", path=f"sources.{source_id}")
 
 
 class DesiredSources:

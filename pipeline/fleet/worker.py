@@ -40,7 +40,7 @@ import nats
 from nats.aio.client import Client as NatsClient
 from nats.js.kv import KeyValue
 
-from pipeline.config import FleetConfig, SourceConfig
+from pipeline.config import FleetConfig, SourceConfig, SourcePolicy
 from pipeline.fleet.buckets import BucketView, open_bucket
 from pipeline.fleet.desired import DesiredSources, decode_source
 from pipeline.fleet.leases import Lease, LeaseTable, parse_lease
@@ -374,7 +374,7 @@ class FleetWorker:
             return
         self.owned[sid] = lease
         try:
-            config = decode_source(sid, view.value)
+            config = decode_source(sid, view.value, *self._source_policy())
             self.runtime.add_source(config)
         except Exception as exc:
             log.error("fleet %s: source %s cannot start here: %s; lease released", self.name, sid, exc)
@@ -402,12 +402,18 @@ class FleetWorker:
         self.metrics.sources_owned.labels(self.name).set(len(self.owned))
         log.info("fleet %s: released %s (%s)", self.name, sid, reason)
 
+    def _source_policy(self) -> tuple[SourcePolicy, str]:
+        """What a stored source may be here: what this worker's API would accept, and where
+        relative paths start."""
+        cfg = self.runtime.config
+        return SourcePolicy.from_http(cfg.http, cfg.base_dir), cfg.base_dir
+
     def desired_configs(self) -> list[SourceConfig]:
         """The desired sources as this worker last saw them."""
         out = []
         for sid, seen in sorted(self._views["sources"].entries.items()):
             with contextlib.suppress(Exception):
-                out.append(decode_source(sid, seen.value))
+                out.append(decode_source(sid, seen.value, *self._source_policy()))
         return out
 
     # -- what /v1/fleet shows --------------------------------------------------------------

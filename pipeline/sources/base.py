@@ -21,7 +21,7 @@ import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 
@@ -110,7 +110,14 @@ class SourceError(VidpipeError):
 
 
 class Source(ABC):
-    """One stream: its config, state, counters, frame pool and the queue it fills."""
+    """One stream: its config, state, counters, frame pool and the queue it fills.
+
+    ``schemes`` and ``serves_live`` say which URLs a class serves
+    (:func:`pipeline.sources.registry.register_source`).
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ()
+    serves_live: ClassVar[bool] = True
 
     def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
         self.config = config

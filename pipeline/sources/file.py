@@ -35,7 +35,7 @@ from typing import Any
 from pipeline.config import SourceConfig
 from pipeline.sources.base import SourceError, StateListener
 from pipeline.sources.decode import AvSource, frame_rate
-from pipeline.sources.schemes import file_path
+from pipeline.urls import file_path
 
 log = logging.getLogger("vidpipe.source")
 
@@ -44,6 +44,9 @@ __all__ = ["FileSource"]
 
 class FileSource(AvSource):
     """A video file, lossless: the queue blocks so every frame is processed."""
+
+    schemes = ("file", "http", "https")
+    serves_live = False
 
     def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
         super().__init__(config, on_state)

@@ -27,6 +27,8 @@ __all__ = ["TestPatternSource", "pattern_background", "pattern_square_box"]
 class TestPatternSource(ThreadedSource):
     """``test://?width=640&height=360&fps=25&frames=N``: the pattern, drawn into pooled buffers."""
 
+    schemes = ("test",)
+
     __test__ = False  # not a pytest class
 
     def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:

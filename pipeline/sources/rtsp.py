@@ -40,6 +40,8 @@ _ANALYZE_US = 500_000
 class RtspSource(LiveSource):
     """An RTSP/RTSPS camera: reconnects with backoff, detects stalls, never gives up while running."""
 
+    schemes = ("rtsp", "rtsps")
+
     def open_options(self) -> dict[str, str]:
         cfg = self.config
         options = {

@@ -1,4 +1,4 @@
-"""The source scheme registry: which URL schemes exist, what each means, which class serves it.
+"""The source schemes: which URL schemes exist, what each means and which keys it takes.
 
 ::
 
@@ -15,111 +15,50 @@
       - url: srt://relay.local:9000   # SRT, live, when FFmpeg has libsrt
 
 One declarative table, so config validation, the API and the runtime agree on the
-schemes without importing the source classes: a class is imported only when
-:func:`create_source` makes a source of its kind. A scheme that needs a part of
-FFmpeg this build may lack (SRT, video4linux2) says so when the URL is checked,
-before anything runs.
+schemes without importing the source classes (those register themselves in
+:mod:`pipeline.sources.registry`, which only the runtime imports). A scheme that
+needs a part of FFmpeg this build may lack (SRT, video4linux2) says so when the
+URL is checked, before anything runs; a misspelt one gets a did-you-mean.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
-import importlib
-import re
+import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlsplit
 
 from pipeline.redact import redact_url
-from pipeline.urls import url_problem
-
-if TYPE_CHECKING:
-    from pipeline.config import SourceConfig
-    from pipeline.sources.base import Source, StateListener
+from pipeline.urls import V4L2_PATH, UrlProblem, scheme_name, url_problem, v4l2_device
 
 __all__ = [
     "SCHEMES",
     "SCHEME_OPTIONS",
+    "STREAM_QUERY_OPTIONS",
     "Scheme",
     "check_url",
-    "create_source",
-    "derive_id",
-    "file_path",
     "is_live",
     "resolve_live",
-    "resolve_url",
     "scheme_of",
-    "v4l2_device",
-    "whip_name",
+    "url_check",
 ]
 
 # An http(s) URL whose path ends in one of these is a finite file (lossless, ends);
 # any other (MJPEG, HLS playlists, MPEG-TS streams) is live. ``live:`` overrides it.
 FINITE_HTTP_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi")
-# A plain path naming a video4linux2 device is a webcam, not a file.
-_V4L2_PATH = re.compile(r"/dev/video\d+")
 # What a v4l2:// URL's query may set: FFmpeg's video4linux2 demuxer options.
 V4L2_OPTIONS = ("video_size", "framerate", "input_format", "pixel_format", "standard")
-
-
-def file_path(url: str) -> Path:
-    """The path a file source reads: a plain path, or ``file://`` (host part included, as written)."""
-    parts = urlsplit(url)
-    return Path(parts.netloc + parts.path) if parts.scheme == "file" else Path(url)
-
-
-def whip_name(url: str) -> str:
-    """The ``<id>`` of ``whip://<id>``: the name publishers use in ``/whip/<id>``."""
-    parts = urlsplit(url)
-    return parts.netloc or parts.path.strip("/")
-
-
-def _id_from_file(url: str) -> str:
-    return file_path(url).stem
-
-
-def _id_from_test(url: str) -> str:
-    return dict(parse_qsl(urlsplit(url).query)).get("id") or "test"
-
-
-def _id_from_camera(url: str) -> str:
-    parts = urlsplit(url)
-    return parts.path.strip("/").replace("/", "_") or parts.hostname or "camera"
-
-
-def _id_from_http(url: str) -> str:
-    path = urlsplit(url).path.strip("/")
-    stem = path.rsplit(".", 1)[0] if "." in path.rsplit("/", 1)[-1] else path
-    return stem.replace("/", "_") or urlsplit(url).hostname or "http"
-
-
-def _id_from_port(url: str) -> str:
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    return f"{parts.scheme}_{port}" if port else parts.scheme
-
-
-def _id_from_v4l2(url: str) -> str:
-    return Path(v4l2_device(url)).name
+# What a udp:// or rtp:// URL's query may set: the multicast interface and source
+# filters, each an IP address (a list for sources/block). Every other FFmpeg option
+# (fifo_size, buffer_size, localport, reuse, timeout...) is vidpipe's to set: a
+# query's fifo_size=5000000 took 420 MB, its timeout=0 undid the read timeout.
+STREAM_QUERY_OPTIONS = ("localaddr", "sources", "block")
 
 
 def _http_live(url: str) -> bool:
     return not urlsplit(url).path.lower().endswith(FINITE_HTTP_SUFFIXES)
-
-
-def v4l2_device(url: str) -> str:
-    """The device path of a webcam URL: ``/dev/video0``, ``v4l2:///dev/video0`` or ``v4l2://0``."""
-    parts = urlsplit(url)
-    if parts.scheme != "v4l2":
-        return url
-    if parts.netloc.isdigit():
-        return f"/dev/video{parts.netloc}"
-    return parts.netloc + parts.path
 
 
 # -- what this FFmpeg has --------------------------------------------------------------------
@@ -173,140 +112,162 @@ def _needs_v4l2() -> str | None:
 
 @dataclass(frozen=True)
 class Scheme:
-    """One URL scheme: how an id derives from its URL, the class serving it live or finite.
+    """One URL scheme: whether its sources are live, the keys it takes, what it needs.
 
     Live sources drop the oldest frame when the graph is behind and reconnect;
     finite ones (files) block, so every frame is processed, and end.
     """
 
     name: str
-    # A readable id from the (already redacted) URL, before cleaning to [A-Za-z0-9_-].
-    id_from: Callable[[str], str]
-    # "module:Class" serving it live / as a finite file, imported when a source is created.
-    live_source: str | None = None
-    finite_source: str | None = None
+    # True: always live; False: always a finite file; None: either, by ``live_by_url``.
+    live: bool | None
+    # The scheme-specific SourceConfig keys it takes, beyond url, id, queue_size,
+    # max_fps and max_pixels, which every source takes. A key that another scheme
+    # takes and this one does not (``transport:`` on a file) is a config error.
+    options: tuple[str, ...] = ()
     # When it can be both: whether a URL is live unless ``live:`` says otherwise.
     live_by_url: Callable[[str], bool] | None = None
     # Why this FFmpeg cannot serve the scheme (a protocol or demuxer it lacks), or None.
     requires: Callable[[], str | None] | None = None
+    # What is wrong with a URL of this scheme beyond the common checks (its query), or None.
+    check: Callable[[str], UrlProblem | None] | None = None
 
     @property
-    def live(self) -> bool:
-        """Whether its sources are live by default."""
-        return self.live_source is not None
+    def can_be_live(self) -> bool:
+        return self.live is not False
+
+    @property
+    def can_be_finite(self) -> bool:
+        return self.live is not True
 
     def live_for(self, url: str) -> bool:
-        if self.live_source is not None and self.finite_source is not None and self.live_by_url:
-            return self.live_by_url(url)
+        """Whether a source of ``url`` is live unless ``live:`` says otherwise."""
+        if self.live is None:
+            return self.live_by_url(url) if self.live_by_url else True
         return self.live
 
 
-_FILE = "pipeline.sources.file:FileSource"
-_STREAM = "pipeline.sources.stream:StreamSource"
-
-SCHEMES: dict[str, Scheme] = {
-    s.name: s
-    for s in (
-        Scheme("file", _id_from_file, finite_source=_FILE),
-        Scheme("test", _id_from_test, live_source="pipeline.sources.pattern:TestPatternSource"),
-        Scheme("rtsp", _id_from_camera, live_source="pipeline.sources.rtsp:RtspSource"),
-        Scheme("rtsps", _id_from_camera, live_source="pipeline.sources.rtsp:RtspSource"),
-        Scheme("whip", whip_name, live_source="pipeline.sources.whip:WhipSource"),
-        Scheme("http", _id_from_http, live_source=_STREAM, finite_source=_FILE, live_by_url=_http_live),
-        Scheme("https", _id_from_http, live_source=_STREAM, finite_source=_FILE, live_by_url=_http_live),
-        Scheme("udp", _id_from_port, live_source=_STREAM),
-        Scheme("rtp", _id_from_port, live_source=_STREAM),
-        Scheme("srt", _id_from_port, live_source=_STREAM, requires=_needs_srt),
-        Scheme("v4l2", _id_from_v4l2, live_source=_STREAM, requires=_needs_v4l2),
-    )
-}
+def _v4l2_problem(url: str) -> UrlProblem | None:
+    device = v4l2_device(url)
+    if not V4L2_PATH.fullmatch(device):
+        return UrlProblem(f"a webcam is /dev/videoN, v4l2:///dev/videoN or v4l2://N, not {redact_url(url)!r}")
+    for key, _ in parse_qsl(urlsplit(url).query, keep_blank_values=True):
+        if key not in V4L2_OPTIONS:
+            return UrlProblem(f"unknown webcam option {key!r}", f"use {', '.join(V4L2_OPTIONS)}")
+    return None
 
 
-# The scheme-specific source keys each scheme takes: SourceConfig fields beyond url, id,
-# queue_size, max_fps and max_pixels, which every scheme takes. A key that some scheme
-# takes and a source's scheme does not (``transport:`` on a file) is a config error.
-# A scheme missing here is not checked.
+def _stream_query_problem(url: str) -> UrlProblem | None:
+    """A udp:// or rtp:// query may name the multicast interface and source filters only."""
+    scheme = urlsplit(url).scheme.lower()
+    allowed = ", ".join(STREAM_QUERY_OPTIONS)
+    for key, value in parse_qsl(urlsplit(url).query, keep_blank_values=True):
+        if key not in STREAM_QUERY_OPTIONS:
+            return UrlProblem(
+                f"{scheme}:// URL option {key!r} is not allowed",
+                f"a {scheme}:// URL takes {allowed}; vidpipe sets FFmpeg's buffers and timeouts itself",
+            )
+        for address in value.split(",") if key != "localaddr" else [value]:
+            try:
+                ipaddress.ip_address(address)
+            except ValueError:
+                return UrlProblem(
+                    f"{scheme}:// URL option {key}={value!r} is not an IP address",
+                    "e.g. localaddr=192.168.1.10 or sources=10.0.0.5,10.0.0.6",
+                )
+    return None
+
+
+def _whip_problem(url: str) -> UrlProblem | None:
+    if "@" in urlsplit(url).netloc:
+        # The name is what publishers put in /whip/<name>: it has no user or password.
+        return UrlProblem("a whip:// URL is whip://<name>: it takes no user or password")
+    return None
+
+
 _RTSP_OPTIONS = (
     "transport", "open_timeout", "read_timeout", "stall_timeout", "reconnect", "allow_redirects", "decode",
 )  # fmt: skip
 _STREAM_OPTIONS = ("open_timeout", "read_timeout", "stall_timeout", "reconnect", "decode")
 _HTTP_OPTIONS = ("live", "tls_verify", "loop", "realtime", *_STREAM_OPTIONS)
-SCHEME_OPTIONS: dict[str, tuple[str, ...]] = {
-    "file": ("loop", "realtime", "decode"),
-    "test": (),
-    "rtsp": _RTSP_OPTIONS,
-    "rtsps": _RTSP_OPTIONS,
-    "whip": ("open_timeout", "stall_timeout"),
-    "http": _HTTP_OPTIONS,
-    "https": _HTTP_OPTIONS,
-    "udp": _STREAM_OPTIONS,
-    "rtp": _STREAM_OPTIONS,
-    "srt": _STREAM_OPTIONS,
-    "v4l2": ("open_timeout", "read_timeout", "stall_timeout", "reconnect"),
+
+SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("file", live=False, options=("loop", "realtime", "decode")),
+        Scheme("test", live=True),
+        Scheme("rtsp", live=True, options=_RTSP_OPTIONS),
+        Scheme("rtsps", live=True, options=_RTSP_OPTIONS),
+        Scheme("whip", live=True, options=("open_timeout", "stall_timeout"), check=_whip_problem),
+        Scheme("http", live=None, options=_HTTP_OPTIONS, live_by_url=_http_live),
+        Scheme("https", live=None, options=_HTTP_OPTIONS, live_by_url=_http_live),
+        Scheme("udp", live=True, options=_STREAM_OPTIONS, check=_stream_query_problem),
+        Scheme("rtp", live=True, options=_STREAM_OPTIONS, check=_stream_query_problem),
+        Scheme("srt", live=True, options=_STREAM_OPTIONS, requires=_needs_srt),
+        Scheme(
+            "v4l2",
+            live=True,
+            options=("open_timeout", "read_timeout", "stall_timeout", "reconnect"),
+            requires=_needs_v4l2,
+            check=_v4l2_problem,
+        ),
+    )
 }
+# The scheme-specific keys of each scheme, by name.
+SCHEME_OPTIONS: dict[str, tuple[str, ...]] = {name: s.options for name, s in SCHEMES.items()}
 
 
-def _scheme_name(url: str) -> str:
-    scheme = urlsplit(url).scheme.lower()
-    if not scheme and _V4L2_PATH.fullmatch(url):
-        return "v4l2"
-    # No scheme, or one letter (a Windows drive, C:\clips\a.mp4): a file path.
-    return scheme if len(scheme) > 1 else "file"
+def _unknown_scheme(url: str) -> UrlProblem | None:
+    name = scheme_name(url)
+    if name in SCHEMES:
+        return None
+    # Swapped letters first (rstp is rtsp, not rtp), then the closest spelling.
+    close = [s for s in SCHEMES if sorted(s) == sorted(name)] or difflib.get_close_matches(
+        name, list(SCHEMES), n=1, cutoff=0.6
+    )
+    hint = f"did you mean {close[0]}://?" if close else f"known schemes: {', '.join(SCHEMES)}"
+    return UrlProblem(f"unsupported source scheme {name!r} in {redact_url(url)!r}", hint)
 
 
-def check_url(url: str) -> str | None:
-    """Why ``url`` cannot be a source, or None.
+def url_check(url: str) -> UrlProblem | None:
+    """Why ``url`` cannot be a source and what to do, or None.
 
-    The one check config files, ``--source`` and ``POST /v1/sources`` all go
-    through: what :func:`pipeline.urls.url_problem` refuses (control characters,
-    spaces, a raw ``@`` in the password), then an unknown scheme, then a scheme
-    this FFmpeg cannot serve (SRT without libsrt), then a webcam URL's options.
+    The one check config files, ``--source``, ``POST /v1/sources``, embedding and
+    the fleet's desired set all go through: what :func:`pipeline.urls.url_problem`
+    refuses (control characters, spaces, a raw ``@`` in the password), then an
+    unknown scheme (with a did-you-mean), then a scheme this FFmpeg cannot serve
+    (SRT without libsrt), then the scheme's own URL checks (a webcam's or a UDP
+    stream's query options).
     """
     problem = url_problem(url) or _unknown_scheme(url)
     if problem:
         return problem
-    scheme = SCHEMES[_scheme_name(url)]
+    scheme = SCHEMES[scheme_name(url)]
     if scheme.requires is not None:
         missing = scheme.requires()
         if missing:
-            return f"{scheme.name}:// sources are not available: {missing}"
-    if scheme.name == "v4l2":
-        return _v4l2_problem(url)
-    if scheme.name == "whip" and "@" in urlsplit(url).netloc:
-        # The name is what publishers put in /whip/<name>: it has no user or password.
-        return "a whip:// URL is whip://<name>: it takes no user or password"
-    return None
+            return UrlProblem(f"{scheme.name}:// sources are not available: {missing}")
+    return scheme.check(url) if scheme.check is not None else None
 
 
-def _v4l2_problem(url: str) -> str | None:
-    device = v4l2_device(url)
-    if not _V4L2_PATH.fullmatch(device):
-        return f"a webcam is /dev/videoN, v4l2:///dev/videoN or v4l2://N, not {redact_url(url)!r}"
-    for key, _ in parse_qsl(urlsplit(url).query, keep_blank_values=True):
-        if key not in V4L2_OPTIONS:
-            return f"unknown webcam option {key!r}; use {', '.join(V4L2_OPTIONS)}"
-    return None
-
-
-def _unknown_scheme(url: str) -> str | None:
-    name = _scheme_name(url)
-    if name not in SCHEMES:
-        return f"unsupported source scheme {name!r} in {redact_url(url)!r}"
-    return None
+def check_url(url: str) -> str | None:
+    """:func:`url_check` as one line (problem and hint), or None."""
+    problem = url_check(url)
+    return str(problem) if problem else None
 
 
 def scheme_of(url: str) -> Scheme:
     """The scheme of a source URL; raises ValueError for an unknown one."""
     problem = _unknown_scheme(url)
     if problem:
-        raise ValueError(problem)
-    return SCHEMES[_scheme_name(url)]
+        raise ValueError(str(problem))
+    return SCHEMES[scheme_name(url)]
 
 
 def is_live(url_or_scheme: str) -> bool:
     """Whether a source of this URL (or scheme name) is live by default: drops when behind, never ends."""
     if url_or_scheme in SCHEMES:
-        return SCHEMES[url_or_scheme].live
+        return SCHEMES[url_or_scheme].live is not False
     return scheme_of(url_or_scheme).live_for(url_or_scheme)
 
 
@@ -319,38 +280,10 @@ def resolve_live(url: str, live: bool | None) -> bool:
     scheme = scheme_of(url)
     if live is None:
         return scheme.live_for(url)
-    if live and scheme.live_source is None:
+    if live and not scheme.can_be_live:
         raise ValueError(f"live: {scheme.name} sources are never live; remove live: true")
-    if not live and scheme.finite_source is None:
+    if not live and not scheme.can_be_finite:
         raise ValueError(
             f"live: {scheme.name}:// sources are always live; live: false applies to http(s) files only"
         )
     return live
-
-
-def derive_id(url: str) -> str:
-    """A readable id from a URL: the file stem, the camera path, the WHIP name, ``udp_5000``..."""
-    # Never raises: an unknown scheme (refused elsewhere) is named like a file.
-    scheme = SCHEMES.get(_scheme_name(url), SCHEMES["file"])
-    # A password must never become part of an id (a subject and a metric label).
-    raw = scheme.id_from(redact_url(url))
-    cleaned = re.sub(r"[^A-Za-z0-9_-]+", "_", raw).strip("_")[:64]
-    return cleaned or "source"
-
-
-def resolve_url(url: str, base: Path) -> str:
-    """Make a relative file path absolute against ``base``; other URLs pass through."""
-    if _scheme_name(url) != "file":
-        return url
-    path = file_path(url)
-    return str(path if path.is_absolute() else (base / path).resolve())
-
-
-def create_source(config: SourceConfig, on_state: StateListener | None = None) -> Source:
-    """The :class:`~pipeline.sources.base.Source` for a config's URL scheme (and ``live``)."""
-    scheme = scheme_of(config.url)
-    path = scheme.live_source if config.live else scheme.finite_source
-    assert path is not None, "SourceConfig checks live against its scheme"
-    module_name, _, class_name = path.partition(":")
-    cls: type[Source] = getattr(importlib.import_module(module_name), class_name)
-    return cls(config, on_state)

@@ -27,7 +27,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 from pipeline.config import SourceConfig
 from pipeline.sources.base import StateListener
 from pipeline.sources.live import LiveSource
-from pipeline.sources.schemes import v4l2_device
+from pipeline.urls import v4l2_device
 
 __all__ = ["StreamSource"]
 
@@ -41,6 +41,8 @@ _UDP_BUFFER = 4 << 20
 
 class StreamSource(LiveSource):
     """A live http(s), udp, rtp, srt or v4l2 stream: reconnects with backoff, never gives up while running."""
+
+    schemes = ("http", "https", "udp", "rtp", "srt", "v4l2")
 
     def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
         super().__init__(config, on_state)

@@ -47,7 +47,7 @@ from pipeline.frames import Frame
 from pipeline.queues import FrameQueue
 from pipeline.sources.base import ReconnectReason, Source, SourceError, SourceState, StateListener
 from pipeline.sources.decode import copy_rgb
-from pipeline.sources.schemes import whip_name
+from pipeline.urls import whip_name
 
 log = logging.getLogger("vidpipe.whip")
 
@@ -84,6 +84,8 @@ class WhipSession:
 
 class WhipSource(Source):
     """A live source fed by one WebRTC publisher at a time."""
+
+    schemes = ("whip",)
 
     def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
         super().__init__(config, on_state)

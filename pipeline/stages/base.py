@@ -14,29 +14,20 @@ a ``FILE:LINE`` error, not a silently ignored value::
 
 from __future__ import annotations
 
-import re
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from inference.schema import spec
 from pipeline.frames import Frame
+from pipeline.names import NAME_HELP, check_name
 from pipeline.ratelimit import RateLimitedLog
 
 if TYPE_CHECKING:
     from inference.repository import ModelRepository
-    from pipeline.config import PipelineConfig
     from pipeline.events import Event
     from pipeline.metrics import Metrics
-
-# fullmatch, not "$": "$" also matches before a final newline, and "cam1\n" would pass.
-_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
-NAME_HELP = "use 1-64 letters, digits, '_' or '-' (it becomes part of a NATS subject)"
-
-
-def check_name(value: str) -> str | None:
-    """None when ``value`` may be a pipeline, source or stage name; else the problem."""
-    return None if _NAME_RE.fullmatch(value) else f"{value!r} is not a valid name"
 
 
 @dataclass(frozen=True)
@@ -63,11 +54,23 @@ class StageOptions:
         return []
 
 
+class GraphConfig(Protocol):
+    """What a stage reads of the pipeline config (``PipelineConfig`` is one): the
+    pipeline's name and every stage's options. A protocol, so the stage contract does
+    not import the config module that imports it."""
+
+    @property
+    def pipeline(self) -> str: ...
+
+    @property
+    def stages(self) -> Sequence[StageOptions]: ...
+
+
 @dataclass
 class StageContext:
     """What a stage may use: the pipeline config, the model repository, the metrics, the error log."""
 
-    config: PipelineConfig
+    config: GraphConfig
     models: ModelRepository | None  # None when the pipeline has no infer stage
     metrics: Metrics
     # Rate-limited ERROR lines shared by the runtime and the stages (one per kind per interval).

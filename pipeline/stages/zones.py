@@ -50,7 +50,8 @@ from pipeline.geometry import (
     line_side,
     point_in_polygon,
 )
-from pipeline.stages.base import NAME_HELP, Stage, StageContext, StageOptions, check_name
+from pipeline.names import NAME_HELP, check_name
+from pipeline.stages.base import Stage, StageContext, StageOptions
 
 log = logging.getLogger("vidpipe.zones")
 

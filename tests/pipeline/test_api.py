@@ -95,13 +95,13 @@ async def test_add_and_remove_sources_while_running(
         ({"url": "test://", "colour": "red"}, 400, "sources.colour: unknown key"),
         ({"url": "ftp://cam/x"}, 400, "sources.url: unsupported source scheme 'ftp' in 'ftp://cam/x'"),
         (
-            {"url": "test://", "stall_timeout": 1e300},
+            {"url": "rtsp://cam/x", "stall_timeout": 1e300},
             400,
             "sources.stall_timeout: must be at most 3600, got 1e+300",
         ),
         ({"url": "test://", "id": "a b"}, 400, "sources.id: 'a b' is not a valid name"),
         (
-            {"url": "test://", "transport": "tcpp"},
+            {"url": "rtsp://cam/x", "transport": "tcpp"},
             400,
             "sources.transport: expected one of 'tcp', 'udp', got 'tcpp' (hint: did you mean 'tcp'?)",
         ),

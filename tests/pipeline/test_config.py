@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+import re
 import textwrap
 from pathlib import Path
+from typing import Any
 
+import nats
 import pytest
+import yaml
 
 from inference.schema import ConfigError
-from pipeline.config import load_config
+from pipeline import Pipeline
+from pipeline.config import SourcePolicy, SourceRefused, load_config, parse_source
+from pipeline.fleet.buckets import open_bucket
+from pipeline.fleet.desired import decode_source, encode_source
+from pipeline.fleet.worker import FleetWorker
+from pipeline.nats_server import EmbeddedNats
 from pipeline.redact import redact_url
+from pipeline.runtime import Runtime
+from pipeline.urls import v4l2_device
 from tests.conftest import ROOT, run_cli
+from tests.pipeline.stack import Stack, until
+from tests.support.raw_rtsp import RawListener
 
 GOOD = """\
 pipeline: shop
@@ -205,6 +221,224 @@ def test_yaml_1_1_booleans_are_plain_strings(tmp_path: Path) -> None:
 def test_passwords_with_url_delimiters_are_redacted_too(url: str, shown: str) -> None:
     assert redact_url(url) == shown
     # Nor does any part of them end up in a source id (a metric label).
-    from pipeline.sources.schemes import derive_id
+    from pipeline.urls import derive_id
 
     assert not any(secret in derive_id(url) for secret in ("pa", "ab", "cd", "ss", "pw", "user"))
+
+
+# -- one source parser behind every door -------------------------------------------------------
+
+# A bad source, the key it is refused at, the problem and the hint, the same at every door.
+BAD_SOURCES: list[tuple[dict[str, Any], str, str, str]] = [
+    (
+        {"url": "clips/a.mp4", "transport": "udp", "allow_redirects": True},
+        "transport",
+        "does not apply to a file source",
+        "a file source takes: url, id, max_fps, queue_size, max_pixels, loop, realtime, decode",
+    ),
+    ({"url": "rtsp://cam/x", "reconnect": {"min_delay": math.nan}}, "reconnect.min_delay",
+     "must be a finite number, got nan", ""),
+    ({"url": "rtsp://cam/x", "reconnect": {"min_delay": math.inf}}, "reconnect.min_delay",
+     "must be a finite number, got inf", ""),
+    ({"url": "rtsp://cam/x", "open_timeout": 10**400}, "open_timeout", "number out of range (about 401 digits)", ""),
+    ({"url": "rtsp://cam/x", "stall_timeout": 7200}, "stall_timeout", "must be at most 3600, got 7200.0", ""),
+    ({"url": "rstp://cam/x"}, "url", "unsupported source scheme 'rstp' in 'rstp://cam/x'", "did you mean rtsp://?"),
+    (
+        {"url": "rtsp://admin:p@ss@cam/x"},
+        "url",
+        "the URL's user or password contains a raw '@'; percent-encode it as %40",
+        "e.g. the password p@ss/1 is written rtsp://user:p%40ss%2F1@cam/stream",
+    ),
+    (
+        {"url": "udp://127.0.0.1:14620?fifo_size=5000000"},
+        "url",
+        "udp:// URL option 'fifo_size' is not allowed",
+        "a udp:// URL takes localaddr, sources, block; vidpipe sets FFmpeg's buffers and timeouts itself",
+    ),
+]  # fmt: skip
+
+_API_ERROR = re.compile(r"sources\.(?P<key>\S+): (?P<problem>.*?)(?: \(hint: (?P<hint>.*)\))?")
+
+
+def _json(data: dict[str, Any]) -> str:
+    # JSON has no infinity; 1e999 is how one arrives (Python reads it as inf).
+    return json.dumps(data).replace("Infinity", "1e999")
+
+
+def _first(exc: ConfigError, prefix: str) -> tuple[str, str, str]:
+    first = exc.errors[0]
+    assert first.path.startswith(prefix), first
+    return first.path.removeprefix(prefix), first.problem, first.hint
+
+
+async def test_a_bad_source_is_refused_alike_at_every_door(tmp_path: Path, nats_server: EmbeddedNats) -> None:
+    """A config file, POST /v1/sources on a live server, embedding and the fleet's store."""
+    http = "{listen: '127.0.0.1:0', file_roots: [clips]}"
+    stack = await Stack.start(
+        tmp_path, f"pipeline: doors\nnats: {{url: '{nats_server.url}'}}\nhttp: {http}\n", nats_server.url
+    )
+    nc = await nats.connect(nats_server.url)
+    try:
+        kv = await open_bucket(nc.jetstream(), "doors", "sources")
+        async with Pipeline.from_dict({"pipeline": "embedded"}, keep_running=True) as pipe:
+            for i, (data, key, problem, hint) in enumerate(BAD_SOURCES):
+                seen: dict[str, tuple[str, str, str]] = {}
+                text = yaml.safe_dump({"pipeline": "doors", "sources": [data]}, sort_keys=False)
+                with pytest.raises(ConfigError) as info:
+                    load_config(write(tmp_path, text))
+                seen["yaml"] = _first(info.value, "sources[0].")
+                # FILE:LINE names the key's own line.
+                leaf = key.rsplit(".", 1)[-1]
+                lines = text.splitlines()
+                line = next(n for n, t in enumerate(lines, 1) if t.strip(" -").startswith(f"{leaf}:"))
+                assert info.value.errors[0].line == line, text
+
+                status, body = await stack.json(
+                    "POST", "/v1/sources", data=_json(data), headers={"Content-Type": "application/json"}
+                )
+                if "NaN" in _json(data):
+                    # JSON has no NaN: the API's JSON reader refuses it before any source is parsed.
+                    assert (status, body) == (400, {"error": "body: not valid JSON (NaN is not allowed)"})
+                else:
+                    assert status == 400, body
+                    match = _API_ERROR.fullmatch(body["error"])
+                    assert match is not None, body
+                    seen["api"] = (match["key"], match["problem"], match["hint"] or "")
+
+                with pytest.raises(ConfigError) as info:
+                    pipe.add_source(**data)
+                seen["embedding"] = _first(info.value, "sources.")
+
+                await kv.put(f"bad{i}", _json(data).encode())
+                entry = await kv.get(f"bad{i}")
+                assert entry.value is not None
+                with pytest.raises(ConfigError) as info:
+                    decode_source(f"bad{i}", entry.value)
+                seen["fleet"] = _first(info.value, f"sources.bad{i}.")
+
+                assert seen == dict.fromkeys(seen, (key, problem, hint)), data
+            assert pipe.runtime.sources == {}
+        assert stack.runtime.sources == {}
+    finally:
+        await nc.close()
+        await stack.close()
+
+
+async def test_api_and_fleet_store_keep_files_to_the_file_roots(
+    tmp_path: Path, nats_server: EmbeddedNats
+) -> None:
+    (tmp_path / "clips").mkdir()
+    inside, outside = tmp_path / "clips" / "a.mp4", tmp_path / "b.mp4"
+    http = "{listen: '127.0.0.1:0', file_roots: [clips], source_schemes: [file, rtsp]}"
+    stack = await Stack.start(
+        tmp_path, f"pipeline: roots\nnats: {{url: '{nats_server.url}'}}\nhttp: {http}\n", nats_server.url
+    )
+    nc = await nats.connect(nats_server.url)
+    try:
+        kv = await open_bucket(nc.jetstream(), "roots", "sources")
+        policy = SourcePolicy.from_http(stack.runtime.config.http, stack.runtime.config.base_dir)
+        refused = "files can be added over the API only from the folders in http.file_roots"
+        for data, problem in [
+            ({"url": str(outside)}, refused),
+            ({"url": "clips/../b.mp4"}, refused),
+            ({"url": "test://"}, "test:// sources cannot be added over the API (http.source_schemes allows: file, rtsp)"),
+        ]:  # fmt: skip
+            status, body = await stack.json("POST", "/v1/sources", json=data)
+            assert (status, body) == (403, {"error": f"sources.url: {problem}"})
+            await kv.put("src", json.dumps(data).encode())
+            entry = await kv.get("src")
+            assert entry.value is not None
+            with pytest.raises(SourceRefused) as info:
+                decode_source("src", entry.value, policy, stack.runtime.config.base_dir)
+            assert (info.value.path, info.value.problem) == ("sources.src.url", problem)
+        # Inside the roots, both doors take the file, resolved against the config's folder.
+        await kv.put("a", json.dumps({"url": "clips/a.mp4"}).encode())
+        entry = await kv.get("a")
+        assert entry.value is not None
+        stored = decode_source("a", entry.value, policy, stack.runtime.config.base_dir)
+        assert (stored.url, stored.id, stored.live) == (str(inside), "a", False)
+        # A config file is trusted with any path.
+        cfg = load_config(write(tmp_path, f"pipeline: p\nsources:\n  - url: {outside}\n"))
+        assert cfg.sources[0].url == str(outside)
+    finally:
+        await nc.close()
+        await stack.close()
+
+
+def test_stored_sources_round_trip_without_keys_of_other_schemes(tmp_path: Path) -> None:
+    # The store kept every field; a file source came back with transport: tcp, a key of RTSP.
+    file_source = parse_source({"url": "clips/a.mp4", "loop": True}, base_dir=tmp_path)
+    camera = parse_source(
+        {"url": "rtsp://cam/x", "transport": "udp", "reconnect": {"min_delay": 2}}, base_dir=tmp_path
+    )
+    stream = parse_source({"url": "https://cdn/live.mp4", "live": True}, base_dir=tmp_path)
+    for config in (file_source, camera, stream):
+        encoded = encode_source(config)
+        assert decode_source(config.source_id, encoded, SourcePolicy(), str(tmp_path)) == config
+    assert json.loads(encode_source(file_source)) == {
+        "url": str(tmp_path / "clips" / "a.mp4"),
+        "id": "a",
+        "loop": True,
+    }
+    # What older workers stored (every field) still reads back.
+    old = json.dumps(dataclasses.asdict(file_source)).encode()
+    assert decode_source("a", old, SourcePolicy(), str(tmp_path)) == file_source
+
+
+def test_source_ids_avoid_the_taken_ones_and_ids_the_file_gives_later(tmp_path: Path) -> None:
+    text = "pipeline: p\nsources:\n  - url: clips/lobby.mp4\n  - {url: test://, id: lobby}\n  - url: other/lobby.mp4\n"
+    cfg = load_config(write(tmp_path, text))
+    assert [s.source_id for s in cfg.sources] == ["lobby_2", "lobby", "lobby_3"]
+    assert (
+        parse_source({"url": "rtsp://cam/door"}, base_dir=tmp_path, taken_ids={"door", "door_2"}).id
+        == "door_3"
+    )
+
+
+def test_webcam_paths_are_normalised_before_the_scheme_check(tmp_path: Path) -> None:
+    for written in ("/dev/./video0", "/dev/video0/", "/dev//video0", "v4l2:///dev/./video0"):
+        text = f"pipeline: p\nsources:\n  - url: {written}\n"
+        try:
+            cfg = load_config(write(tmp_path, text))
+        except ConfigError as exc:
+            # Without libavdevice the webcam is refused as such, in one line, not as a file.
+            assert str(exc).startswith(
+                f"{tmp_path / 'pipeline.yaml'}:3: sources[0].url: v4l2:// sources are not available"
+            )
+            assert "\n" not in str(exc) and "Traceback" not in str(exc)
+            continue
+        assert (cfg.sources[0].scheme, cfg.sources[0].id, cfg.sources[0].live) == ("v4l2", "video0", True)
+        assert v4l2_device(cfg.sources[0].url) == "/dev/video0"
+
+
+async def test_a_fleet_worker_never_starts_a_stored_source_with_nan(
+    tmp_path: Path, nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    # NaN in the store made 11,224 connection attempts in 10 s: NaN passes every bound.
+    path = write(tmp_path, "pipeline: fleet\nfleet: {name: nan, lease_ttl: 2, worker_id: only}\n")
+    cfg = load_config(path)
+    assert cfg.fleet is not None
+    runtime = Runtime(cfg, nats_url=nats_server.url)
+    await runtime.prepare()
+    nc = await nats.connect(nats_server.url)
+    with RawListener() as camera:
+        kv = await open_bucket(nc.jetstream(), "nan", "sources")
+        bad = f'{{"url": "rtsp://127.0.0.1:{camera.port}/x", "reconnect": {{"min_delay": NaN}}}}'
+        await kv.put("bad", bad.encode())
+        await kv.put("good", b'{"url": "test://?width=64&height=48&fps=20"}')
+        fleet = FleetWorker(runtime, cfg.fleet, nats_server.url)
+        await fleet.start()
+        try:
+            await until(lambda: "good" in runtime.sources, what="the good source to start")
+            await until(
+                lambda: any("must be a finite number, got nan" in r.getMessage() for r in caplog.records),
+                what="the refusal in the log",
+            )
+            assert set(runtime.sources) == {"good"}
+            refusal = next(r.getMessage() for r in caplog.records if "got nan" in r.getMessage())
+            assert "sources.bad.reconnect.min_delay: must be a finite number, got nan" in refusal
+        finally:
+            await fleet.stop()
+            await runtime.stop()
+            await nc.close()
+        assert camera.connections == 0

@@ -317,7 +317,7 @@ async def run_to_end(url: str, **options: object) -> tuple[SourceState, str, int
     from pipeline.config import SourceConfig
     from pipeline.frames import Frame
     from pipeline.queues import EndOfStream, FrameQueue
-    from pipeline.sources.schemes import create_source
+    from pipeline.sources.registry import create_source
 
     source = create_source(SourceConfig(url=url, id="big", **options))  # type: ignore[arg-type]
     queue: FrameQueue[Frame] = FrameQueue(4, "block", asyncio.get_running_loop())

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from inference.schema import ConfigError
 from pipeline.config import PipelineConfig, SourceConfig, load_config
 from pipeline.frames import Frame
 from pipeline.nats_server import EmbeddedNats
@@ -27,10 +28,11 @@ from pipeline.queues import EndOfStream, FrameQueue
 from pipeline.runtime import Runtime
 from pipeline.sources.base import Source, SourceState
 from pipeline.sources.file import FileSource
-from pipeline.sources.schemes import check_url, create_source, derive_id, ffmpeg_protocol_missing, is_live
+from pipeline.sources.registry import create_source
+from pipeline.sources.schemes import check_url, ffmpeg_protocol_missing, is_live
 from pipeline.sources.stream import StreamSource
 from pipeline.stages.base import Stage, StageContext, StageOptions
-from pipeline.urls import protocol_whitelist
+from pipeline.urls import derive_id, protocol_whitelist
 from tests.conftest import Collector
 from tests.pipeline.stack import Stack, stage_kinds, until
 from tests.support.media_servers import FfmpegPush, MediaHttpServer, ffmpeg_cli, level, level_clip, level_of
@@ -487,3 +489,80 @@ async def test_srt_from_the_ffmpeg_command(media: Path) -> None:
     with FfmpegPush(media / "clip.mp4", f"srt://127.0.0.1:{port}?mode=listener"):
         frames = await take(create_source(timed_config(f"srt://127.0.0.1:{port}")), 10, timeout=20)
     assert consecutive(levels(frames))
+
+
+# -- udp and rtp query options -------------------------------------------------------------------
+
+UDP_REFUSED = "is not allowed (hint: a {scheme}:// URL takes localaddr, sources, block; vidpipe sets FFmpeg's buffers and timeouts itself)"
+
+
+async def test_udp_and_rtp_queries_take_only_the_documented_keys(
+    tmp_path: Path, nats_server: EmbeddedNats
+) -> None:
+    port = free_port()
+    stack = await Stack.start(tmp_path, API.format(nats=nats_server.url, extra=""), nats_server.url)
+    try:
+        for scheme in ("udp", "rtp"):
+            for query in (
+                "fifo_size=5000000",
+                "localport=5001",
+                "reuse=1",
+                "timeout=0",
+                "buffer_size=1",
+                "ttl=9",
+            ):
+                key = query.split("=")[0]
+                status, body = await stack.json(
+                    "POST", "/v1/sources", json={"url": f"{scheme}://127.0.0.1:{port}?{query}"}
+                )
+                assert (status, body["error"]) == (
+                    400, f"sources.url: {scheme}:// URL option {key!r} " + UDP_REFUSED.format(scheme=scheme)
+                )  # fmt: skip
+        status, body = await stack.json(
+            "POST", "/v1/sources", json={"url": f"udp://239.0.0.1:{port}?sources=cam"}
+        )
+        assert (status, body["error"]) == (
+            400,
+            "sources.url: udp:// URL option sources='cam' is not an IP address "
+            "(hint: e.g. localaddr=192.168.1.10 or sources=10.0.0.5,10.0.0.6)",
+        )
+        assert stack.runtime.sources == {}
+    finally:
+        await stack.close()
+    path = tmp_path / "udp.yaml"
+    path.write_text(f"pipeline: p\nsources:\n  - id: enc\n    url: udp://0.0.0.0:{port}?fifo_size=5000000\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(
+        info.value
+    ) == f"{path}:4: sources[0].url: udp:// URL option 'fifo_size' " + UDP_REFUSED.format(scheme="udp")
+
+
+@needs_ffmpeg
+async def test_udp_with_an_allowed_query_key_still_plays(media: Path) -> None:
+    port = free_port()
+    url = f"udp://127.0.0.1:{port}?localaddr=127.0.0.1"
+    assert check_url(url) is None
+    source = create_source(timed_config(url))
+    with FfmpegPush(media / "clip.mp4", f"udp://127.0.0.1:{port}", "mpegts"):
+        frames = await take(source, 10, timeout=30)
+    assert {f.shape for f in frames} == {(120, 160, 3)}
+    assert consecutive(levels(frames)[:5])
+
+
+async def test_webcam_paths_through_the_api_are_normalised_not_a_500(
+    tmp_path: Path, nats_server: EmbeddedNats
+) -> None:
+    refused = (
+        "sources.url: v4l2:// sources cannot be added over the API (http.source_schemes allows: "
+        "file, test, rtsp, rtsps, whip, http, https, udp, rtp, srt)"
+    )
+    extra = ", file_roots: ['/dev']"
+    stack = await Stack.start(tmp_path, API.format(nats=nats_server.url, extra=extra), nats_server.url)
+    try:
+        for url in ("/dev/./video0", "/dev/video0/", "/dev//video0", "/dev/video0"):
+            status, body = await stack.json("POST", "/v1/sources", json={"url": url})
+            assert (status, body) == (403, {"error": refused}), url
+        assert stack.runtime.sources == {}
+    finally:
+        await stack.close()

@@ -6,20 +6,24 @@ wants it); a real RTSP source fails against a closed loopback port with it.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+from pathlib import Path
 from urllib.parse import quote, unquote
 
 import av
 import pytest
 
 from pipeline.config import SourceConfig
+from pipeline.nats_server import EmbeddedNats
 from pipeline.queues import EndOfStream
 from pipeline.redact import redact_text, redact_url
 from pipeline.sources.base import SourceError, SourceState
 from pipeline.sources.decode import ffmpeg_reason
 from pipeline.sources.rtsp import RtspSource
-from pipeline.sources.schemes import derive_id
+from pipeline.urls import derive_id
+from tests.pipeline.stack import Stack, until
 from tests.support.live_source import run_until_reconnects
 from tests.support.rtsp_server import free_port
 
@@ -109,3 +113,51 @@ def test_short_passwords_and_other_urls_in_a_message() -> None:
     )
     assert redact_url("rtsp://10.0.0.7/live") == "rtsp://10.0.0.7/live"
     assert redact_text("no url here", "") == "no url here"
+
+
+def test_credentials_in_a_query_are_redacted_like_user_info() -> None:
+    url = "http://cam.local/video.cgi?user=camadmin&pwd=S3cretPass42&fps=5&api_key=K3yValue99&streamid=a"
+    shown = "http://cam.local/video.cgi?user=***&pwd=***&fps=5&api_key=***&streamid=a"
+    assert redact_url(url) == shown
+    assert redact_url("srt://relay:9000?streamid=cam1&PassPhrase=longsecret1") == (
+        "srt://relay:9000?streamid=cam1&PassPhrase=***"
+    )
+    # Keys that only end like a secret key word, and empty values, stay as they are.
+    assert (
+        redact_url("http://cam/a.mjpg?monkey=1&key=&keyframes=2")
+        == "http://cam/a.mjpg?monkey=1&key=&keyframes=2"
+    )
+    echoed = f"{url}: Server returned 401; retrying with pwd S3cretPass42 (K3yValue99)"
+    assert redact_text(echoed, url) == f"{shown}: Server returned 401; retrying with pwd *** (***)"
+    assert redact_text(f"failed: {url}") == f"failed: {shown}"
+    assert derive_id(url) == "video"
+
+
+async def test_query_passwords_show_nowhere_through_a_live_server(
+    tmp_path: Path, nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    port = free_port()  # nothing listens there: the source fails, backs off and retries
+    url = f"http://127.0.0.1:{port}/video.cgi?user=camadmin&pwd=S3cretPass42&token=T0kenValue77"
+    shown = f"http://127.0.0.1:{port}/video.cgi?user=***&pwd=***&token=***"
+    text = f"pipeline: q\nnats: {{url: '{nats_server.url}'}}\nhttp: {{listen: '127.0.0.1:0'}}\n"
+    stack = await Stack.start(tmp_path, text, nats_server.url)
+    try:
+        body = {"url": url, "open_timeout": 1, "reconnect": {"min_delay": 0.1, "max_delay": 0.2}}
+        status, added = await stack.json("POST", "/v1/sources", json=body)
+        assert status == 201, added
+        assert (added["id"], added["url"]) == ("video", shown)
+        run = stack.runtime.sources["video"]
+        await until(lambda: run.report().reconnects >= 2, timeout=30, what="two reconnects")
+        status, listed = await stack.json("GET", "/v1/sources")
+        assert [(s["id"], s["url"]) for s in listed] == [("video", shown)]
+        assert listed[0]["reason"].startswith(f"cannot connect to {shown}: connection refused"), listed[0]
+        async with stack.http.get("/metrics") as resp:
+            metrics = await resp.text()
+        assert 'source="video"' in metrics
+        logged = "\n".join(record.getMessage() for record in caplog.records)
+        assert shown in logged
+        for secret in ("camadmin", "S3cretPass42", "T0kenValue77"):
+            assert secret not in json.dumps(listed) and secret not in metrics and secret not in logged, secret
+    finally:
+        await stack.close()

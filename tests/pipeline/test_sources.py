@@ -12,9 +12,11 @@ from pipeline.config import SourceConfig
 from pipeline.sources.decode import copy_rgb
 from pipeline.sources.file import FileSource
 from pipeline.sources.pattern import TestPatternSource
+from pipeline.sources.registry import create_source, register_source, source_class
 from pipeline.sources.rtsp import RtspSource
-from pipeline.sources.schemes import SCHEMES, check_url, create_source, derive_id, is_live, resolve_url
+from pipeline.sources.schemes import SCHEMES, check_url, is_live
 from pipeline.sources.whip import WhipSource
+from pipeline.urls import derive_id, resolve_url
 
 
 @pytest.mark.parametrize(
@@ -52,7 +54,19 @@ def test_scheme_names_and_unknown_schemes() -> None:
         "whip",
     ]
     assert is_live("rtsp") and not is_live("file")
-    assert check_url("gopher://u:secret@x/y") == "unsupported source scheme 'gopher' in 'gopher://***@x/y'"
+    assert check_url("gopher://u:secret@x/y") == (
+        "unsupported source scheme 'gopher' in 'gopher://***@x/y'; "
+        "known schemes: file, test, rtsp, rtsps, whip, http, https, udp, rtp, srt, v4l2"
+    )
+    # A misspelt scheme is named with the one meant.
+    assert (
+        check_url("rstp://cam/1")
+        == "unsupported source scheme 'rstp' in 'rstp://cam/1'; did you mean rtsp://?"
+    )
+    assert (
+        check_url("htps://cdn/a.m3u8")
+        == "unsupported source scheme 'htps' in 'htps://cdn/a.m3u8'; did you mean https://?"
+    )
     assert check_url(r"C:\clips\a.mp4") is None  # a drive letter is not a scheme
 
 
@@ -95,3 +109,33 @@ def test_file_urls_keep_their_host_part_everywhere(tmp_path: Path) -> None:
     source = create_source(SourceConfig(url=resolve_url(url, tmp_path), id="lobby"))
     assert isinstance(source, FileSource)
     assert source.path == tmp_path / "clips" / "lobby.mp4"
+
+
+def test_source_classes_register_per_scheme_like_stage_kinds() -> None:
+    class Marked(TestPatternSource):
+        schemes = ("test",)
+
+    assert source_class("test", live=True) is TestPatternSource
+    try:
+        assert register_source(Marked) is Marked
+        assert type(create_source(SourceConfig(url="test://", id="t"))) is Marked
+    finally:
+        register_source(TestPatternSource)
+    assert type(create_source(SourceConfig(url="test://", id="t"))) is TestPatternSource
+
+    class Finite(FileSource):
+        schemes = ("rtsp",)
+
+    with pytest.raises(ValueError, match="Finite: rtsp:// sources are never finite"):
+        register_source(Finite)
+
+    class Unknown(FileSource):
+        schemes = ("ftp",)
+
+    with pytest.raises(ValueError, match="Unknown: unknown source scheme 'ftp'"):
+        register_source(Unknown)
+    # Every scheme is served both ways it can be.
+    for name, scheme in SCHEMES.items():
+        for live in (True, False):
+            if scheme.can_be_live if live else scheme.can_be_finite:
+                assert source_class(name, live) is not None
