@@ -83,7 +83,7 @@ from pipeline.snapshot import render_snapshot
 from pipeline.sources.base import SourceError, SourceState
 from pipeline.sources.schemes import resolve_url
 from pipeline.sources.whip import MAX_SDP_BYTES, WhipError, WhipSource
-from pipeline.stats import ModelReport, PipelineReport, SourceReport
+from pipeline.stats import ModelReport, Overload, PipelineReport, SourceReport
 
 log = logging.getLogger("vidpipe.api")
 
@@ -656,6 +656,7 @@ class ApiServer:
                 "dropped": sum(src.dropped.values()),
                 "dropped_by_reason": dict(src.dropped),
                 "queue_depth": src.queue_depth,
+                "overload": _overload_json(src.overload),
             }
             for src in report.sources
         ]
@@ -834,6 +835,11 @@ def _source_json(src: SourceReport) -> dict[str, Any]:
         "reconnects": src.reconnects,
         "queue_depth": src.queue_depth,
     }
+
+
+def _overload_json(overload: Overload | None) -> dict[str, Any] | None:
+    """A source that cannot keep up (pipeline.overload), with the log line's text."""
+    return None if overload is None else {**_jsonable(overload), "message": overload.message()}
 
 
 def _model_json(model: ModelReport) -> dict[str, Any]:
