@@ -124,6 +124,12 @@ class Metrics:
             ["pipeline", "source", "reason"],
             registry=r,
         )
+        self.recording_dropped = Counter(
+            "vidpipe_recording_frames_dropped_total",
+            "Published frames of a live source left out of its recordings (the drawing worker was behind)",
+            ["pipeline", "source"],
+            registry=r,
+        )
         self.objects_skipped = Counter(
             "vidpipe_objects_skipped_total",
             "Objects a cascade stage got no result for, by reason (" + ", ".join(OBJECT_SKIP_REASONS) + ")",
@@ -175,6 +181,7 @@ class Metrics:
             (self.e2e_latency, ("pipeline", "source")),
             (self.queue_depth, ("pipeline", "source")),
             (self.published, ("pipeline", "source")),
+            (self.recording_dropped, ("pipeline", "source")),
             (self.publish_errors, ("pipeline", "source", "reason")),
             (self.objects_skipped, ("pipeline", "source", "stage", "reason")),
             (self.objects, ("pipeline", "source", "label")),

@@ -220,7 +220,8 @@ class Runtime:
         self.metrics.frames_decoded.pipeline = config.pipeline
         self.metrics.frames_decoded.counts = self.decoded_frames
         # Live views, recordings and clips; idle for sources nobody watches or records.
-        self.outputs = Outputs(config, publish=self._publish_raw)
+        self._warnings = RateLimitedLog(logger=log, level=logging.WARNING)
+        self.outputs = Outputs(config, publish=self._publish_raw, on_recording_drop=self._on_recording_drop)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -452,6 +453,15 @@ class Runtime:
     def _on_source_reconnect(self, source: Source, reason: str) -> None:
         # From the source's thread, like _on_source_state; the state change already logged why.
         self.metrics.source_reconnects.labels(self.config.pipeline, source.id, reason).inc()
+
+    def _on_recording_drop(self, source: str) -> None:
+        self.metrics.recording_dropped.labels(self.config.pipeline, source).inc()
+        self._warnings(
+            f"recording:{source}",
+            f"source {source}: a frame left out of its recording: drawing and encoding are slower "
+            "than the source (vidpipe_recording_frames_dropped_total counts them; lower max_fps, "
+            "or record without annotate)",
+        )
 
     def _count_drop(self, source: str, reason: str) -> None:
         self.metrics.frames_dropped.labels(self.config.pipeline, source, reason).inc()

@@ -19,6 +19,7 @@ from inference.backends.openvino import OpenVinoBackend
 from pipeline.config import load_config
 from pipeline.metrics import GpuCollector, Metrics, exported_metric_names
 from pipeline.nats_server import EmbeddedNats
+from pipeline.outputs.video_file import VideoFileWriter
 from pipeline.runtime import Runtime
 from tests.pipeline.stack import until
 
@@ -220,3 +221,62 @@ def test_e2e_latency_buckets_reach_a_minute() -> None:
     }
     assert (buckets["10.0"], buckets["15.0"]) == (0.0, 1.0)
     assert list(buckets)[-2:] == ["60.0", "+Inf"]
+
+
+RECORDED = """\
+pipeline: m
+sources:
+  - {id: cam, url: "test://?fps=60&width=320&height=240"}
+outputs: [{type: file, path: "out/{source}.mp4", annotate: true}]
+"""
+
+
+DROPPED = "vidpipe_recording_frames_dropped_total"
+
+
+async def test_frames_left_out_of_a_live_recording_are_counted_and_logged_once_per_interval(
+    tmp_path: Path, nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The encoder is the narrow seam slowed down: 0.1 s a frame behind a 60 fps camera.
+    write = VideoFileWriter.write
+
+    def slow(self: VideoFileWriter, image: np.ndarray, pts: float) -> None:
+        time.sleep(0.1)
+        write(self, image, pts)
+
+    monkeypatch.setattr(VideoFileWriter, "write", slow)
+    path = tmp_path / "m.yaml"
+    path.write_text(RECORDED)
+    handler = Records()
+    logger = logging.getLogger("vidpipe.runtime")
+    logger.addHandler(handler)
+    runtime = Runtime(load_config(path), nats_url=nats_server.url)
+    try:
+        await runtime.start()
+        try:
+            await until(
+                lambda: (
+                    (
+                        runtime.metrics.registry.get_sample_value(DROPPED, {"pipeline": "m", "source": "cam"})
+                        or 0
+                    )
+                    >= 20
+                ),
+                60,
+                "frames left out of the recording",
+            )
+        finally:
+            await runtime.stop()
+    finally:
+        logger.removeHandler(handler)
+    s = samples(runtime.metrics.render().decode())
+    dropped = value(s, "vidpipe_recording_frames_dropped_total", pipeline="m", source="cam")
+    published = value(s, "vidpipe_published_messages_total", pipeline="m", source="cam")
+    assert 20 <= dropped < published
+    lines = [r.getMessage() for r in handler.records if "recording" in r.getMessage()]
+    # Well within one 10 s interval: one line, however many frames were left out.
+    assert lines == [
+        "source cam: a frame left out of its recording: drawing and encoding are slower than the "
+        "source (vidpipe_recording_frames_dropped_total counts them; lower max_fps, or record "
+        "without annotate)"
+    ]
