@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="NATS server (default: nats.url, else an embedded one on 127.0.0.1:4222 or a free port)",
     )
     run.add_argument(
+        "--nats-port",
+        type=int,
+        metavar="N",
+        help="the embedded server's port (default: nats.port, else 4222 when free, else any free one)",
+    )
+    run.add_argument(
         "--http",
         metavar="HOST:PORT",
         help="serve metrics, health, API and WHIP here (default: http.listen if set, else none)",
@@ -408,6 +414,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             check_http_config(cfg.http)
         except ApiConfigError as exc:
             raise ConfigError("--http" if args.http else cfg.file, None, "", str(exc)) from None
+    _check_nats_port(cfg, args)
     if args.max_frames is not None and args.max_frames < 1:
         raise ConfigError("--max-frames", None, "", "must be at least 1")
     if args.duration is not None and args.duration <= 0:
@@ -424,7 +431,8 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     embedded: EmbeddedNats | None = None
     nats_url = args.nats or cfg.nats.url
     if nats_url is None:
-        embedded = EmbeddedNats(prefer_default_port=True).start()
+        port = args.nats_port or cfg.nats.port
+        embedded = EmbeddedNats(port, prefer_default_port=True).start()
         nats_url = embedded.url
         _say(args, f"embedded NATS server at {nats_url}", url=nats_url)
     _log_config(cfg)
@@ -518,6 +526,30 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     if published == 0 and runtime.sources:
         return EXIT_RUNTIME
     return EXIT_OK
+
+
+def _check_nats_port(cfg: PipelineConfig, args: argparse.Namespace) -> None:
+    """A port for the embedded server needs no server named elsewhere, and must be free (exit 2)."""
+    from pipeline.nats_server import port_is_free
+
+    port = args.nats_port or cfg.nats.port
+    where, line = ("--nats-port", None) if args.nats_port else (cfg.file, cfg.line("nats.port"))
+    key = "" if args.nats_port else "nats.port"
+    if args.nats_port is not None and not 1 <= args.nats_port <= 65535:
+        raise ConfigError(where, line, key, f"must be a port (1-65535), got {args.nats_port}")
+    if port is None:
+        return
+    if args.nats or cfg.nats.url:
+        named = "--nats" if args.nats else "nats.url"
+        raise ConfigError(
+            where, line, key, f"applies to the embedded NATS server only, and {named} names a server",
+            "drop one of them",
+        )  # fmt: skip
+    if not port_is_free(port):
+        raise ConfigError(
+            where, line, key, f"port {port} on 127.0.0.1 is in use",
+            "stop what listens there, choose another port, or pass --nats URL to use that server",
+        )  # fmt: skip
 
 
 def _wants_progress(cfg: PipelineConfig) -> bool:

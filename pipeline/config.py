@@ -141,6 +141,10 @@ class NatsConfig:
     publish: Literal["core", "jetstream"] = "core"
     subject_prefix: str = field(default="vidpipe", metadata=spec(check=check_name))
     outbox_size: int = field(default=1000, metadata=spec(ge=1))
+    port: int | None = field(
+        default=None,
+        metadata=spec(ge=1, le=65535, help="the embedded server's port (no url); default 4222 when free"),
+    )
 
 
 @dataclass(frozen=True)

@@ -236,6 +236,40 @@ def test_the_embedded_server_takes_4222_so_subscribe_needs_no_flags(squares_conf
     assert len(frames) == 3 and all(f["source"] == "test" for f in frames)
 
 
+def test_the_embedded_server_port_is_chosen_by_flag_or_file(tmp_path: Path, squares_config: Path) -> None:
+    port = free_port()
+    proc = run_cli(
+        "run", str(squares_config), "--source", "test://?fps=50&frames=3", "--nats-port", str(port)
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"embedded NATS server at nats://127.0.0.1:{port}" in proc.stdout
+
+    in_file = tmp_path / "port.yaml"
+    in_file.write_text(squares_config.read_text() + f"nats:\n  port: {port}\n")
+    proc = run_cli("run", str(in_file), "--source", "test://?fps=50&frames=3")
+    assert proc.returncode == 0, proc.stderr
+    assert f"embedded NATS server at nats://127.0.0.1:{port}" in proc.stdout
+
+
+def test_a_chosen_nats_port_that_cannot_be_used_is_a_usage_error(
+    tmp_path: Path, squares_config: Path, nats_server: EmbeddedNats
+) -> None:
+    taken = run_cli("run", str(squares_config), "--source", "test://", "--nats-port", str(nats_server.port))
+    assert taken.returncode == 2
+    assert taken.stderr == (
+        f"--nats-port: port {nats_server.port} on 127.0.0.1 is in use (hint: stop what listens there, "
+        "choose another port, or pass --nats URL to use that server)\n"
+    )
+    both = tmp_path / "both.yaml"
+    both.write_text(squares_config.read_text() + f"nats:\n  url: {nats_server.url}\n  port: 4333\n")
+    proc = run_cli("run", str(both), "--source", "test://")
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"{both}:7: nats.port: applies to the embedded NATS server only, and nats.url names a server "
+        "(hint: drop one of them)\n"
+    )
+
+
 # -- feedback ------------------------------------------------------------------------------
 
 
