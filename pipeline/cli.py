@@ -2,7 +2,7 @@
 
 ::
 
-    vidpipe run CONFIG [--source URL ...] [--nats URL] [--http HOST:PORT]
+    vidpipe run CONFIG [--source URL ...] [--nats URL | --nats-port N] [--http HOST:PORT]
                        [--max-frames N] [--duration S] [--publish core|jetstream] [--summary]
                        [--no-progress]
     vidpipe validate CONFIG
@@ -13,6 +13,7 @@
                             [--latency-budget-ms MS] [--write]
     vidpipe run CONFIG --fleet NAME ...      share the sources with other workers (docs/fleet.md)
     vidpipe fleet add URL [--id ID] | remove ID | list [--json]   --nats URL --fleet NAME
+    vidpipe serve-rtsp FILE... [--port N] [--host ADDR]   looping RTSP cameras for trials
 
 Exit codes: 0 done, 1 runtime failure (no source produced anything, NATS
 unreachable, a model unavailable), 2 bad config or usage (``FILE:LINE: ...``,
@@ -192,6 +193,20 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--latency-budget-ms", type=float, metavar="MS", help="p99 limit for the pick")
     tune.add_argument("--write", action="store_true", help="write the pick into the model's config.yaml")
 
+    serve = sub.add_parser(
+        "serve-rtsp",
+        help="serve video files as looping live RTSP cameras, for trials",
+        parents=[common],
+        description="Each file plays forever at its frame rate on rtsp://HOST:PORT/NAME (NAME: the "
+        "file name without its extension); the URLs are printed one per line. Ctrl-C stops. Needs "
+        "GStreamer's RTSP server for the system Python (docs/sources.md).",
+    )
+    serve.add_argument("files", nargs="+", metavar="FILE", help="video files")
+    serve.add_argument("--port", type=int, default=8554, help="RTSP port (default: 8554)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0: all)"
+    )
+
     fleet = sub.add_parser("fleet", help="a fleet's desired sources, workers and leases", parents=[common])
     fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True, parser_class=_Parser)
     fleet_common = _Parser(add_help=False, parents=[common])
@@ -225,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_tune(args)
         if args.command == "fleet":
             return asyncio.run(cmd_fleet(args))
+        if args.command == "serve-rtsp":
+            return cmd_serve_rtsp(args)
     except ConfigError as exc:
         if args.log_format == "json":
             for err in exc.errors[:MAX_REPORTED_ERRORS]:
@@ -391,6 +408,21 @@ async def cmd_subscribe(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return EXIT_OK
+
+
+def cmd_serve_rtsp(args: argparse.Namespace) -> int:
+    from pipeline.serve_rtsp import ServeRtspError, serve_rtsp
+
+    if not 1 <= args.port <= 65535:
+        raise ConfigError("--port", None, "", f"must be a port (1-65535), got {args.port}")
+    missing = [f for f in args.files if not Path(f).is_file()]
+    if missing:
+        raise ConfigError(missing[0], None, "", "file not found")
+    try:
+        return serve_rtsp(args.files, args.port, args.host)
+    except ServeRtspError as exc:
+        print(f"vidpipe serve-rtsp: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
 
 
 def cmd_run(args: argparse.Namespace) -> int:
