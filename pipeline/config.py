@@ -384,7 +384,12 @@ def _check_graph(
 
         if stage.name in seen:
             err(*at("name"), f"duplicate stage name {stage.name!r}", "stage names must be unique")
-        for key, problem in [*stage.problems(), *stage.order_problems(list(seen.values()))]:
+        after = [s for j, s in stages if j > i]
+        for key, problem in [
+            *stage.problems(),
+            *stage.order_problems(list(seen.values())),
+            *stage.later_problems(after),
+        ]:
             err(*at(key), problem)
         for ref_key, ref in stage.references().items():
             if ref not in seen:

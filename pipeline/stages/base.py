@@ -62,6 +62,10 @@ class StageOptions:
         """Checks against the stages listed before this one: ``(key, problem)`` for each that fails."""
         return []
 
+    def later_problems(self, later: list[StageOptions]) -> list[tuple[str, str]]:
+        """Checks against the stages listed after this one: ``(key, problem)`` for each that fails."""
+        return []
+
 
 @dataclass
 class StageContext:

@@ -61,6 +61,45 @@ def test_validate_reports_every_error_at_once_with_file_and_line(tmp_path: Path,
     ]
 
 
+def test_validate_refuses_a_track_before_its_detector_and_stage_options_out_of_range(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        textwrap.dedent(
+            f"""\
+            pipeline: shop
+            models: {sample_models}
+            sources: [{{url: "test://"}}]
+            stages:
+              - {{name: track, type: track, max_age: 10}}
+              - {{name: det, type: infer, model: squares}}
+              - {{name: gate, type: zones, hysteresis: -1, track_end_after: 0,
+                  lines: [{{name: door, points: [[0, 0], [1, 1]]}}]}}
+            """
+        )
+    )
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"{path}:5: stages[0].type: the track stage comes before detector 'det', whose objects it cannot "
+        "track; stages run in order: move the track stage below the detectors",
+        f"{path}:7: stages[2].hysteresis: must be at least 0, got -1.0 (hint: px: dead band along lines "
+        "and zone edges)",
+        f"{path}:7: stages[2].track_end_after: must be at least 1, got 0 (hint: frames unseen before a track "
+        "ends; at least the tracker's)",
+    ]
+    path.write_text(path.read_text().replace("max_age: 10", "max_age: -3, min_hits: 5000"))
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 2, proc.stderr
+    # Same line: in the order the keys are checked.
+    assert sorted(proc.stderr.splitlines()[:2]) == [
+        f"{path}:5: stages[0].max_age: must be at least 1, got -3 (hint: frames a lost track is kept)",
+        f"{path}:5: stages[0].min_hits: must be at most 1000, got 5000 (hint: bytetrack: hits before a "
+        "track gets an id)",
+    ]
+
+
 def test_validate_refuses_what_run_refuses(tmp_path: Path, sample_models: Path) -> None:
     # No sources, and a repository folder that does not exist.
     path = tmp_path / "p.yaml"
