@@ -73,6 +73,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default is None or isinstance(action.default, bool) or action.default == argparse.SUPPRESS:
             return action.help
+        if action.help and "default" in action.help:
+            return action.help  # it says its default in its own words already
         return super()._get_help_string(action)
 
 
@@ -684,7 +686,6 @@ async def _start_fleet(runtime: Any, cfg: PipelineConfig, nats_url: str) -> Any:
     await runtime.prepare()
     fleet = FleetWorker(runtime, cfg.fleet, nats_url)
     await fleet.start()
-    print(f"fleet {fleet.name}: worker {fleet.id}", flush=True)
     return fleet
 
 

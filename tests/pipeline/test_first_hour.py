@@ -27,6 +27,7 @@ import pipeline
 from pipeline.nats_server import DEFAULT_PORT, EmbeddedNats, free_port, port_is_free
 from samples.make_clip import write_clip
 from tests.conftest import ROOT, SQUARES, Collector, run_cli
+from tests.pipeline.test_zones import PIPELINE as ZONES
 
 
 def test_validate_reports_every_error_at_once_with_file_and_line(tmp_path: Path, sample_models: Path) -> None:
@@ -349,6 +350,35 @@ def test_summary_counts_objects_per_label(squares_config: Path, nats_server: Emb
     assert "received 10 messages from 1 source(s); objects: square x10" in proc.stdout
 
 
+def test_summary_counts_events_and_line_crossings(
+    tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats
+) -> None:
+    # The pattern's square walks right, then back: across the door once each way, into the dock and out.
+    path = tmp_path / "zones.yaml"
+    path.write_text(ZONES.format(models=sample_models))
+    proc = run_cli("run", str(path), "--summary", "--nats", nats_server.url)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == (
+        "received 90 messages from 1 source(s); objects: square x90; events: track_start x1, "
+        "track_end x1, zone_enter x1, zone_exit x1, line_cross x2; crossings: door in x1, door out x1"
+    )
+
+
+def test_the_fleet_worker_lines_are_log_lines_with_their_time(
+    squares_config: Path, nats_server: EmbeddedNats
+) -> None:
+    proc = run_cli(
+        "run", str(squares_config), "--fleet", "shop", "--nats", nats_server.url, "--duration", "2"
+    )
+    assert proc.returncode == 0, proc.stderr
+    # On stderr with the time like every other line; nothing of the fleet on stdout.
+    assert "fleet" not in proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if "fleet shop" in line]
+    assert len(lines) == 2, lines
+    assert re.fullmatch(r"\d\d:\d\d:\d\d info    fleet shop: worker \S+ joined \(.*\)", lines[0]), lines
+    assert re.fullmatch(r"\d\d:\d\d:\d\d info    fleet shop: worker \S+ left \(.*\)", lines[1]), lines
+
+
 def test_version_and_help_with_examples_and_defaults() -> None:
     version = run_cli("--version")
     assert version.returncode == 0 and version.stdout.strip() == f"vidpipe {pipeline.__version__}"
@@ -359,6 +389,20 @@ def test_version_and_help_with_examples_and_defaults() -> None:
                      "(default: when the sources end)", "examples:"):  # fmt: skip
         assert expected in run_help, run_help
     assert "(default: None)" not in run_help and "(default: False)" not in run_help
+
+
+@pytest.mark.parametrize(
+    "command", [("run",), ("validate",), ("subscribe",), ("models", "add"), ("models", "list"), ("tune",),
+                ("serve-rtsp",), ("fleet", "add")],
+)  # fmt: skip
+def test_help_says_each_default_once(command: tuple[str, ...]) -> None:
+    shown = run_cli(*command, "--help").stdout
+    # One block per option: from its "  -x, --xyz" line to the next one.
+    for option in re.split(r"\n(?=  -)", shown):
+        text = " ".join(option.split())
+        assert text.count("default") <= 1, text
+    if command == ("models", "add"):
+        assert " ".join(shown.split()).count("(default: models)") == 1
 
 
 def test_debug_log_names_config_sources_and_model_instances(
