@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from inference.model import load_labels, resolve_model_file
 from inference.repository import CONFIG_FILE, read_source
@@ -172,6 +173,14 @@ class RuntimeConfig:
 API_SOURCE_SCHEMES = ("file", "test", "rtsp", "rtsps", "whip", "http", "https", "udp", "rtp", "srt")
 
 
+def _web_origins(origins: list[str]) -> str | None:
+    for origin in origins:
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+            return f"{origin!r} is not a web origin (scheme://host[:port], e.g. https://intranet.example)"
+    return None
+
+
 def _known_schemes(names: list[str]) -> str | None:
     unknown = [n for n in names if n not in SCHEMES]
     if unknown:
@@ -203,6 +212,12 @@ class HttpConfig:
     source_schemes: list[str] = field(
         default_factory=lambda: list(API_SOURCE_SCHEMES),
         metadata=spec(check=_known_schemes, help="URL schemes POST /v1/sources accepts"),
+    )
+    allowed_origins: list[str] = field(
+        default_factory=list,
+        metadata=spec(
+            check=_web_origins, help="pages (scheme://host[:port]) that may embed MJPEG views and snapshots"
+        ),
     )
 
 

@@ -21,12 +21,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 import pipeline
 from pipeline.nats_server import DEFAULT_PORT, EmbeddedNats, free_port, port_is_free
 from samples.make_clip import write_clip
 from tests.conftest import ROOT, SQUARES, Collector, run_cli
+from tests.pipeline.stack import Stack, until
 from tests.pipeline.test_zones import PIPELINE as ZONES
 
 
@@ -484,3 +486,77 @@ def test_done_line_counts_sources_added_and_removed_through_the_api(
             proc.kill()
     assert proc.returncode == 0, err
     assert "done: 5 frame(s) published from 1 source(s)" in err
+
+
+# -- embedding the live view ---------------------------------------------------------------
+
+EMBED = """\
+pipeline: shop
+sources: [{{id: cam, url: "test://?fps=10&width=160&height=120"}}]
+http: {{listen: "127.0.0.1:0", token: "{token}"{extra}}}
+"""
+TOKEN = "a-token-of-enough-characters"
+PAGE = "https://intranet.example"
+
+
+async def test_an_allowed_origin_may_embed_the_mjpeg_view_and_snapshots_and_nothing_else(
+    tmp_path: Path, nats_server: EmbeddedNats
+) -> None:
+    text = EMBED.format(token=TOKEN, extra=f', allowed_origins: ["{PAGE}/"]')
+    stack = await Stack.start(tmp_path, text, nats_server.url, token=TOKEN)
+    try:
+        await until(lambda: stack.runtime.sources["cam"].last_frame is not None, 30, "a published frame")
+        snapshot = "/v1/sources/cam/snapshot.jpg"
+        mjpeg = "/v1/sources/cam/stream.mjpeg"
+
+        async def headers(method: str, path: str, **extra: str) -> tuple[int, dict[str, str]]:
+            async with stack.http.request(method, path, headers=extra) as resp:
+                return resp.status, {
+                    k: v for k, v in resp.headers.items() if k.startswith(("Access-", "Cross-"))
+                }
+
+        embedded = {"Cross-Origin-Resource-Policy": "cross-origin", "Access-Control-Allow-Origin": PAGE}
+        # An <img> on the page sends its address as Referer; fetch() sends Origin.
+        assert await headers("GET", snapshot, Referer=f"{PAGE}/store/42") == (200, embedded)
+        assert await headers("GET", mjpeg, Origin=PAGE) == (200, embedded)
+        # fetch() with the token first asks without it (the preflight).
+        preflight = await stack.http.options(mjpeg, headers={"Origin": PAGE, "Authorization": ""})
+        assert preflight.status == 204
+        assert preflight.headers["Access-Control-Allow-Origin"] == PAGE
+        assert preflight.headers["Access-Control-Allow-Headers"] == "Authorization"
+        # Another site, or the API's data: as before.
+        same_origin = {"Cross-Origin-Resource-Policy": "same-origin"}
+        assert await headers("GET", snapshot, Origin="https://elsewhere.example") == (200, same_origin)
+        assert await headers("GET", "/v1/stats", Origin=PAGE) == (200, same_origin)
+        async with aiohttp.ClientSession(base_url=stack.api.url) as anonymous:
+            other = await anonymous.options(mjpeg, headers={"Origin": "https://elsewhere.example"})
+            assert other.status == 401
+            # The token is still needed for the images themselves.
+            async with anonymous.get(snapshot, headers={"Origin": PAGE}) as resp:
+                assert resp.status == 401
+    finally:
+        await stack.close()
+
+    (tmp_path / "default").mkdir()
+    stack = await Stack.start(
+        tmp_path / "default", EMBED.format(token=TOKEN, extra=""), nats_server.url, TOKEN
+    )
+    try:
+        await until(lambda: stack.runtime.sources["cam"].last_frame is not None, 30, "a published frame")
+        async with stack.http.get("/v1/sources/cam/snapshot.jpg", headers={"Origin": PAGE}) as resp:
+            assert resp.headers["Cross-Origin-Resource-Policy"] == "same-origin"
+            assert "Access-Control-Allow-Origin" not in resp.headers
+    finally:
+        await stack.close()
+
+
+def test_allowed_origins_must_be_web_origins(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(EMBED.format(token=TOKEN, extra=', allowed_origins: ["intranet.example"]'))
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"{path}:3: http.allowed_origins: 'intranet.example' is not a web origin (scheme://host[:port], "
+        "e.g. https://intranet.example) (hint: pages (scheme://host[:port]) that may embed MJPEG views "
+        "and snapshots)\n"
+    )
