@@ -16,12 +16,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from inference.backends.openvino import OpenVinoBackend
+from pipeline.api import ApiServer
 from pipeline.config import load_config
 from pipeline.metrics import GpuCollector, Metrics, exported_metric_names
 from pipeline.nats_server import EmbeddedNats
 from pipeline.outputs.video_file import VideoFileWriter
 from pipeline.runtime import Runtime
+from tests.conftest import ARTIFACTS
 from tests.pipeline.stack import until
+from tests.pipeline.test_dashboard import CHROMIUM, DevTools, chromium, open_dashboard
+
+__all__ = ["chromium"]  # the fixture, used by name
 
 PIPELINE = """\
 pipeline: m
@@ -280,3 +285,41 @@ async def test_frames_left_out_of_a_live_recording_are_counted_and_logged_once_p
         "source (vidpipe_recording_frames_dropped_total counts them; lower max_fps, or record "
         "without annotate)"
     ]
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (make test installs it with apt)")
+async def test_the_dashboard_shows_an_overloaded_source_as_the_log_says_it(
+    tmp_path: Path,
+    sample_models: Path,
+    nats_server: EmbeddedNats,
+    monkeypatch: pytest.MonkeyPatch,
+    chromium: DevTools,
+) -> None:
+    run_borrowed = OpenVinoBackend.run_borrowed
+
+    def slow(self: OpenVinoBackend, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        time.sleep(0.25)
+        return run_borrowed(self, inputs)
+
+    monkeypatch.setattr(OpenVinoBackend, "run_borrowed", slow)
+    path = tmp_path / "m.yaml"
+    path.write_text(OVERLOADED.format(models=sample_models) + 'http: {listen: "127.0.0.1:0"}\n')
+    config = load_config(path)
+    assert config.http is not None
+    runtime = Runtime(config, nats_url=nats_server.url, overload_interval=1.0)
+    await runtime.start()
+    api = ApiServer(runtime, config.http)
+    try:
+        await api.start()
+        await open_dashboard(chromium, api.url + "/")
+        shown = await chromium.poll(
+            "(() => { const o = document.querySelector('[data-source-id=\"cam\"] .overload');"
+            " return o && !o.hidden ? o.textContent : null; })()",
+            lambda v: bool(v),
+            timeout=60,
+        )
+        assert WARNING.fullmatch(shown), shown
+        await chromium.screenshot(ARTIFACTS / "dashboard-overload.png")
+    finally:
+        await api.stop()
+        await runtime.stop()
