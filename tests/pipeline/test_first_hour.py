@@ -7,6 +7,9 @@ nats-server processes and real model repositories.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import http.server
 import json
 import os
 import pty
@@ -16,8 +19,10 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +32,12 @@ import pytest
 import pipeline
 from pipeline.nats_server import DEFAULT_PORT, EmbeddedNats, free_port, port_is_free
 from samples.make_clip import write_clip
-from tests.conftest import ROOT, SQUARES, Collector, run_cli
+from tests.conftest import ARTIFACTS, ROOT, SQUARES, Collector, run_cli
 from tests.pipeline.stack import Stack, until
+from tests.pipeline.test_dashboard import CHROMIUM, DevTools, chromium, open_dashboard
 from tests.pipeline.test_zones import PIPELINE as ZONES
+
+__all__ = ["chromium"]  # the fixture, used by name
 
 
 def test_validate_reports_every_error_at_once_with_file_and_line(tmp_path: Path, sample_models: Path) -> None:
@@ -560,3 +568,56 @@ def test_allowed_origins_must_be_web_origins(tmp_path: Path) -> None:
         "e.g. https://intranet.example) (hint: pages (scheme://host[:port]) that may embed MJPEG views "
         "and snapshots)\n"
     )
+
+
+@contextlib.contextmanager
+def page_server(folder: Path) -> Iterator[str]:
+    """A web site on its own loopback port (another origin than the API), serving ``folder``."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+IMAGE_SIZES = """
+[...document.images].map((img) => img.complete ? img.naturalWidth : -1)
+"""
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (make test installs it with apt)")
+async def test_a_page_of_an_allowed_origin_shows_the_live_view_in_chromium_and_another_does_not(
+    tmp_path: Path, nats_server: EmbeddedNats, chromium: DevTools
+) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    with page_server(site) as allowed, page_server(site) as other:
+        text = (
+            'pipeline: shop\nsources: [{id: cam, url: "test://?fps=10&width=160&height=120"}]\n'
+            f'http: {{listen: "127.0.0.1:0", allowed_origins: ["{allowed}"]}}\n'
+        )
+        stack = await Stack.start(tmp_path, text, nats_server.url)
+        try:
+            await until(lambda: stack.runtime.sources["cam"].last_frame is not None, 30, "a published frame")
+            views = f"{stack.api.url}/v1/sources/cam"
+            (site / "embed.html").write_text(
+                f'<img src="{views}/stream.mjpeg?fps=5"><img src="{views}/snapshot.jpg">'
+            )
+            await open_dashboard(chromium, f"{allowed}/embed.html")
+            sizes = await chromium.poll(IMAGE_SIZES, lambda v: v == [160, 160], timeout=30)
+            assert sizes == [160, 160]
+            await chromium.screenshot(ARTIFACTS / "embedded-live-view.png")
+            # The same page from an origin not in the list: the browser refuses both images.
+            await open_dashboard(chromium, f"{other}/embed.html")
+            refused = await chromium.poll(
+                "[...document.images].map((img) => img.complete && img.naturalWidth === 0)",
+                lambda v: v == [True, True],
+                timeout=30,
+            )
+            assert refused == [True, True]
+        finally:
+            await stack.close()
