@@ -621,7 +621,10 @@ class Runtime:
     async def _watch_overload(self) -> None:
         while True:
             await asyncio.sleep(self.overload.interval)
-            self.overload.check(self.report())
+            try:
+                self.overload.check(self.report())
+            except Exception as exc:  # a reporting bug must not end the checks for good
+                self._errors("overload", f"overload check failed: {type(exc).__name__}: {exc}")
 
     def decoded_frames(self) -> dict[str, int]:
         """Frames each running source decoded (``vidpipe_frames_decoded_total``)."""
