@@ -82,7 +82,7 @@ from pipeline.runtime import Runtime, SourceLimitError
 from pipeline.snapshot import render_snapshot
 from pipeline.sources.base import SourceError, SourceState
 from pipeline.sources.whip import MAX_SDP_BYTES, WhipError, WhipSource
-from pipeline.stats import ModelReport, PipelineReport, SourceReport
+from pipeline.stats import ModelReport, Overload, PipelineReport, SourceReport
 
 log = logging.getLogger("vidpipe.api")
 
@@ -93,6 +93,8 @@ MAX_RELOAD_BODY_BYTES = 64 * 1024
 MIN_TOKEN_CHARS = 16
 # Methods that change nothing; every other one is refused from another site.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# The routes a page in http.allowed_origins may embed: images, never the API's data.
+EMBEDDABLE = frozenset({"/v1/sources/{id}/snapshot.jpg", "/v1/sources/{id}/stream.mjpeg"})
 WEB_DIR = Path(__file__).resolve().parent / "web"
 # Routes anyone may call: probes must work without secrets, and the dashboard's
 # static files hold no data (the page sends the token with every API call).
@@ -227,6 +229,8 @@ class ApiServer:
         self.config = config
         self.host, self._requested_port = check_http_config(config)
         self._token = config.token.encode() if config.token else None
+        # Pages that may embed the live views and snapshots (http.allowed_origins).
+        self._embedders = frozenset(_origin(o) for o in config.allowed_origins)
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
         self._sampler: asyncio.Task[None] | None = None
@@ -250,6 +254,8 @@ class ApiServer:
         r.add_delete("/v1/sources/{id}", self.delete_source)
         r.add_get("/v1/sources/{id}/snapshot.jpg", self.snapshot)
         r.add_get("/v1/sources/{id}/stream.mjpeg", self.stream_mjpeg)
+        for path in EMBEDDABLE:
+            r.add_route("OPTIONS", path, self.embed_preflight)
         r.add_get("/v1/stats", self.stats)
         r.add_get("/v1/fleet", self.fleet_status)
         r.add_get("/v1/models", self.models)
@@ -369,6 +375,8 @@ class ApiServer:
             return await handler(request)
         if request.path in OPEN_PATHS or request.path.startswith(OPEN_PREFIXES):
             return await handler(request)
+        if request.method == "OPTIONS" and self._embedder(request) is not None:
+            return await handler(request)  # a CORS preflight carries no credentials, by design
         if not self._authorized(request):
             return _error(
                 401, "missing or wrong bearer token", {"WWW-Authenticate": 'Bearer realm="vidpipe"'}
@@ -383,9 +391,43 @@ class ApiServer:
         # compare_digest: the time taken does not reveal how much of the token matched.
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token)
 
+    def _embedder(self, request: web.Request) -> str | None:
+        """The allowed page (http.allowed_origins) asking for a live view or snapshot, if any.
+
+        ``Origin`` where the browser sends one (CORS requests); an ``<img>`` sends none,
+        but the ``Referer`` it sends by default still carries the page's origin.
+        """
+        if not self._embedders:
+            return None
+        route = request.match_info.route.resource
+        if route is None or route.canonical not in EMBEDDABLE:
+            return None
+        page = request.headers.get("Origin") or request.headers.get("Referer")
+        origin = _origin(page) if page else ""
+        return origin if origin in self._embedders else None
+
+    async def embed_preflight(self, request: web.Request) -> web.Response:
+        """The CORS preflight of an allowed page's ``fetch`` with the token (live views, snapshots)."""
+        if self._embedder(request) is None:
+            return _error(403, "this page's origin is not in http.allowed_origins")
+        return web.Response(
+            status=204,
+            headers={
+                "Access-Control-Allow-Methods": "GET",
+                "Access-Control-Allow-Headers": "Authorization",
+                "Access-Control-Max-Age": "600",
+            },
+        )
+
     async def _security_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers.setdefault("X-Content-Type-Options", "nosniff")
         response.headers.setdefault("Cache-Control", "no-store")
+        embedder = self._embedder(request)
+        if embedder is not None:
+            # An allowed page may show this live view or snapshot (http.allowed_origins).
+            response.headers["Cross-Origin-Resource-Policy"] = "cross-origin"
+            response.headers["Access-Control-Allow-Origin"] = embedder
+            response.headers["Vary"] = "Origin, Referer"
         # Snapshots and live views are not for other sites' pages to embed.
         response.headers.setdefault("Cross-Origin-Resource-Policy", "same-origin")
         if response.content_type == "text/html":
@@ -625,6 +667,7 @@ class ApiServer:
                 "dropped": sum(src.dropped.values()),
                 "dropped_by_reason": dict(src.dropped),
                 "queue_depth": src.queue_depth,
+                "overload": _overload_json(src.overload),
             }
             for src in report.sources
         ]
@@ -758,6 +801,20 @@ def _parse_json(body: bytes) -> Any:
         raise ValueError(f"not valid JSON ({exc})") from None
 
 
+def _origin(url: str) -> str:
+    """``scheme://host[:port]`` of a URL or origin, lower-case; "" when it has none."""
+    parts = urlsplit(url.strip())
+    try:
+        port = parts.port
+    except ValueError:
+        return ""
+    host = parts.hostname or ""
+    if parts.scheme not in ("http", "https") or not host:
+        return ""
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
+
+
 def _readiness_counts(report: PipelineReport) -> dict[str, Any]:
     """What /readyz tells a caller without the token: numbers, no names."""
     needed = set(report.models_needed)
@@ -783,6 +840,11 @@ def _source_json(src: SourceReport) -> dict[str, Any]:
         "reconnects": src.reconnects,
         "queue_depth": src.queue_depth,
     }
+
+
+def _overload_json(overload: Overload | None) -> dict[str, Any] | None:
+    """A source that cannot keep up (pipeline.overload), with the log line's text."""
+    return None if overload is None else {**_jsonable(overload), "message": overload.message()}
 
 
 def _model_json(model: ModelReport) -> dict[str, Any]:

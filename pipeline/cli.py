@@ -2,7 +2,7 @@
 
 ::
 
-    vidpipe run CONFIG [--source URL ...] [--nats URL] [--http HOST:PORT]
+    vidpipe run CONFIG [--source URL ...] [--nats URL | --nats-port N] [--http HOST:PORT]
                        [--max-frames N] [--duration S] [--publish core|jetstream] [--summary]
                        [--no-progress]
     vidpipe validate CONFIG
@@ -13,6 +13,7 @@
                             [--latency-budget-ms MS] [--write]
     vidpipe run CONFIG --fleet NAME ...      share the sources with other workers (docs/fleet.md)
     vidpipe fleet add URL [--id ID] | remove ID | list [--json]   --nats URL --fleet NAME
+    vidpipe serve-rtsp FILE... [--port N] [--host ADDR]   looping RTSP cameras for trials
 
 Exit codes: 0 done, 1 runtime failure (no source produced anything, NATS
 unreachable, a model unavailable), 2 bad config or usage (``FILE:LINE: ...``,
@@ -72,6 +73,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default is None or isinstance(action.default, bool) or action.default == argparse.SUPPRESS:
             return action.help
+        if action.help and "default" in action.help:
+            return action.help  # it says its default in its own words already
         return super()._get_help_string(action)
 
 
@@ -117,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--nats",
         metavar="URL",
         help="NATS server (default: nats.url, else an embedded one on 127.0.0.1:4222 or a free port)",
+    )
+    run.add_argument(
+        "--nats-port",
+        type=int,
+        metavar="N",
+        help="the embedded server's port (default: nats.port, else 4222 when free, else any free one)",
     )
     run.add_argument(
         "--http",
@@ -186,6 +195,20 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--latency-budget-ms", type=float, metavar="MS", help="p99 limit for the pick")
     tune.add_argument("--write", action="store_true", help="write the pick into the model's config.yaml")
 
+    serve = sub.add_parser(
+        "serve-rtsp",
+        help="serve video files as looping live RTSP cameras, for trials",
+        parents=[common],
+        description="Each file plays forever at its frame rate on rtsp://HOST:PORT/NAME (NAME: the "
+        "file name without its extension); the URLs are printed one per line. Ctrl-C stops. Needs "
+        "GStreamer's RTSP server for the system Python (docs/sources.md).",
+    )
+    serve.add_argument("files", nargs="+", metavar="FILE", help="video files")
+    serve.add_argument("--port", type=int, default=8554, help="RTSP port (default: 8554)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0: all)"
+    )
+
     fleet = sub.add_parser("fleet", help="a fleet's desired sources, workers and leases", parents=[common])
     fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True, parser_class=_Parser)
     fleet_common = _Parser(add_help=False, parents=[common])
@@ -219,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_tune(args)
         if args.command == "fleet":
             return asyncio.run(cmd_fleet(args))
+        if args.command == "serve-rtsp":
+            return cmd_serve_rtsp(args)
     except ConfigError as exc:
         if args.log_format == "json":
             for err in exc.errors[:MAX_REPORTED_ERRORS]:
@@ -387,6 +412,21 @@ async def cmd_subscribe(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_serve_rtsp(args: argparse.Namespace) -> int:
+    from pipeline.serve_rtsp import ServeRtspError, serve_rtsp
+
+    if not 1 <= args.port <= 65535:
+        raise ConfigError("--port", None, "", f"must be a port (1-65535), got {args.port}")
+    missing = [f for f in args.files if not Path(f).is_file()]
+    if missing:
+        raise ConfigError(missing[0], None, "", "file not found")
+    try:
+        return serve_rtsp(args.files, args.port, args.host)
+    except ServeRtspError as exc:
+        print(f"vidpipe serve-rtsp: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, sources=args.source, require_sources=not (args.http or args.fleet))
     if args.publish:
@@ -408,6 +448,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             check_http_config(cfg.http)
         except ApiConfigError as exc:
             raise ConfigError("--http" if args.http else cfg.file, None, "", str(exc)) from None
+    _check_nats_port(cfg, args)
     if args.max_frames is not None and args.max_frames < 1:
         raise ConfigError("--max-frames", None, "", "must be at least 1")
     if args.duration is not None and args.duration <= 0:
@@ -424,7 +465,8 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     embedded: EmbeddedNats | None = None
     nats_url = args.nats or cfg.nats.url
     if nats_url is None:
-        embedded = EmbeddedNats(prefer_default_port=True).start()
+        port = args.nats_port or cfg.nats.port
+        embedded = EmbeddedNats(port, prefer_default_port=True).start()
         nats_url = embedded.url
         _say(args, f"embedded NATS server at {nats_url}", url=nats_url)
     _log_config(cfg)
@@ -518,6 +560,30 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     if published == 0 and runtime.sources:
         return EXIT_RUNTIME
     return EXIT_OK
+
+
+def _check_nats_port(cfg: PipelineConfig, args: argparse.Namespace) -> None:
+    """A port for the embedded server needs no server named elsewhere, and must be free (exit 2)."""
+    from pipeline.nats_server import port_is_free
+
+    port = args.nats_port or cfg.nats.port
+    where, line = ("--nats-port", None) if args.nats_port else (cfg.file, cfg.line("nats.port"))
+    key = "" if args.nats_port else "nats.port"
+    if args.nats_port is not None and not 1 <= args.nats_port <= 65535:
+        raise ConfigError(where, line, key, f"must be a port (1-65535), got {args.nats_port}")
+    if port is None:
+        return
+    if args.nats or cfg.nats.url:
+        named = "--nats" if args.nats else "nats.url"
+        raise ConfigError(
+            where, line, key, f"applies to the embedded NATS server only, and {named} names a server",
+            "drop one of them",
+        )  # fmt: skip
+    if not port_is_free(port):
+        raise ConfigError(
+            where, line, key, f"port {port} on 127.0.0.1 is in use",
+            "stop what listens there, choose another port, or pass --nats URL to use that server",
+        )  # fmt: skip
 
 
 def _wants_progress(cfg: PipelineConfig) -> bool:
@@ -620,7 +686,6 @@ async def _start_fleet(runtime: Any, cfg: PipelineConfig, nats_url: str) -> Any:
     await runtime.prepare()
     fleet = FleetWorker(runtime, cfg.fleet, nats_url)
     await fleet.start()
-    print(f"fleet {fleet.name}: worker {fleet.id}", flush=True)
     return fleet
 
 

@@ -24,6 +24,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from inference.model import load_labels, resolve_model_file
 from inference.repository import CONFIG_FILE, read_source
@@ -155,6 +156,10 @@ class NatsConfig:
     publish: Literal["core", "jetstream"] = "core"
     subject_prefix: str = field(default="vidpipe", metadata=spec(check=check_name))
     outbox_size: int = field(default=1000, metadata=spec(ge=1))
+    port: int | None = field(
+        default=None,
+        metadata=spec(ge=1, le=65535, help="the embedded server's port (no url); default 4222 when free"),
+    )
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,14 @@ class RuntimeConfig:
 # scheme but webcams (a device of this host; a config file names those). Files are
 # also held to http.file_roots, which is empty by default.
 API_SOURCE_SCHEMES = ("file", "test", "rtsp", "rtsps", "whip", "http", "https", "udp", "rtp", "srt")
+
+
+def _web_origins(origins: list[str]) -> str | None:
+    for origin in origins:
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+            return f"{origin!r} is not a web origin (scheme://host[:port], e.g. https://intranet.example)"
+    return None
 
 
 def _known_schemes(names: list[str]) -> str | None:
@@ -213,6 +226,12 @@ class HttpConfig:
     source_schemes: list[str] = field(
         default_factory=lambda: list(API_SOURCE_SCHEMES),
         metadata=spec(check=_known_schemes, help="URL schemes POST /v1/sources accepts"),
+    )
+    allowed_origins: list[str] = field(
+        default_factory=list,
+        metadata=spec(
+            check=_web_origins, help="pages (scheme://host[:port]) that may embed MJPEG views and snapshots"
+        ),
     )
 
 
@@ -559,7 +578,12 @@ def _check_graph(
 
         if stage.name in seen:
             err(*at("name"), f"duplicate stage name {stage.name!r}", "stage names must be unique")
-        for key, problem in [*stage.problems(), *stage.order_problems(list(seen.values()))]:
+        after = [s for j, s in stages if j > i]
+        for key, problem in [
+            *stage.problems(),
+            *stage.order_problems(list(seen.values())),
+            *stage.later_problems(after),
+        ]:
             err(*at(key), problem)
         for ref_key, ref in stage.references().items():
             if ref not in seen:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pipeline.events import EVENT_TYPES
@@ -25,6 +25,9 @@ log = logging.getLogger("vidpipe.metrics")
 # Video work spans milliseconds to seconds.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                    1.0, 2.0, 5.0, 10.0)  # fmt: skip
+# Capture to publish: an overloaded graph runs seconds to a minute behind, and a quantile
+# past the last finite bucket cannot be read.
+E2E_BUCKETS = (*LATENCY_BUCKETS, 15.0, 20.0, 30.0, 45.0, 60.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 
 # The `reason` label values, each a fixed set (docs/operations.md says what each means).
@@ -40,9 +43,15 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.frames = Counter(
-            "vidpipe_frames_total", "Frames decoded and accepted into the graph", ["pipeline", "source"],
+            "vidpipe_frames_total",
+            "Frames accepted into the graph (decoded, less drops)",
+            ["pipeline", "source"],
             registry=r,
-        )  # fmt: skip
+        )
+        # Read from the sources at scrape time: what the cameras deliver, whether or not the
+        # graph keeps up (the source-is-healthy signal; frames_total is the processed one).
+        self.frames_decoded = DecodedFramesCollector()
+        r.register(self.frames_decoded)
         self.frames_dropped = Counter(
             "vidpipe_frames_dropped_total",
             "Frames dropped, by reason (" + ", ".join(DROP_REASONS) + ")",
@@ -69,7 +78,7 @@ class Metrics:
             "vidpipe_e2e_latency_seconds",
             "Capture to publish latency per frame",
             ["pipeline", "source"],
-            buckets=LATENCY_BUCKETS,
+            buckets=E2E_BUCKETS,
             registry=r,
         )
         self.queue_depth = Gauge(
@@ -113,6 +122,12 @@ class Metrics:
             "vidpipe_publish_errors_total",
             "Messages that could not be published, by reason (" + ", ".join(PUBLISH_ERROR_REASONS) + ")",
             ["pipeline", "source", "reason"],
+            registry=r,
+        )
+        self.recording_dropped = Counter(
+            "vidpipe_recording_frames_dropped_total",
+            "Published frames of a live source left out of its recordings (the drawing worker was behind)",
+            ["pipeline", "source"],
             registry=r,
         )
         self.objects_skipped = Counter(
@@ -166,6 +181,7 @@ class Metrics:
             (self.e2e_latency, ("pipeline", "source")),
             (self.queue_depth, ("pipeline", "source")),
             (self.published, ("pipeline", "source")),
+            (self.recording_dropped, ("pipeline", "source")),
             (self.publish_errors, ("pipeline", "source", "reason")),
             (self.objects_skipped, ("pipeline", "source", "stage", "reason")),
             (self.objects, ("pipeline", "source", "label")),
@@ -212,6 +228,29 @@ def _children(metric: Any, names: tuple[str, ...]) -> set[tuple[str, ...]]:
             if all(n in sample.labels for n in names):
                 out.add(tuple(sample.labels[n] for n in names))
     return out
+
+
+class DecodedFramesCollector(Collector):
+    """``vidpipe_frames_decoded_total{pipeline,source}``: frames each source decoded, read at scrape time.
+
+    It counts every frame the decoder produced, also those dropped later as ``max_fps``,
+    ``pool_empty`` or ``queue_full``: decoded = ``vidpipe_frames_total`` + those drops.
+    The runtime sets ``pipeline`` and ``counts`` (source id -> frames) when it is built.
+    """
+
+    def __init__(self) -> None:
+        self.pipeline = ""
+        self.counts: Callable[[], dict[str, int]] | None = None
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "vidpipe_frames_decoded",
+            "Frames decoded by the source, before any drop (max_fps, pool_empty, queue_full)",
+            labels=["pipeline", "source"],
+        )
+        for source, n in sorted((self.counts() if self.counts is not None else {}).items()):
+            family.add_metric([self.pipeline, source], float(n))
+        yield family
 
 
 class ModelInfoCollector(Collector):

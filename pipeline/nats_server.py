@@ -69,7 +69,7 @@ def port_is_free(port: int) -> bool:
         return True
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: SIGTERM when the process that started it dies (Linux)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
@@ -151,7 +151,7 @@ class EmbeddedNats:
             stderr=self._log,
             start_new_session=True,
             # Only a prctl call between fork and exec: no locks taken, safe with threads.
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

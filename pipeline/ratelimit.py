@@ -14,11 +14,14 @@ log = logging.getLogger("vidpipe.errors")
 
 
 class RateLimitedLog:
-    """At most one ERROR line per key per ``interval`` seconds; safe to call from any thread."""
+    """At most one line (ERROR unless ``level`` says) per key per ``interval`` seconds; thread-safe."""
 
-    def __init__(self, interval: float = 10.0, logger: logging.Logger = log) -> None:
+    def __init__(
+        self, interval: float = 10.0, logger: logging.Logger = log, level: int = logging.ERROR
+    ) -> None:
         self.interval = interval
         self.logger = logger
+        self.level = level
         self._last: dict[str, tuple[float, int]] = {}
         self._lock = threading.Lock()
 
@@ -31,7 +34,7 @@ class RateLimitedLog:
                 return
             self._last[key] = (now, 0)
         extra = f" ({suppressed} more since last report)" if suppressed else ""
-        self.logger.error("%s%s", message, extra)
+        self.logger.log(self.level, "%s%s", message, extra)
 
 
 __all__ = ["RateLimitedLog"]

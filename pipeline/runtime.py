@@ -32,6 +32,7 @@ from pipeline.config import PipelineConfig, SourceConfig
 from pipeline.frames import Frame
 from pipeline.metrics import Metrics
 from pipeline.outputs.manager import Outputs
+from pipeline.overload import OverloadMonitor
 from pipeline.queues import EndOfStream, FrameQueue, OverflowPolicy
 from pipeline.ratelimit import RateLimitedLog
 from pipeline.sources.base import Source, SourceError, SourceState
@@ -47,6 +48,7 @@ from pipeline.stats import (
     Percentiles,
     PipelineReport,
     SourceReport,
+    StageClock,
 )
 
 log = logging.getLogger("vidpipe.runtime")
@@ -142,8 +144,16 @@ class SourceRun:
     stream_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     # Capture-to-publish seconds of the latest published frames (what /v1/stats shows).
     latencies: LatencyWindow = field(default_factory=LatencyWindow)
+    # Time per stage of the published frames (what the overload monitor reads).
+    stage_clock: StageClock = field(default_factory=StageClock)
 
-    def report(self) -> SourceReport:
+    @property
+    def decoded(self) -> int:
+        # Frames the source decoded but dropped itself never reached its queue.
+        dropped = self.dropped
+        return self.source.stats.frames + dropped.get("max_fps", 0) + dropped.get("pool_empty", 0)
+
+    def report(self, overload: OverloadMonitor | None = None) -> SourceReport:
         source = self.source
         return SourceReport(
             id=source.id,
@@ -152,11 +162,14 @@ class SourceRun:
             reason=source.reason,
             live=source.live,
             frames=source.stats.frames,
+            decoded=self.decoded,
             published=self.published,
             dropped=dict(self.dropped),
             reconnects=source.stats.reconnects,
             queue_depth=len(self.queue),
             latency_ms=self.latencies.percentiles_ms(),
+            stage_seconds=self.stage_clock.totals(),
+            overload=overload.current(source.id) if overload is not None else None,
         )
 
 
@@ -175,6 +188,7 @@ class Runtime:
         max_frames: int | None = None,
         metrics: Metrics | None = None,
         on_published: Callable[[Frame], None] | None = None,
+        overload_interval: float = 10.0,
     ) -> None:
         self.config = config
         self.nats_url = nats_url
@@ -199,8 +213,15 @@ class Runtime:
         self._published = 0  # across every source, also removed ones
         self.source_ids_seen: set[str] = set()  # every source started, also removed ones
         self._persistent = False
+        # Says which source cannot keep up, once per interval (pipeline.overload).
+        models = {s.name: s.models()[0] for s in config.stages if s.models()}
+        self.overload = OverloadMonitor(models, interval=overload_interval)
+        self._overload_task: asyncio.Task[None] | None = None
+        self.metrics.frames_decoded.pipeline = config.pipeline
+        self.metrics.frames_decoded.counts = self.decoded_frames
         # Live views, recordings and clips; idle for sources nobody watches or records.
-        self.outputs = Outputs(config, publish=self._publish_raw)
+        self._warnings = RateLimitedLog(logger=log, level=logging.WARNING)
+        self.outputs = Outputs(config, publish=self._publish_raw, on_recording_drop=self._on_recording_drop)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -222,6 +243,7 @@ class Runtime:
         for stage in self.stages:
             await stage.start()
         await self.publisher.connect()
+        self._overload_task = asyncio.create_task(self._watch_overload(), name="overload")
         log.info(
             "pipeline %s publishing to %s (%s)",
             self.config.pipeline,
@@ -299,6 +321,8 @@ class Runtime:
     async def stop(self) -> None:
         """Graceful drain: stop intake, finish frames in flight, publish, flush NATS."""
         self._stopping.set()
+        if self._overload_task is not None:
+            self._overload_task.cancel()
         for run in self.sources.values():
             run.source.stop()
         intakes = [r.intake for r in self.sources.values() if r.intake is not None]
@@ -431,6 +455,15 @@ class Runtime:
         # From the source's thread, like _on_source_state; the state change already logged why.
         self.metrics.source_reconnects.labels(self.config.pipeline, source.id, reason).inc()
 
+    def _on_recording_drop(self, source: str) -> None:
+        self.metrics.recording_dropped.labels(self.config.pipeline, source).inc()
+        self._warnings(
+            f"recording:{source}",
+            f"source {source}: a frame left out of its recording: drawing and encoding are slower "
+            "than the source (vidpipe_recording_frames_dropped_total counts them; lower max_fps, "
+            "or record without annotate)",
+        )
+
     def _count_drop(self, source: str, reason: str) -> None:
         self.metrics.frames_dropped.labels(self.config.pipeline, source, reason).inc()
         run = self.sources.get(source)
@@ -561,6 +594,7 @@ class Runtime:
             run.last_frame.release()
         run.last_frame = frame
         run.latencies.add(time.time() - frame.capture_ts)
+        run.stage_clock.add(frame.stage_times)
         if self._on_published is not None:
             try:
                 self._on_published(frame)
@@ -585,6 +619,18 @@ class Runtime:
 
     # -- reporting -------------------------------------------------------------------------
 
+    async def _watch_overload(self) -> None:
+        while True:
+            await asyncio.sleep(self.overload.interval)
+            try:
+                self.overload.check(self.report())
+            except Exception as exc:  # a reporting bug must not end the checks for good
+                self._errors("overload", f"overload check failed: {type(exc).__name__}: {exc}")
+
+    def decoded_frames(self) -> dict[str, int]:
+        """Frames each running source decoded (``vidpipe_frames_decoded_total``)."""
+        return {sid: run.decoded for sid, run in list(self.sources.items())}
+
     def published_total(self) -> int:
         return self._published
 
@@ -607,12 +653,13 @@ class Runtime:
                         requests=rec.requests if rec else 0,
                         batch_sizes=dict(rec.sizes) if rec else {},
                         queue_ms=rec.queue.percentiles_ms() if rec else Percentiles(),
+                        compute_ms=rec.compute.percentiles_ms() if rec else Percentiles(),
                     )
                 )
         return PipelineReport(
             pipeline=self.config.pipeline,
             time=time.time(),
-            sources=[run.report() for run in self.sources.values()],
+            sources=[run.report(self.overload) for run in self.sources.values()],
             models=models,
             models_needed=needed,
             models_loaded=self.models is not None,

@@ -4,8 +4,10 @@
 (from ``Runtime.report()``) instead of the runtime's internals or the metrics
 registry. The latency figures come from small recorders the runtime keeps
 itself: a window of recent end-to-end latencies per source
-(:class:`LatencyWindow`) and a batch recorder per model (:class:`BatchRecorder`,
-fed by the batcher's observer interface).
+(:class:`LatencyWindow`), the time its frames spent in each stage
+(:class:`StageClock`) and a batch recorder per model (:class:`BatchRecorder`,
+fed by the batcher's observer interface). A source that cannot keep up carries
+an :class:`Overload` (what :mod:`pipeline.overload` found in the last interval).
 """
 
 from __future__ import annotations
@@ -72,14 +74,39 @@ class BatchRecorder:
     requests: int = 0
     sizes: dict[int, int] = field(default_factory=dict)
     queue: LatencyWindow = field(default_factory=LatencyWindow)
+    compute: LatencyWindow = field(default_factory=LatencyWindow)  # per batch
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record(self, size: int, queue_seconds: Sequence[float]) -> None:
+    def record(self, size: int, queue_seconds: Sequence[float], compute_seconds: float = 0.0) -> None:
         with self._lock:
             self.batches += 1
             self.requests += size
             self.sizes[size] = self.sizes.get(size, 0) + 1
         self.queue.extend(queue_seconds)
+        self.compute.add(compute_seconds)
+
+
+class StageClock:
+    """Seconds one source's published frames spent in each stage, and how many frames: running sums.
+
+    Touched on the event loop only (the publisher task), so it needs no lock; the
+    overload monitor takes differences between two readings.
+    """
+
+    __slots__ = ("frames", "seconds")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.frames: dict[str, int] = {}
+
+    def add(self, stage_times: dict[str, float]) -> None:
+        for stage, seconds in stage_times.items():
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+            self.frames[stage] = self.frames.get(stage, 0) + 1
+
+    def totals(self) -> dict[str, tuple[float, int]]:
+        """stage -> (seconds, frames) so far."""
+        return {stage: (self.seconds[stage], self.frames[stage]) for stage in self.seconds}
 
 
 class ModelRecorder:
@@ -103,7 +130,7 @@ class ModelRecorder:
     def on_batch(
         self, model: str, batch_size: int, queue_seconds: list[float], compute_seconds: float
     ) -> None:
-        self.recorder(model).record(batch_size, queue_seconds)
+        self.recorder(model).record(batch_size, queue_seconds, compute_seconds)
 
     def on_state(self, model: str, state: str, reason: str) -> None:
         pass
@@ -118,6 +145,44 @@ class Percentiles:
 
 
 @dataclass(slots=True, frozen=True)
+class Overload:
+    """A source that cannot keep up: what it lost in the last interval, where the time went.
+
+    ``bottleneck`` is the stage whose time per frame dominates; for an ``infer``
+    stage ``model`` names its model and ``waiting`` says whether the time is spent
+    queued for a busy instance (``queue``) or running the model (``compute``).
+    ``hint`` is the knob to turn, in the config's own words.
+    """
+
+    source: str
+    interval_s: float
+    decoded: int  # frames decoded in the interval
+    dropped: int  # of those, dropped because the graph was behind (queue_full, pool_empty)
+    drop_rate: float  # dropped / decoded, 0-1
+    bottleneck: str  # stage name; "" when no frame got through to tell
+    stage_ms: float | None  # mean time per frame in that stage
+    model: str | None
+    waiting: str  # "queue", "compute" or "" (not an infer stage, or unknown)
+    hint: str
+
+    def message(self) -> str:
+        """The log line (and the dashboard's text)."""
+        where = "no frame got through to tell which stage is slowest"
+        if self.bottleneck:
+            where = f"bottleneck: stage {self.bottleneck}"
+            if self.stage_ms is not None:
+                where += f" ({self.stage_ms:.0f} ms per frame"
+                if self.model:
+                    busy = {"queue": "mostly queued for", "compute": "mostly computing in"}.get(self.waiting)
+                    where += f", {busy} model {self.model}" if busy else f", model {self.model}"
+                where += ")"
+        return (
+            f"source {self.source}: overloaded, {self.drop_rate:.0%} of frames dropped in the last "
+            f"{self.interval_s:g}s ({self.dropped} of {self.decoded} decoded); {where}; {self.hint}"
+        )
+
+
+@dataclass(slots=True, frozen=True)
 class SourceReport:
     """One source as ``GET /v1/sources`` and ``/v1/stats`` show it."""
 
@@ -126,12 +191,15 @@ class SourceReport:
     state: SourceState
     reason: str
     live: bool
-    frames: int  # decoded and accepted into the graph
+    frames: int  # handed to the graph's queue (later queue_full drops included)
+    decoded: int  # decoded by the source, including frames dropped before the queue
     published: int
     dropped: dict[str, int]  # by reason
     reconnects: int
     queue_depth: int
     latency_ms: Percentiles  # capture to publish, over the recent window
+    stage_seconds: dict[str, tuple[float, int]] = field(default_factory=dict)  # StageClock.totals()
+    overload: Overload | None = None  # set while the source cannot keep up
 
 
 @dataclass(slots=True, frozen=True)
@@ -145,6 +213,7 @@ class ModelReport:
     requests: int  # requests that ran in a batch
     batch_sizes: dict[int, int]  # size -> batches of that size
     queue_ms: Percentiles  # time in the batcher, over the recent window
+    compute_ms: Percentiles = Percentiles()  # time to run one batch, over the recent window
 
     @property
     def mean_batch_size(self) -> float | None:
@@ -170,7 +239,9 @@ __all__ = [
     "LatencyWindow",
     "ModelRecorder",
     "ModelReport",
+    "Overload",
     "Percentiles",
     "PipelineReport",
     "SourceReport",
+    "StageClock",
 ]

@@ -1,14 +1,16 @@
 """A once-a-second console summary, computed from the pipeline's own NATS output.
 
 ``vidpipe run --summary`` subscribes to ``vidpipe.<pipeline>.>`` like any
-consumer would and reads its detections messages (one per frame), so what it
-prints is what subscribers really receive::
+consumer would and reads its detections messages (one per frame) and its events,
+so what it prints is what subscribers really receive::
 
     [  3s] lobby: 24.9 fps  2.0 obj/frame  latency p50 41 ms p99 77 ms | text: "EXIT 12", "GATE B"
 
-and at the end the totals, with the objects counted per label::
+and at the end the totals, with the objects counted per label, the events per
+type and the line crossings per line and direction::
 
-    received 75 messages from 1 source(s); objects: square x75, text x150; most read text: "EXIT 12" x40
+    received 75 messages from 1 source(s); objects: square x75, text x150; most read text: "EXIT 12" x40;
+    events: track_start x1, track_end x1, line_cross x2; crossings: door in x1, door out x1
 
 With ``json_lines`` (``--log-format json``) each line is a JSON object instead.
 """
@@ -23,6 +25,8 @@ from collections import Counter, defaultdict
 from typing import Any, TextIO
 
 import nats
+
+from pipeline.events import EVENT_TYPES
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -47,23 +51,37 @@ class Summary:
         self._window: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.totals: Counter[str] = Counter()
         self.texts: Counter[str] = Counter()
+        self.events: Counter[str] = Counter()  # by type
+        self.crossings: Counter[tuple[str, str]] = Counter()  # by (line, direction)
         self._start = time.monotonic()
 
     async def start(self) -> None:
         self._nc = await nats.connect(self.nats_url, name="vidpipe-summary")
 
         async def on_msg(msg: Any) -> None:
-            if not msg.subject.endswith(".detections"):
-                return  # events and other subjects are not frames
+            events = msg.subject.endswith(".events")
+            if not (events or msg.subject.endswith(".detections")):
+                return  # clips and other subjects are neither frames nor events
             try:
                 data = json.loads(msg.data)
             except ValueError:
+                return
+            if not isinstance(data, dict):
+                return
+            if events:
+                self._count_event(data)
                 return
             data["_received"] = time.time()
             self._window[data.get("source", "?")].append(data)
 
         await self._nc.subscribe(self.subject, cb=on_msg)
         self._task = asyncio.create_task(self._tick())
+
+    def _count_event(self, event: dict[str, Any]) -> None:
+        kind = str(event.get("type", "?"))
+        self.events[kind] += 1
+        if kind == "line_cross":
+            self.crossings[(str(event.get("line", "?")), str(event.get("direction", "?")))] += 1
 
     async def _tick(self) -> None:
         while True:
@@ -120,11 +138,21 @@ class Summary:
         labels = ", ".join(
             f"{label} x{n}" for label, n in sorted(self.labels.items(), key=lambda kv: (-kv[1], kv[0]))
         )
+        # Events in the order they happen to a track; crossings by line, then in before out.
+        order: dict[str, int] = {kind: i for i, kind in enumerate(EVENT_TYPES)}
+        events = ", ".join(
+            f"{kind} x{n}" for kind, n in sorted(self.events.items(), key=lambda kv: order.get(kv[0], 99))
+        )
+        crossings = ", ".join(f"{line} {d} x{n}" for (line, d), n in sorted(self.crossings.items()))
         self._print(
             f"received {total} messages from {len(self.totals)} source(s)"
             + (f"; objects: {labels}" if labels else "")
-            + (f"; most read text: {common}" if common else ""),
+            + (f"; most read text: {common}" if common else "")
+            + (f"; events: {events}" if events else "")
+            + (f"; crossings: {crossings}" if crossings else ""),
             messages=total,
             sources=dict(self.totals),
             labels=dict(self.labels),
+            events=dict(self.events),
+            crossings={f"{line} {d}": n for (line, d), n in sorted(self.crossings.items())},
         )

@@ -31,6 +31,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,8 +100,15 @@ class _Fanout:
 class Outputs:
     """Live views, annotated recordings and event clips of every source of a pipeline."""
 
-    def __init__(self, config: PipelineConfig, publish: Any = None) -> None:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        publish: Any = None,
+        on_recording_drop: Callable[[str], None] | None = None,
+    ) -> None:
         self.config = config
+        # Told the source of each frame a live recording leaves out (metrics and the log).
+        self._on_recording_drop = on_recording_drop
         self.relay = FrameRelay()
         # Sends a clips message: ``await publish(subject, payload)`` (the runtime's NATS connection).
         self._publish = publish
@@ -157,6 +165,8 @@ class Outputs:
                 return  # viewers get a later frame
             if out.live:
                 out.recording_dropped += 1
+                if self._on_recording_drop is not None:
+                    self._on_recording_drop(frame.source)
                 return
             while out.pending >= MAX_PENDING:
                 out.room.clear()

@@ -53,6 +53,10 @@ class StageOptions:
         """Checks against the stages listed before this one: ``(key, problem)`` for each that fails."""
         return []
 
+    def later_problems(self, later: list[StageOptions]) -> list[tuple[str, str]]:
+        """Checks against the stages listed after this one: ``(key, problem)`` for each that fails."""
+        return []
+
 
 class GraphConfig(Protocol):
     """What a stage reads of the pipeline config (``PipelineConfig`` is one): the

@@ -59,12 +59,28 @@ class TrackOptions(StageOptions):
         default=0.1, metadata=spec(ge=0, le=1, help="bytetrack: detections below are ignored")
     )
     new_score: float = field(default=0.35, metadata=spec(ge=0, le=1, help="bytetrack: starts a track"))
-    min_hits: int = field(default=2, metadata=spec(ge=1, help="bytetrack: hits before a track gets an id"))
-    max_age: int = field(default=30, metadata=spec(ge=1, help="frames a lost track is kept"))
+    min_hits: int = field(
+        default=2, metadata=spec(ge=1, le=1000, help="bytetrack: hits before a track gets an id")
+    )
+    max_age: int = field(default=30, metadata=spec(ge=1, le=100_000, help="frames a lost track is kept"))
 
     def problems(self) -> list[tuple[str, str]]:
         if self.low_score > self.high_score:
             return [("low_score", f"low_score {self.low_score} is above high_score {self.high_score}")]
+        return []
+
+    def later_problems(self, later: list[StageOptions]) -> list[tuple[str, str]]:
+        # It tracks the objects of the detectors before it, in frame order; a detector
+        # after it would add boxes that never get a track_id. (One with `interval` says so
+        # itself, in its own words.)
+        detectors = [
+            s.name for s in later if s.models() and not s.references() and not getattr(s, "interval", 0)
+        ]
+        if detectors:
+            return [
+                ("type", f"the track stage comes before detector {detectors[0]!r}, whose objects it cannot "
+                 "track; stages run in order: move the track stage below the detectors")
+            ]  # fmt: skip
         return []
 
 

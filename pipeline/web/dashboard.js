@@ -48,8 +48,10 @@ function makeCard(id) {
   const title = el("h3");
   title.append(el("span", { class: "id" }, id), el("span", { class: "state" }));
   const reason = el("div", { class: "reason" });
+  // Set while the source cannot keep up: the same text as the WARNING in the log.
+  const overload = el("div", { class: "overload", role: "status", hidden: "" });
   const dl = el("dl");
-  const fields = { title, reason };
+  const fields = { title, reason, overload };
   for (const [key, label] of [
     ["fps", "fps"], ["p50", "p50 ms"], ["p99", "p99 ms"],
     ["published", "published"], ["dropped", "dropped"], ["queue", "queue"],
@@ -66,7 +68,7 @@ function makeCard(id) {
   const live = el("button", { type: "button", class: "live", "data-live": id }, "Watch live");
   const card = { root, img, video, live, fields, shownPublished: 0, loading: false, blobUrl: null, whep: null };
   live.addEventListener("click", () => (card.whep ? stopLive(card) : startLive(id, card)));
-  root.append(title, reason, dl, img, video, live);
+  root.append(title, reason, overload, dl, img, video, live);
   return card;
 }
 
@@ -159,6 +161,8 @@ function render(sources, stats) {
     state.textContent = src.state;
     state.className = "state " + src.state;
     card.fields.reason.textContent = src.reason || "";
+    card.fields.overload.textContent = st.overload ? st.overload.message : "";
+    card.fields.overload.hidden = !st.overload;
     card.fields.fps.textContent = fmt(st.fps);
     card.fields.p50.textContent = fmt(st.latency_ms && st.latency_ms.p50);
     card.fields.p99.textContent = fmt(st.latency_ms && st.latency_ms.p99);

@@ -93,6 +93,17 @@ def test_each_alert_has_a_firing_and_a_quiet_unit_test(alert: str) -> None:
     assert any(not case.get("exp_alerts") for case in cases), f"no case where {alert} stays quiet"
 
 
+def test_a_slow_camera_alert_reads_decoded_frames_not_processed_ones() -> None:
+    # An overloaded graph accepts few frames from a healthy camera: a threshold on the
+    # processed rate (vidpipe_frames_total) would page for the camera when the graph is
+    # what is slow. The camera alert reads what the source decoded.
+    rules = yaml.safe_load(ALERTS.read_text(encoding="utf-8"))
+    exprs = {rule["alert"]: rule["expr"] for group in rules["groups"] for rule in group["rules"]}
+    low_processed = re.compile(r"rate\(vidpipe_frames_total\[[^\]]*\]\)\s*\)?\s*<")
+    assert [name for name, expr in exprs.items() if low_processed.search(expr)] == []
+    assert "rate(vidpipe_frames_decoded_total[5m])) < 5" in exprs["VidpipeSourceFrameRateLow"]
+
+
 # --- the running stack -------------------------------------------------------------------
 
 

@@ -1,12 +1,25 @@
-"""CLI behaviour not covered elsewhere: model listing and structured logs."""
+"""CLI behaviour not covered elsewhere: model listing, structured logs, trial RTSP cameras."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import select
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 from pipeline.nats_server import EmbeddedNats
+from pipeline.sources.rtsp import RtspSource
+from pipeline.sources.schemes import create_source
 from tests.conftest import ROOT, run_cli
+from tests.pipeline.test_inputs import take, timed_config
+from tests.support.media_servers import level, level_clip
+from tests.support.rtsp_server import free_port, gstreamer_available
 
 
 def test_models_list_shows_each_model_its_io_and_state(sample_models: Path) -> None:
@@ -69,3 +82,49 @@ def test_json_logs_are_one_object_per_line_without_credentials(
     assert cam and all("rtsp://***@127.0.0.1:9/cam" in m for m in cam if "rtsp://" in m)
     # Events, not frames: a few lines for a whole run.
     assert len(records) < 30
+
+
+def step_of(shown: int) -> int:
+    """The clip frame (0-9) whose level a decoded frame shows, within the codec's rounding."""
+    index = min(range(10), key=lambda i: abs(level(i) - shown))
+    assert abs(level(index) - shown) <= 3, shown
+    return index
+
+
+@pytest.mark.skipif(not gstreamer_available(), reason="needs /usr/bin/python3 with gst-rtsp-server")
+async def test_serve_rtsp_loops_a_file_as_a_live_camera_until_ctrl_c(tmp_path: Path) -> None:
+    clip = level_clip(tmp_path / "door.mp4", frames=10, fps=10)  # one second, frame i at level(i)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "serve-rtsp", str(clip), "--port", str(port)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "no URL within 60 s"
+        url = proc.stdout.readline().strip()
+        assert url == f"rtsp://127.0.0.1:{port}/door"
+        source = create_source(timed_config(url))
+        assert isinstance(source, RtspSource)
+        frames = await take(source, 35, timeout=60)  # three and a half clip lengths
+        # Ctrl-C in a terminal signals the whole foreground process group.
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    # One unbroken stream: no reconnect, time runs on, and the picture wraps from the
+    # clip's last frame to its first again and again.
+    assert source.stats.reconnects == 0
+    assert all(b.pts > a.pts for a, b in itertools.pairwise(frames))
+    indices = [step_of(f.level) for f in frames]
+    assert all(b == (a + 1) % 10 for a, b in itertools.pairwise(indices)), indices
+    assert sum(1 for a, b in itertools.pairwise(indices) if b < a) >= 2
+
+
+def test_serve_rtsp_of_a_missing_file_is_a_usage_error(tmp_path: Path) -> None:
+    proc = run_cli("serve-rtsp", str(tmp_path / "nope.mp4"))
+    assert (proc.returncode, proc.stderr) == (2, f"{tmp_path / 'nope.mp4'}: file not found\n")

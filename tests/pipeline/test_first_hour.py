@@ -7,6 +7,9 @@ nats-server processes and real model repositories.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import http.server
 import json
 import os
 import pty
@@ -16,17 +19,25 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 import pipeline
 from pipeline.nats_server import DEFAULT_PORT, EmbeddedNats, free_port, port_is_free
 from samples.make_clip import write_clip
-from tests.conftest import ROOT, SQUARES, Collector, run_cli
+from tests.conftest import ARTIFACTS, ROOT, SQUARES, Collector, run_cli
+from tests.pipeline.stack import Stack, until
+from tests.pipeline.test_dashboard import CHROMIUM, DevTools, chromium, open_dashboard
+from tests.pipeline.test_zones import PIPELINE as ZONES
+
+__all__ = ["chromium"]  # the fixture, used by name
 
 
 def test_validate_reports_every_error_at_once_with_file_and_line(tmp_path: Path, sample_models: Path) -> None:
@@ -58,6 +69,45 @@ def test_validate_reports_every_error_at_once_with_file_and_line(tmp_path: Path,
         f"{path}:8: stages[1].classes: 'txt' is not a label of model 'ppocr_det' (hint: did you mean 'text'?)",
         f"{path}:9: stages[2].on: does not apply to a stage of type track "
         "(hint: type track takes: name, type, tracker, classes, match, iou, low_iou, high_score, low_score, new_score, min_hits, max_age)",
+    ]
+
+
+def test_validate_refuses_a_track_before_its_detector_and_stage_options_out_of_range(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        textwrap.dedent(
+            f"""\
+            pipeline: shop
+            models: {sample_models}
+            sources: [{{url: "test://"}}]
+            stages:
+              - {{name: track, type: track, max_age: 10}}
+              - {{name: det, type: infer, model: squares}}
+              - {{name: gate, type: zones, hysteresis: -1, track_end_after: 0,
+                  lines: [{{name: door, points: [[0, 0], [1, 1]]}}]}}
+            """
+        )
+    )
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"{path}:5: stages[0].type: the track stage comes before detector 'det', whose objects it cannot "
+        "track; stages run in order: move the track stage below the detectors",
+        f"{path}:7: stages[2].hysteresis: must be at least 0, got -1.0 (hint: px: dead band along lines "
+        "and zone edges)",
+        f"{path}:7: stages[2].track_end_after: must be at least 1, got 0 (hint: frames unseen before a track "
+        "ends; at least the tracker's)",
+    ]
+    path.write_text(path.read_text().replace("max_age: 10", "max_age: -3, min_hits: 5000"))
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 2, proc.stderr
+    # Same line: in the order the keys are checked.
+    assert sorted(proc.stderr.splitlines()[:2]) == [
+        f"{path}:5: stages[0].max_age: must be at least 1, got -3 (hint: frames a lost track is kept)",
+        f"{path}:5: stages[0].min_hits: must be at most 1000, got 5000 (hint: bytetrack: hits before a "
+        "track gets an id)",
     ]
 
 
@@ -236,6 +286,40 @@ def test_the_embedded_server_takes_4222_so_subscribe_needs_no_flags(squares_conf
     assert len(frames) == 3 and all(f["source"] == "test" for f in frames)
 
 
+def test_the_embedded_server_port_is_chosen_by_flag_or_file(tmp_path: Path, squares_config: Path) -> None:
+    port = free_port()
+    proc = run_cli(
+        "run", str(squares_config), "--source", "test://?fps=50&frames=3", "--nats-port", str(port)
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"embedded NATS server at nats://127.0.0.1:{port}" in proc.stdout
+
+    in_file = tmp_path / "port.yaml"
+    in_file.write_text(squares_config.read_text() + f"nats:\n  port: {port}\n")
+    proc = run_cli("run", str(in_file), "--source", "test://?fps=50&frames=3")
+    assert proc.returncode == 0, proc.stderr
+    assert f"embedded NATS server at nats://127.0.0.1:{port}" in proc.stdout
+
+
+def test_a_chosen_nats_port_that_cannot_be_used_is_a_usage_error(
+    tmp_path: Path, squares_config: Path, nats_server: EmbeddedNats
+) -> None:
+    taken = run_cli("run", str(squares_config), "--source", "test://", "--nats-port", str(nats_server.port))
+    assert taken.returncode == 2
+    assert taken.stderr == (
+        f"--nats-port: port {nats_server.port} on 127.0.0.1 is in use (hint: stop what listens there, "
+        "choose another port, or pass --nats URL to use that server)\n"
+    )
+    both = tmp_path / "both.yaml"
+    both.write_text(squares_config.read_text() + f"nats:\n  url: {nats_server.url}\n  port: 4333\n")
+    proc = run_cli("run", str(both), "--source", "test://")
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"{both}:7: nats.port: applies to the embedded NATS server only, and nats.url names a server "
+        "(hint: drop one of them)\n"
+    )
+
+
 # -- feedback ------------------------------------------------------------------------------
 
 
@@ -276,6 +360,35 @@ def test_summary_counts_objects_per_label(squares_config: Path, nats_server: Emb
     assert "received 10 messages from 1 source(s); objects: square x10" in proc.stdout
 
 
+def test_summary_counts_events_and_line_crossings(
+    tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats
+) -> None:
+    # The pattern's square walks right, then back: across the door once each way, into the dock and out.
+    path = tmp_path / "zones.yaml"
+    path.write_text(ZONES.format(models=sample_models))
+    proc = run_cli("run", str(path), "--summary", "--nats", nats_server.url)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == (
+        "received 90 messages from 1 source(s); objects: square x90; events: track_start x1, "
+        "track_end x1, zone_enter x1, zone_exit x1, line_cross x2; crossings: door in x1, door out x1"
+    )
+
+
+def test_the_fleet_worker_lines_are_log_lines_with_their_time(
+    squares_config: Path, nats_server: EmbeddedNats
+) -> None:
+    proc = run_cli(
+        "run", str(squares_config), "--fleet", "shop", "--nats", nats_server.url, "--duration", "2"
+    )
+    assert proc.returncode == 0, proc.stderr
+    # On stderr with the time like every other line; nothing of the fleet on stdout.
+    assert "fleet" not in proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if "fleet shop" in line]
+    assert len(lines) == 2, lines
+    assert re.fullmatch(r"\d\d:\d\d:\d\d info    fleet shop: worker \S+ joined \(.*\)", lines[0]), lines
+    assert re.fullmatch(r"\d\d:\d\d:\d\d info    fleet shop: worker \S+ left \(.*\)", lines[1]), lines
+
+
 def test_version_and_help_with_examples_and_defaults() -> None:
     version = run_cli("--version")
     assert version.returncode == 0 and version.stdout.strip() == f"vidpipe {pipeline.__version__}"
@@ -286,6 +399,20 @@ def test_version_and_help_with_examples_and_defaults() -> None:
                      "(default: when the sources end)", "examples:"):  # fmt: skip
         assert expected in run_help, run_help
     assert "(default: None)" not in run_help and "(default: False)" not in run_help
+
+
+@pytest.mark.parametrize(
+    "command", [("run",), ("validate",), ("subscribe",), ("models", "add"), ("models", "list"), ("tune",),
+                ("serve-rtsp",), ("fleet", "add")],
+)  # fmt: skip
+def test_help_says_each_default_once(command: tuple[str, ...]) -> None:
+    shown = run_cli(*command, "--help").stdout
+    # One block per option: from its "  -x, --xyz" line to the next one.
+    for option in re.split(r"\n(?=  -)", shown):
+        text = " ".join(option.split())
+        assert text.count("default") <= 1, text
+    if command == ("models", "add"):
+        assert " ".join(shown.split()).count("(default: models)") == 1
 
 
 def test_debug_log_names_config_sources_and_model_instances(
@@ -367,3 +494,130 @@ def test_done_line_counts_sources_added_and_removed_through_the_api(
             proc.kill()
     assert proc.returncode == 0, err
     assert "done: 5 frame(s) published from 1 source(s)" in err
+
+
+# -- embedding the live view ---------------------------------------------------------------
+
+EMBED = """\
+pipeline: shop
+sources: [{{id: cam, url: "test://?fps=10&width=160&height=120"}}]
+http: {{listen: "127.0.0.1:0", token: "{token}"{extra}}}
+"""
+TOKEN = "a-token-of-enough-characters"
+PAGE = "https://intranet.example"
+
+
+async def test_an_allowed_origin_may_embed_the_mjpeg_view_and_snapshots_and_nothing_else(
+    tmp_path: Path, nats_server: EmbeddedNats
+) -> None:
+    text = EMBED.format(token=TOKEN, extra=f', allowed_origins: ["{PAGE}/"]')
+    stack = await Stack.start(tmp_path, text, nats_server.url, token=TOKEN)
+    try:
+        await until(lambda: stack.runtime.sources["cam"].last_frame is not None, 30, "a published frame")
+        snapshot = "/v1/sources/cam/snapshot.jpg"
+        mjpeg = "/v1/sources/cam/stream.mjpeg"
+
+        async def headers(method: str, path: str, **extra: str) -> tuple[int, dict[str, str]]:
+            async with stack.http.request(method, path, headers=extra) as resp:
+                return resp.status, {
+                    k: v for k, v in resp.headers.items() if k.startswith(("Access-", "Cross-"))
+                }
+
+        embedded = {"Cross-Origin-Resource-Policy": "cross-origin", "Access-Control-Allow-Origin": PAGE}
+        # An <img> on the page sends its address as Referer; fetch() sends Origin.
+        assert await headers("GET", snapshot, Referer=f"{PAGE}/store/42") == (200, embedded)
+        assert await headers("GET", mjpeg, Origin=PAGE) == (200, embedded)
+        # fetch() with the token first asks without it (the preflight).
+        preflight = await stack.http.options(mjpeg, headers={"Origin": PAGE, "Authorization": ""})
+        assert preflight.status == 204
+        assert preflight.headers["Access-Control-Allow-Origin"] == PAGE
+        assert preflight.headers["Access-Control-Allow-Headers"] == "Authorization"
+        # Another site, or the API's data: as before.
+        same_origin = {"Cross-Origin-Resource-Policy": "same-origin"}
+        assert await headers("GET", snapshot, Origin="https://elsewhere.example") == (200, same_origin)
+        assert await headers("GET", "/v1/stats", Origin=PAGE) == (200, same_origin)
+        async with aiohttp.ClientSession(base_url=stack.api.url) as anonymous:
+            other = await anonymous.options(mjpeg, headers={"Origin": "https://elsewhere.example"})
+            assert other.status == 401
+            # The token is still needed for the images themselves.
+            async with anonymous.get(snapshot, headers={"Origin": PAGE}) as resp:
+                assert resp.status == 401
+    finally:
+        await stack.close()
+
+    (tmp_path / "default").mkdir()
+    stack = await Stack.start(
+        tmp_path / "default", EMBED.format(token=TOKEN, extra=""), nats_server.url, TOKEN
+    )
+    try:
+        await until(lambda: stack.runtime.sources["cam"].last_frame is not None, 30, "a published frame")
+        async with stack.http.get("/v1/sources/cam/snapshot.jpg", headers={"Origin": PAGE}) as resp:
+            assert resp.headers["Cross-Origin-Resource-Policy"] == "same-origin"
+            assert "Access-Control-Allow-Origin" not in resp.headers
+    finally:
+        await stack.close()
+
+
+def test_allowed_origins_must_be_web_origins(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(EMBED.format(token=TOKEN, extra=', allowed_origins: ["intranet.example"]'))
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"{path}:3: http.allowed_origins: 'intranet.example' is not a web origin (scheme://host[:port], "
+        "e.g. https://intranet.example) (hint: pages (scheme://host[:port]) that may embed MJPEG views "
+        "and snapshots)\n"
+    )
+
+
+@contextlib.contextmanager
+def page_server(folder: Path) -> Iterator[str]:
+    """A web site on its own loopback port (another origin than the API), serving ``folder``."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+IMAGE_SIZES = """
+[...document.images].map((img) => img.complete ? img.naturalWidth : -1)
+"""
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (make test installs it with apt)")
+async def test_a_page_of_an_allowed_origin_shows_the_live_view_in_chromium_and_another_does_not(
+    tmp_path: Path, nats_server: EmbeddedNats, chromium: DevTools
+) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    with page_server(site) as allowed, page_server(site) as other:
+        text = (
+            'pipeline: shop\nsources: [{id: cam, url: "test://?fps=10&width=160&height=120"}]\n'
+            f'http: {{listen: "127.0.0.1:0", allowed_origins: ["{allowed}"]}}\n'
+        )
+        stack = await Stack.start(tmp_path, text, nats_server.url)
+        try:
+            await until(lambda: stack.runtime.sources["cam"].last_frame is not None, 30, "a published frame")
+            views = f"{stack.api.url}/v1/sources/cam"
+            (site / "embed.html").write_text(
+                f'<img src="{views}/stream.mjpeg?fps=5"><img src="{views}/snapshot.jpg">'
+            )
+            await open_dashboard(chromium, f"{allowed}/embed.html")
+            sizes = await chromium.poll(IMAGE_SIZES, lambda v: v == [160, 160], timeout=30)
+            assert sizes == [160, 160]
+            await chromium.screenshot(ARTIFACTS / "embedded-live-view.png")
+            # The same page from an origin not in the list: the browser refuses both images.
+            await open_dashboard(chromium, f"{other}/embed.html")
+            refused = await chromium.poll(
+                "[...document.images].map((img) => img.complete && img.naturalWidth === 0)",
+                lambda v: v == [True, True],
+                timeout=30,
+            )
+            assert refused == [True, True]
+        finally:
+            await stack.close()

@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
+import re
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from inference.backends.openvino import OpenVinoBackend
+from pipeline.api import ApiServer
 from pipeline.config import load_config
 from pipeline.metrics import GpuCollector, Metrics, exported_metric_names
 from pipeline.nats_server import EmbeddedNats
+from pipeline.outputs.video_file import VideoFileWriter
 from pipeline.runtime import Runtime
+from tests.conftest import ARTIFACTS
+from tests.pipeline.stack import until
+from tests.pipeline.test_dashboard import CHROMIUM, DevTools, chromium, open_dashboard
+
+__all__ = ["chromium"]  # the fixture, used by name
 
 PIPELINE = """\
 pipeline: m
@@ -113,3 +128,198 @@ def test_gpu_collector_reports_each_device() -> None:
     assert util == {"0": 0.35, "1": 0.9}
     used = {s.labels["gpu"]: s.value for s in families["vidpipe_gpu_memory_used_bytes"].samples}
     assert used == {"0": float(1 << 30), "1": float(3 << 30)}
+
+
+OVERLOADED = """\
+pipeline: m
+models: {models}
+sources:
+  - {{id: cam, url: "test://?fps=60&width=320&height=240", queue_size: 2}}
+runtime: {{max_in_flight: 1}}
+stages:
+  - {{name: objects, type: infer, model: squares}}
+"""
+
+WARNING = re.compile(
+    r"source cam: overloaded, (\d+)% of frames dropped in the last 1s \((\d+) of (\d+) decoded\); "
+    r"bottleneck: stage objects \((\d+) ms per frame, mostly (?:queued for|computing in) model squares\); "
+    r"try interval: (\d+) on stage objects \(run it on one frame in (\d+)\), "
+    r"a smaller input size for squares .*"
+)
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+async def test_an_overloaded_source_is_named_with_its_drop_rate_and_bottleneck_once_per_interval(
+    tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The model is the narrow seam slowed down: 0.25 s a batch, a 60 fps camera in front of it.
+    run_borrowed = OpenVinoBackend.run_borrowed
+
+    def slow(self: OpenVinoBackend, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        time.sleep(0.25)
+        return run_borrowed(self, inputs)
+
+    monkeypatch.setattr(OpenVinoBackend, "run_borrowed", slow)
+    path = tmp_path / "m.yaml"
+    path.write_text(OVERLOADED.format(models=sample_models))
+    handler = Records()
+    logger = logging.getLogger("vidpipe.overload")
+    logger.addHandler(handler)
+    runtime = Runtime(load_config(path), nats_url=nats_server.url, overload_interval=1.0)
+    try:
+        await runtime.start()
+        try:
+            await until(lambda: len(handler.records) >= 3, 60, "three overload warnings")
+            overload = runtime.report().sources[0].overload
+        finally:
+            await runtime.stop()
+    finally:
+        logger.removeHandler(handler)
+    text = runtime.metrics.render().decode()
+
+    warnings = handler.records[:3]
+    for record in warnings:
+        assert record.levelno == logging.WARNING
+        match = WARNING.fullmatch(record.getMessage())
+        assert match, record.getMessage()
+        percent, dropped, decoded = (int(g) for g in match.groups()[:3])
+        assert percent == round(100 * dropped / decoded) and percent >= 50
+        assert int(match.group(4)) >= 250  # the stage's time is the model's
+        # Running the detector on one frame in N keeps up with what was decoded.
+        skip, every = int(match.group(5)), int(match.group(6))
+        assert every == skip + 1 and every >= decoded / (decoded - dropped)
+    # One line per interval: a tick of the monitor, never a line per dropped frame.
+    times = [r.created for r in warnings]
+    assert all(b - a >= 0.9 for a, b in itertools.pairwise(times)), times
+    assert overload is not None
+    assert (overload.source, overload.bottleneck, overload.model) == ("cam", "objects", "squares")
+
+    s = samples(text)
+    decoded_total = value(s, "vidpipe_frames_decoded_total", pipeline="m", source="cam")
+    accepted = value(s, "vidpipe_frames_total", pipeline="m", source="cam")
+    drops = {
+        reason: value(s, "vidpipe_frames_dropped_total", pipeline="m", source="cam", reason=reason)
+        for reason in ("queue_full", "pool_empty", "max_fps", "shutdown")
+        if ("vidpipe_frames_dropped_total", (("pipeline", "m"), ("reason", reason), ("source", "cam"))) in s
+    }
+    assert drops["queue_full"] > accepted
+    assert decoded_total == accepted + sum(drops.values())
+
+
+def test_e2e_latency_buckets_reach_a_minute() -> None:
+    m = Metrics()
+    m.e2e_latency.labels("p", "cam").observe(11.0)
+    buckets = {
+        sample.labels["le"]: sample.value
+        for family in m.registry.collect()
+        if family.name == "vidpipe_e2e_latency_seconds"
+        for sample in family.samples
+        if sample.name.endswith("_bucket")
+    }
+    assert (buckets["10.0"], buckets["15.0"]) == (0.0, 1.0)
+    assert list(buckets)[-2:] == ["60.0", "+Inf"]
+
+
+RECORDED = """\
+pipeline: m
+sources:
+  - {id: cam, url: "test://?fps=60&width=320&height=240"}
+outputs: [{type: file, path: "out/{source}.mp4", annotate: true}]
+"""
+
+
+DROPPED = "vidpipe_recording_frames_dropped_total"
+
+
+async def test_frames_left_out_of_a_live_recording_are_counted_and_logged_once_per_interval(
+    tmp_path: Path, nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The encoder is the narrow seam slowed down: 0.1 s a frame behind a 60 fps camera.
+    write = VideoFileWriter.write
+
+    def slow(self: VideoFileWriter, image: np.ndarray, pts: float) -> None:
+        time.sleep(0.1)
+        write(self, image, pts)
+
+    monkeypatch.setattr(VideoFileWriter, "write", slow)
+    path = tmp_path / "m.yaml"
+    path.write_text(RECORDED)
+    handler = Records()
+    logger = logging.getLogger("vidpipe.runtime")
+    logger.addHandler(handler)
+    runtime = Runtime(load_config(path), nats_url=nats_server.url)
+    try:
+        await runtime.start()
+        try:
+            await until(
+                lambda: (
+                    (
+                        runtime.metrics.registry.get_sample_value(DROPPED, {"pipeline": "m", "source": "cam"})
+                        or 0
+                    )
+                    >= 20
+                ),
+                60,
+                "frames left out of the recording",
+            )
+        finally:
+            await runtime.stop()
+    finally:
+        logger.removeHandler(handler)
+    s = samples(runtime.metrics.render().decode())
+    dropped = value(s, "vidpipe_recording_frames_dropped_total", pipeline="m", source="cam")
+    published = value(s, "vidpipe_published_messages_total", pipeline="m", source="cam")
+    assert 20 <= dropped < published
+    lines = [r.getMessage() for r in handler.records if "recording" in r.getMessage()]
+    # Well within one 10 s interval: one line, however many frames were left out.
+    assert lines == [
+        "source cam: a frame left out of its recording: drawing and encoding are slower than the "
+        "source (vidpipe_recording_frames_dropped_total counts them; lower max_fps, or record "
+        "without annotate)"
+    ]
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (make test installs it with apt)")
+async def test_the_dashboard_shows_an_overloaded_source_as_the_log_says_it(
+    tmp_path: Path,
+    sample_models: Path,
+    nats_server: EmbeddedNats,
+    monkeypatch: pytest.MonkeyPatch,
+    chromium: DevTools,
+) -> None:
+    run_borrowed = OpenVinoBackend.run_borrowed
+
+    def slow(self: OpenVinoBackend, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        time.sleep(0.25)
+        return run_borrowed(self, inputs)
+
+    monkeypatch.setattr(OpenVinoBackend, "run_borrowed", slow)
+    path = tmp_path / "m.yaml"
+    path.write_text(OVERLOADED.format(models=sample_models) + 'http: {listen: "127.0.0.1:0"}\n')
+    config = load_config(path)
+    assert config.http is not None
+    runtime = Runtime(config, nats_url=nats_server.url, overload_interval=1.0)
+    await runtime.start()
+    api = ApiServer(runtime, config.http)
+    try:
+        await api.start()
+        await open_dashboard(chromium, api.url + "/")
+        shown = await chromium.poll(
+            "(() => { const o = document.querySelector('[data-source-id=\"cam\"] .overload');"
+            " return o && !o.hidden ? o.textContent : null; })()",
+            lambda v: bool(v),
+            timeout=60,
+        )
+        assert WARNING.fullmatch(shown), shown
+        await chromium.screenshot(ARTIFACTS / "dashboard-overload.png")
+    finally:
+        await api.stop()
+        await runtime.stop()
