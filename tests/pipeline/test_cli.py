@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.nats_server import EmbeddedNats
 from pipeline.sources.rtsp import RtspSource
-from pipeline.sources.schemes import create_source
+from pipeline.sources.registry import create_source
 from tests.conftest import ROOT, run_cli
 from tests.pipeline.test_inputs import take, timed_config
 from tests.support.media_servers import level, level_clip
