@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.nats_server import EmbeddedNats
-from pipeline.sources.rtsp import RtspSource
 from pipeline.sources.registry import create_source
+from pipeline.sources.rtsp import RtspSource
 from tests.conftest import ROOT, run_cli
 from tests.pipeline.test_inputs import take, timed_config
 from tests.support.media_servers import level, level_clip
