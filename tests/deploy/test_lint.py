@@ -103,19 +103,60 @@ def test_kubernetes_validate_rejects_a_broken_manifest() -> None:
         kubernetes_validate.validate(broken, kubernetes_validate.latest_version(), strict=True)
 
 
+def requirement_names(requirements: list[str]) -> set[str]:
+    return {normalise(re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0]) for req in requirements}
+
+
 def test_lock_pins_every_dependency() -> None:
-    """constraints.txt pins each dependency of the package and its test extra.
+    """constraints.txt pins each dependency of the package, its test extra and the samples group.
 
     It fails after a dependency is added to pyproject.toml without running `make lock`,
     which would leave the new package unpinned in CI and in the image.
     """
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    wanted = [*project["dependencies"], *project["optional-dependencies"]["test"]]
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    project = pyproject["project"]
+    wanted = [
+        *project["dependencies"],
+        *project["optional-dependencies"]["test"],
+        *pyproject["dependency-groups"]["samples"],
+    ]
     pinned = {
         normalise(m.group(1))
         for line in (ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines()
         if (m := PIN_RE.match(line))
     }
-    names = {normalise(re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0]) for req in wanted}
-    missing = sorted(names - pinned)
+    missing = sorted(requirement_names(wanted) - pinned)
     assert not missing, f"not in constraints.txt: {missing}; run `make lock`"
+
+
+def test_runtime_dependencies_leave_out_tests_samples_and_the_gui_opencv() -> None:
+    """A plain install gets headless OpenCV and none of what only the tests or the samples use."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    runtime = requirement_names(pyproject["project"]["dependencies"])
+    assert "opencv-python-headless" in runtime
+    assert runtime.isdisjoint({"opencv-python", "jsonschema", "rapidocr-onnxruntime"}), runtime
+    assert "jsonschema" in requirement_names(pyproject["project"]["optional-dependencies"]["test"])
+    assert requirement_names(pyproject["dependency-groups"]["samples"]) == {"rapidocr-onnxruntime"}
+
+
+# What every Debian/Ubuntu base (the slim image included) has: the C and C++ runtimes, zlib.
+BASE_LIBRARIES = ("linux-vdso", "ld-linux", "libc.", "libm.", "libmvec.", "libdl.", "libpthread.",
+                  "librt.", "libstdc++.", "libgcc_s.", "libz.")  # fmt: skip
+
+
+def test_opencv_needs_no_system_package() -> None:
+    """The Makefile's demo and the images install no system package: the cv2 imported here
+    is the headless build, whose extension links nothing outside its wheel but the base
+    libraries (the GUI build links libGL, GLib and X11, which the slim image lacks)."""
+    import cv2
+
+    libraries = sorted(Path(cv2.__file__).parent.glob("cv2*.so"))
+    assert libraries, f"no cv2 extension next to {cv2.__file__}"
+    ldd = subprocess.run(["ldd", str(libraries[0])], capture_output=True, text=True, timeout=60, check=True)
+    wheel = str(Path(cv2.__file__).parent.parent)
+    system = [
+        Path(line.split()[0]).name
+        for line in ldd.stdout.splitlines()
+        if line.strip() and wheel not in line and not Path(line.split()[0]).name.startswith(BASE_LIBRARIES)
+    ]
+    assert not system, f"cv2 links system libraries the slim image lacks: {system}"

