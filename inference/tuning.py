@@ -614,7 +614,8 @@ async def tune(
 # -- writing the pick ------------------------------------------------------------------------
 
 
-def _yaml() -> Any:
+def round_trip_yaml() -> Any:
+    """A YAML editor that keeps a config file's comments, order and flow style."""
     from ruamel.yaml import YAML
 
     y = YAML(typ="rt")
@@ -639,7 +640,8 @@ def _section(doc: Any, key: str) -> Any:
     return doc[key]
 
 
-def _set(mapping: Any, key: str, value: Any, changes: list[str], label: str) -> None:
+def set_key(mapping: Any, key: str, value: Any, changes: list[str], label: str) -> None:
+    """Set ``key`` in a round-trip mapping when it differs, and say so in ``changes``."""
     old = mapping.get(key)
     if old == value:
         return
@@ -665,17 +667,17 @@ def tuned_config_text(text: str, config: ModelConfig, point: TrialPoint, file: s
     knob leaves its line, or its absence, alone.
     """
     current = TrialPoint.from_config(config)
-    y = _yaml()
+    y = round_trip_yaml()
     doc = y.load(text)
     changes: list[str] = []
     if point.backend != config.backend:
-        _set(doc, "backend", point.backend, changes, "backend")
+        set_key(doc, "backend", point.backend, changes, "backend")
     if point.max_batch_size != config.max_batch_size:
-        _set(doc, "max_batch_size", point.max_batch_size, changes, "max_batch_size")
+        set_key(doc, "max_batch_size", point.max_batch_size, changes, "max_batch_size")
     if point.preferred != current.preferred or point.delay_us != current.delay_us:
         db = _section(doc, "dynamic_batching")
         if point.preferred != current.preferred:
-            _set(
+            set_key(
                 db,
                 "preferred_batch_size",
                 list(point.preferred),
@@ -683,7 +685,7 @@ def tuned_config_text(text: str, config: ModelConfig, point: TrialPoint, file: s
                 "dynamic_batching.preferred_batch_size",
             )
         if point.delay_us != current.delay_us:
-            _set(
+            set_key(
                 db,
                 "max_queue_delay_microseconds",
                 point.delay_us,
@@ -693,7 +695,7 @@ def tuned_config_text(text: str, config: ModelConfig, point: TrialPoint, file: s
     if point.instances != config.instance_count:
         groups = doc.get("instance_group")
         if isinstance(groups, list) and len(groups) == 1 and isinstance(groups[0], dict):
-            _set(groups[0], "count", point.instances, changes, "instance_group[0].count")
+            set_key(groups[0], "count", point.instances, changes, "instance_group[0].count")
         else:
             from ruamel.yaml.comments import CommentedMap
 
@@ -706,7 +708,7 @@ def tuned_config_text(text: str, config: ModelConfig, point: TrialPoint, file: s
     opts = config.backend_options
     if point.backend == "openvino":
         if point.precision != opts.precision:
-            _set(
+            set_key(
                 _section(doc, "backend_options"),
                 "precision",
                 point.precision,
@@ -714,11 +716,11 @@ def tuned_config_text(text: str, config: ModelConfig, point: TrialPoint, file: s
                 "backend_options.precision",
             )
         if point.threads != opts.threads:
-            _set(
+            set_key(
                 _section(doc, "backend_options"), "threads", point.threads, changes, "backend_options.threads"
             )
     elif point.threads != opts.intra_op_threads:
-        _set(
+        set_key(
             _section(doc, "backend_options"),
             "intra_op_threads",
             point.threads,

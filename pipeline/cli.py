@@ -8,7 +8,9 @@
     vidpipe validate CONFIG
     vidpipe subscribe [--nats URL] [SUBJECT] [--count N] [--timeout S]
     vidpipe models list REPO
-    vidpipe models add MODEL.onnx [--repo DIR] [--name NAME] [--link]
+    vidpipe models add MODEL.onnx [--repo DIR] [--name NAME] [--link] [--backend B] [--instances N]
+    vidpipe models quantize NAME --from SOURCE... [--repo DIR] [--frames N] [--every K]
+                            [--min-agreement A]
     vidpipe tune REPO MODEL [--concurrency N] [--seconds S] [--trial-seconds S]
                             [--latency-budget-ms MS] [--write]
     vidpipe run CONFIG --fleet NAME ...      share the sources with other workers (docs/fleet.md)
@@ -175,6 +177,35 @@ def build_parser() -> argparse.ArgumentParser:
     models_add.add_argument("--name", help="model name (default: the file name without .onnx)")
     models_add.add_argument("--link", action="store_true", help="symlink the file instead of copying it")
 
+    quantize = models_sub.add_parser(
+        "quantize",
+        help="INT8 from your own video: calibrate, check against the float model, write a new version",
+        parents=[common],
+        description="Calibrates an INT8 OpenVINO model (NNCF) on frames of your files or cameras, taken "
+        "through the model's own preprocessing; every fourth frame is held out to compare the INT8 "
+        "answers with the float model's. A model that agrees less than --min-agreement is refused and "
+        "nothing is written; otherwise it becomes the model's next version (the float one stays).",
+    )
+    quantize.add_argument("name", help="model name (its folder in the repository)")
+    quantize.add_argument("--repo", default="models", help="model repository folder")
+    quantize.add_argument(
+        "--from",
+        dest="sources",
+        action="append",
+        required=True,
+        metavar="SOURCE",
+        help="a file or camera URL to take frames from (repeatable)",
+    )
+    quantize.add_argument("--frames", type=int, default=300, metavar="N", help="frames in all")
+    quantize.add_argument("--every", type=int, default=5, metavar="K", help="take every K-th frame")
+    quantize.add_argument(
+        "--min-agreement",
+        type=float,
+        default=0.95,
+        metavar="A",
+        help="the share of answers (boxes at IoU >= 0.7 and per-frame counts, labels, text) that must agree",
+    )
+
     tune = sub.add_parser(
         "tune", help="measure a model's configurations and pick the fastest", parents=[common]
     )
@@ -270,6 +301,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     if args.models_command == "add":
         return cmd_models_add(args)
+    if args.models_command == "quantize":
+        return cmd_models_quantize(args)
     repo = Path(args.repo)
     if not repo.is_dir():
         raise ConfigError(str(repo), None, "", "model repository folder not found", "check the path")
@@ -297,6 +330,45 @@ def cmd_models_add(args: argparse.Namespace) -> int:
     for note in added.description.notes:
         print(f"note: {note}")
     print(f"model {added.name} loads: {added.status.state.value} on {added.status.backend}")
+    return EXIT_OK
+
+
+def cmd_models_quantize(args: argparse.Namespace) -> int:
+    """``vidpipe models quantize NAME --from SOURCE...``: exit 1 when the INT8 model is refused."""
+    from inference.quantize import QuantizeError, QuantizeRefused, quantize_model, read_frames
+    from pipeline.sources.schemes import check_url, resolve_url
+
+    for flag, value in (("--frames", args.frames), ("--every", args.every)):
+        if value < 1:
+            raise ConfigError(flag, None, "", "must be at least 1")
+    if not 0 < args.min_agreement <= 1:
+        raise ConfigError("--min-agreement", None, "", "must be in (0, 1]")
+    if not Path(args.repo).is_dir():
+        raise ConfigError(args.repo, None, "", "model repository folder not found", "check the path")
+    urls = []
+    for source in args.sources:
+        problem = check_url(source)
+        if problem:
+            raise ConfigError("--from", None, "", f"{source}: {problem}")
+        url = resolve_url(source, Path.cwd())
+        urls.append(url.removeprefix("file://"))
+    try:
+        frames = read_frames(urls, args.frames, every=args.every)
+        print(f"{len(frames)} frame(s) from {len(urls)} source(s)", flush=True)
+        result = quantize_model(Path(args.repo), args.name, frames, min_agreement=args.min_agreement)
+    except QuantizeRefused as exc:
+        print(f"vidpipe: refused: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    except QuantizeError as exc:
+        print(f"vidpipe: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    print(
+        f"model {result.name}: INT8 version {result.version} written to {result.model_file} "
+        f"(calibrated on {result.calibration_frames} frame(s))"
+    )
+    print(f"check: {result.agreement.describe()} (threshold {result.threshold:g})")
+    print(f"wrote {result.config_file}: " + "; ".join(result.changes))
+    print(f"to roll back: {result.rollback}")
     return EXIT_OK
 
 
