@@ -11,8 +11,8 @@
     vidpipe models add MODEL.onnx [--repo DIR] [--name NAME] [--link] [--backend B] [--instances N]
     vidpipe models quantize NAME --from SOURCE... [--repo DIR] [--frames N] [--every K]
                             [--min-agreement A]
-    vidpipe tune REPO MODEL [--concurrency N] [--seconds S] [--trial-seconds S]
-                            [--latency-budget-ms MS] [--write]
+    vidpipe tune REPO MODEL [--concurrency N] [--seconds S] [--trial-inferences N]
+                            [--latency-budget-ms MS] [--source FILE --streams N] [--write]
     vidpipe run CONFIG --fleet NAME ...      share the sources with other workers (docs/fleet.md)
     vidpipe fleet add URL [--id ID] | remove ID | list [--json]   --nats URL --fleet NAME
 
@@ -213,9 +213,30 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("model", help="model name (its folder in the repository)")
     tune.add_argument("--concurrency", type=int, default=8, metavar="N", help="callers in flight (8)")
     tune.add_argument("--seconds", type=float, default=120.0, metavar="S", help="the whole search (120)")
-    tune.add_argument("--trial-seconds", type=float, default=2.0, metavar="S", help="each point (2)")
+    tune.add_argument(
+        "--trial-inferences",
+        type=int,
+        default=64,
+        metavar="N",
+        help="answers timed per point, after a warm-up (at least 4 per caller)",
+    )
     tune.add_argument("--latency-budget-ms", type=float, metavar="MS", help="p99 limit for the pick")
-    tune.add_argument("--write", action="store_true", help="write the pick into the model's config.yaml")
+    tune.add_argument(
+        "--source",
+        metavar="FILE",
+        help="measure under the pipeline's load: each caller decodes this video as a stream of its own",
+    )
+    tune.add_argument(
+        "--streams",
+        type=int,
+        metavar="N",
+        help="streams of --source at once (default: --concurrency)",
+    )
+    tune.add_argument(
+        "--write",
+        action="store_true",
+        help="write the pick into config.yaml once it beats the current configuration in interleaved turns",
+    )
 
     fleet = sub.add_parser("fleet", help="a fleet's desired sources, workers and leases", parents=[common])
     fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True, parser_class=_Parser)
@@ -378,12 +399,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for flag, value in (
         ("--concurrency", args.concurrency),
         ("--seconds", args.seconds),
-        ("--trial-seconds", args.trial_seconds),
+        ("--trial-inferences", args.trial_inferences),
     ):
         if value <= 0:
             raise ConfigError(flag, None, "", "must be greater than 0")
     if args.latency_budget_ms is not None and args.latency_budget_ms <= 0:
         raise ConfigError("--latency-budget-ms", None, "", "must be greater than 0")
+    if args.streams is not None:
+        if args.source is None:
+            raise ConfigError("--streams", None, "", "needs --source FILE", "--source clip.mp4 --streams 4")
+        if args.streams <= 0:
+            raise ConfigError("--streams", None, "", "must be greater than 0")
+    if args.source is not None and not Path(args.source).is_file():
+        raise ConfigError(args.source, None, "", "video file not found", "check the path")
     if not Path(args.repo).is_dir():
         raise ConfigError(args.repo, None, "", "model repository folder not found", "check the path")
 
@@ -399,11 +427,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
         tune(
             Path(args.repo),
             args.model,
-            concurrency=args.concurrency,
+            concurrency=args.streams or args.concurrency,
             budget_s=args.seconds,
-            trial_seconds=args.trial_seconds,
+            inferences=args.trial_inferences,
             latency_budget_ms=args.latency_budget_ms,
             on_result=progress,
+            verify_rounds=3 if args.write else 0,
+            stream_file=args.source,
         )
     )
     print(report.table())
@@ -411,11 +441,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if report.picked is None:
         return EXIT_RUNTIME
     if args.write:
-        changes = write_tuned_config(report.config_file, report.picked.point)
-        if changes:
-            print(f"wrote {report.config_file}: " + "; ".join(changes))
-        else:
-            print(f"{report.config_file}: already the pick, unchanged")
+        point = report.to_write
+        if point is None:
+            print(f"{report.config_file}: unchanged (the current configuration is as fast as the pick)")
+            return EXIT_OK
+        changes = write_tuned_config(report.config_file, point)
+        print(f"wrote {report.config_file}: " + "; ".join(changes))
     return EXIT_OK
 
 
