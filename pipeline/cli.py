@@ -176,6 +176,17 @@ def build_parser() -> argparse.ArgumentParser:
     models_add.add_argument("--repo", default="models", help="model repository folder (default: models)")
     models_add.add_argument("--name", help="model name (default: the file name without .onnx)")
     models_add.add_argument("--link", action="store_true", help="symlink the file instead of copying it")
+    models_add.add_argument(
+        "--backend",
+        choices=["openvino", "onnxruntime"],
+        help="the runtime (default: openvino where installed, else onnxruntime)",
+    )
+    models_add.add_argument(
+        "--instances",
+        type=int,
+        metavar="N",
+        help="instances to run (default: 1, 2 or one per CPU, whichever a short measurement finds fastest)",
+    )
 
     quantize = models_sub.add_parser(
         "quantize",
@@ -335,22 +346,48 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_models_add(args: argparse.Namespace) -> int:
     """``vidpipe models add MODEL.onnx``: exit 2 for a file it cannot describe, 1 if it does not load."""
     from inference.introspect import ModelIntrospectionError
-    from inference.repository import add_model
+    from inference.repository import add_model, read_source
+    from inference.tuning import TrialPoint, choose_instances, write_tuned_config
 
     model = Path(args.model)
     if not model.is_file():
         raise ConfigError(str(model), None, "", "model file not found", "check the path")
+    if args.instances is not None and args.instances < 1:
+        raise ConfigError("--instances", None, "", "must be at least 1")
+    repo = Path(args.repo)
     try:
-        added = asyncio.run(add_model(model, Path(args.repo), args.name, link=args.link))
+        added = asyncio.run(
+            add_model(
+                model, repo, args.name, link=args.link, backend=args.backend, instances=args.instances or 1
+            )
+        )
     except ModelIntrospectionError as exc:
         print(f"vidpipe: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    text = added.config_text
+    choice = None
+    if args.instances is None:
+        # A bounded number of answers per count (not seconds): seconds on a fast model, longer on a slow one.
+        choice = asyncio.run(choose_instances(repo, added.name))
+        if choice.chosen != 1:
+            point = TrialPoint.from_config(read_source(repo, added.name).config)
+            write_tuned_config(added.config_file, dataclasses.replace(point, instances=choice.chosen))
+            text = added.config_file.read_text(encoding="utf-8")
     print(f"wrote {added.config_file}:")
-    print(added.config_text, end="")
+    print(text, end="")
     print(f"model file: {added.model_file}")
     for note in added.description.notes:
         print(f"note: {note}")
     print(f"model {added.name} loads: {added.status.state.value} on {added.status.backend}")
+    if choice is not None:
+        print(choice.describe())
+    if added.description.max_batch_size == 1:
+        suggested = choice.chosen if choice is not None else args.instances
+        print(
+            "batch: the model was exported with a fixed batch of 1, so each instance runs one image at a "
+            f"time; suggested instances: {suggested}. Re-export with a dynamic batch axis "
+            "(ultralytics: dynamic=True) to batch images from several cameras"
+        )
     return EXIT_OK
 
 
