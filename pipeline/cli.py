@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prove the config works.",
     )
     models_add.add_argument("model", help="the .onnx file")
-    models_add.add_argument("--repo", default="models", help="model repository folder (default: models)")
+    models_add.add_argument("--repo", default="models", help="model repository folder")
     models_add.add_argument("--name", help="model name (default: the file name without .onnx)")
     models_add.add_argument("--link", action="store_true", help="symlink the file instead of copying it")
     models_add.add_argument(
@@ -222,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("repo", help="model repository folder")
     tune.add_argument("model", help="model name (its folder in the repository)")
-    tune.add_argument("--concurrency", type=int, default=8, metavar="N", help="callers in flight (8)")
-    tune.add_argument("--seconds", type=float, default=120.0, metavar="S", help="the whole search (120)")
+    tune.add_argument("--concurrency", type=int, default=8, metavar="N", help="callers in flight")
+    tune.add_argument("--seconds", type=float, default=120.0, metavar="S", help="the whole search")
     tune.add_argument(
         "--trial-inferences",
         type=int,

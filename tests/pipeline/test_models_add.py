@@ -169,6 +169,7 @@ def test_models_add_takes_the_backend_it_is_given(tmp_path: Path) -> None:
     assert (bad.returncode, bad.stderr.strip()) == (2, "--instances: must be at least 1")
     help_text = " ".join(run_cli("models", "add", "--help").stdout.split())
     assert help_text.count("default: openvino where installed, else onnxruntime") == 1
+    assert help_text.count("(default: models)") == 1
 
 
 def test_models_add_refuses_what_it_cannot_serve_and_writes_nothing(tmp_path: Path) -> None:
