@@ -35,7 +35,7 @@ import dataclasses
 import io
 import logging
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 MATCH_IOU = 0.7
 DEFAULT_MIN_AGREEMENT = 0.95
 HOLD_OUT_EVERY = 4  # every fourth frame checks, the others calibrate
+MAX_SIDE = 1280  # frames read for calibration are scaled down to this (models take 320-1280)
 INT8_FILE = "model.xml"
 REPORT_FILE = "quantize.txt"
 DETECTION_KINDS = ("yolo", "text_detect")
@@ -128,13 +129,18 @@ class QuantizeResult:
     rollback: str
 
 
-def read_frames(urls: Sequence[str], count: int, *, every: int = 1) -> list[np.ndarray]:
+def read_frames(
+    urls: Sequence[str], count: int, *, every: int = 1, max_side: int = MAX_SIDE
+) -> list[np.ndarray]:
     """Up to ``count`` RGB frames from files or camera URLs (PyAV), every ``every``-th frame.
 
     The sources are read in turn, each for an equal share of ``count``, so a
-    calibration set covers every camera the model will see.
+    calibration set covers every camera the model will see. Frames larger than
+    ``max_side`` are scaled down (the model sees them smaller still), so a few
+    hundred 4K frames fit in memory.
     """
     import av
+    import cv2
 
     frames: list[np.ndarray] = []
     for k, url in enumerate(urls):
@@ -150,7 +156,12 @@ def read_frames(urls: Sequence[str], count: int, *, every: int = 1) -> list[np.n
                 if taken >= share:
                     break
                 if i % every == 0:
-                    frames.append(frame.to_ndarray(format="rgb24"))
+                    image: np.ndarray = frame.to_ndarray(format="rgb24")
+                    scale = max_side / max(image.shape[:2])
+                    if scale < 1:
+                        size = (round(image.shape[1] * scale), round(image.shape[0] * scale))
+                        image = cv2.resize(image, size, interpolation=cv2.INTER_AREA)
+                    frames.append(image)
                     taken += 1
         if taken == 0:
             raise QuantizeError(f"{url}: no video frames")
@@ -267,19 +278,20 @@ def int8_config(config: ModelConfig, model_path: Path) -> ModelConfig:
     )
 
 
-def _calibration_tensors(config: ModelConfig, frames: Iterable[np.ndarray]) -> list[np.ndarray]:
-    """The frames as the model's input tensors, through the model's own preprocessing."""
+def _to_tensor(config: ModelConfig) -> Callable[[np.ndarray], np.ndarray]:
+    """A frame as the model's input tensor, through the model's own preprocessing."""
     preprocess = ImagePreprocessor(config.input)
     c, h, w = config.input.shape
-    tensors = []
-    for frame in frames:
+
+    def tensor(frame: np.ndarray) -> np.ndarray:
         out = np.empty((1, c, h, w), dtype=config.input.dtype)
         preprocess([frame], out)
-        tensors.append(out if config.max_batch_size else out[0])
-    return tensors
+        return out if config.max_batch_size else out[0]
+
+    return tensor
 
 
-def _quantize(config: ModelConfig, float_path: Path, tensors: list[np.ndarray], out: Path) -> None:
+def _quantize(config: ModelConfig, float_path: Path, frames: Sequence[np.ndarray], out: Path) -> None:
     try:
         import nncf
     except ImportError:
@@ -291,8 +303,10 @@ def _quantize(config: ModelConfig, float_path: Path, tensors: list[np.ndarray], 
     nncf.set_log_level(logging.ERROR)
     model = ov.Core().read_model(str(float_path))
     name = config.input.name or model.inputs[0].get_any_name()
-    dataset = nncf.Dataset(tensors, lambda t: {name: t})
-    quantized = nncf.quantize(model, dataset, subset_size=len(tensors))
+    tensor = _to_tensor(config)
+    # Preprocessed one frame at a time as NNCF asks: a few hundred float tensors would not fit in memory.
+    dataset = nncf.Dataset(frames, lambda frame: {name: tensor(frame)})
+    quantized = nncf.quantize(model, dataset, subset_size=len(frames))
     ov.save_model(quantized, str(out), compress_to_fp16=False)
 
 
@@ -402,7 +416,7 @@ def quantize_model(
     try:
         int8_path = staging / INT8_FILE
         log.info("%s: calibrating on %d frame(s)", name, len(calib))
-        _quantize(config, float_path, _calibration_tensors(config, calib), int8_path)
+        _quantize(config, float_path, calib, int8_path)
         log.info("%s: checking against the float model on %d held-out frame(s)", name, len(held))
         reference = _answers(config, source, held)
         candidate = _answers(int8_config(config, int8_path), source, held)

@@ -16,6 +16,7 @@ from inference.quantize import (
     QuantizeRefused,
     compare_results,
     quantize_model,
+    read_frames,
     split_frames,
 )
 from inference.repository import ModelRepository
@@ -89,6 +90,28 @@ def test_every_fourth_frame_is_held_out() -> None:
     calib, held = split_frames(frames)
     assert [int(f[0, 0, 0]) for f in held] == [3, 7]
     assert [int(f[0, 0, 0]) for f in calib] == [0, 1, 2, 4, 5, 6]
+
+
+def test_frames_come_from_every_source_in_turn_every_kth_and_scaled_down(demo_clip: Path) -> None:
+    frames = read_frames([str(demo_clip), str(demo_clip)], 10, every=3, max_side=320)
+    assert len(frames) == 10
+    assert {f.shape for f in frames} == {(180, 320, 3)}
+    # Five from each source, the 0th, 3rd, 6th, ... frame: the two halves are the same frames.
+    assert all(np.array_equal(a, b) for a, b in zip(frames[:5], frames[5:], strict=True))
+    assert not np.array_equal(frames[0], frames[1])
+
+
+def test_quantize_refuses_bad_arguments_and_unreadable_sources(tmp_path: Path) -> None:
+    repo = det_repo(tmp_path)
+    proc = run_cli(
+        "models", "quantize", "ppocr_det", "--repo", str(repo), "--from", "x.mp4", "--min-agreement", "0"
+    )
+    assert (proc.returncode, proc.stderr.strip()) == (2, "--min-agreement: must be in (0, 1]")
+    missing = tmp_path / "missing.mp4"
+    proc = run_cli("models", "quantize", "ppocr_det", "--repo", str(repo), "--from", str(missing))
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"vidpipe: {missing}: cannot open: ")
+    assert sorted(p.name for p in (repo / "ppocr_det").iterdir()) == ["1", "config.yaml"]
 
 
 @pytest.mark.slow
