@@ -17,6 +17,9 @@
 A fixed batch axis of 1 becomes ``max_batch_size: 1`` (batches of one image);
 a dynamic one ``max_batch_size: 8``; a model without a batch axis ``0``.
 
+The backend is the fastest CPU runtime installed (:func:`default_backend`):
+OpenVINO where it is, else ONNX Runtime.
+
 The same reading fills ``input.shape`` at load when a config leaves it out
 (:func:`fill_input_shape`). Nothing here imports a runtime: the file is read
 with the ``onnx`` package alone.
@@ -42,6 +45,7 @@ __all__ = [
     "ModelDescription",
     "ModelIntrospectionError",
     "config_text",
+    "default_backend",
     "describe_model",
     "fill_input_shape",
     "metadata_labels",
@@ -298,7 +302,27 @@ def _flow(value: Any) -> str:
     return text.removesuffix("...").rstrip()  # a bare scalar is dumped as a document with an end marker
 
 
-def config_text(desc: ModelDescription, name: str, model_file: str = "model.onnx") -> str:
+CPU_BACKENDS = ("openvino", "onnxruntime")  # fastest first
+
+
+def default_backend() -> str:
+    """The fastest CPU runtime installed: OpenVINO (about twice ONNX Runtime on CPUs), else ONNX Runtime."""
+    import importlib.util
+
+    for backend in CPU_BACKENDS:
+        if importlib.util.find_spec(backend) is not None:
+            return backend
+    return CPU_BACKENDS[-1]
+
+
+def config_text(
+    desc: ModelDescription,
+    name: str,
+    model_file: str = "model.onnx",
+    *,
+    backend: str | None = None,
+    instances: int = 1,
+) -> str:
     """The ``config.yaml`` for ``desc``: commented, every value taken from the file or a default."""
 
     def tensors(specs: Sequence[TensorSpec]) -> str:
@@ -317,7 +341,7 @@ def config_text(desc: ModelDescription, name: str, model_file: str = "model.onnx
         lines.append("# A fixed batch of 1: re-export with a dynamic batch axis to batch images.")
     lines += [
         f"name: {_flow(name)}",
-        "backend: onnxruntime",
+        f"backend: {backend or default_backend()}",
         f"model_file: {{path: {_flow(model_file)}}}",
         f"max_batch_size: {desc.max_batch_size}",
     ]
@@ -333,7 +357,7 @@ def config_text(desc: ModelDescription, name: str, model_file: str = "model.onnx
         lines.append(f"labels: {_flow(desc.labels)}")
     if desc.max_batch_size > 1:
         lines.append("dynamic_batching: {max_queue_delay_microseconds: 2000}")
-    lines.append("instance_group: [{count: 1, kind: KIND_CPU}]")
+    lines.append(f"instance_group: [{{count: {instances}, kind: KIND_CPU}}]")
     return "\n".join(lines) + "\n"
 
 

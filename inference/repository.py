@@ -20,7 +20,9 @@ the config key to change in the same way. A model that fails to load becomes
 
 :func:`add_model` (``vidpipe models add``) puts an ONNX file into the layout above
 as ``NAME/1/model.onnx`` with a config written from the file
-(:mod:`inference.introspect`), and loads it once to prove the config.
+(:mod:`inference.introspect`: the fastest CPU runtime installed unless told),
+and loads it once to prove the config. The CLI then measures a few instance
+counts (:func:`inference.tuning.choose_instances`) and writes the fastest.
 
 ``reload`` builds a new copy next to the one being served, swaps it in only
 once it is ready, and then drains the old copy, so requests already queued on
@@ -465,10 +467,19 @@ class AddedModel:
     status: ModelStatus
 
 
-async def add_model(model: Path, root: Path, name: str | None = None, *, link: bool = False) -> AddedModel:
+async def add_model(
+    model: Path,
+    root: Path,
+    name: str | None = None,
+    *,
+    link: bool = False,
+    backend: str | None = None,
+    instances: int = 1,
+) -> AddedModel:
     """Add an ONNX file to the repository as ``root/NAME/1/model.onnx`` with a config written from it.
 
-    ``name`` defaults to the file's stem. The model is then loaded through
+    ``name`` defaults to the file's stem; ``backend`` to the fastest CPU runtime
+    installed (:func:`~inference.introspect.default_backend`). The model is then loaded through
     :class:`ModelRepository` to prove the config works; if it does not load,
     the folder is removed again and :class:`ModelLoadError` says why; a file it
     cannot describe is a :class:`ModelIntrospectionError`, before anything is written.
@@ -483,7 +494,7 @@ async def add_model(model: Path, root: Path, name: str | None = None, *, link: b
     folder = root / name
     if folder.exists():
         raise ModelIntrospectionError(f"{folder} already exists; pass --name or remove it first")
-    text = config_text(desc, name)
+    text = config_text(desc, name, backend=backend, instances=instances)
     target = folder / "1" / "model.onnx"
     target.parent.mkdir(parents=True)
     try:

@@ -19,10 +19,25 @@ model's own input size, and searches these knobs::
 The search is coordinate descent: from the model's current configuration, vary
 one knob at a time over its values, keep the best, move to the next knob, and
 go round again while time is left and the last round changed something. Every
-point is measured once. A point counts only when its p99 latency is within the
-latency budget; the pick is the fastest such point, except that points within
+point is measured once, for a number of answers (``inferences``, after a
+warm-up), not a number of seconds, so each point is ranked on as much evidence
+as the next. A point counts only when its p99 latency is within the latency
+budget; the pick is the fastest such point, except that points within
 :data:`TIE` of the fastest are a tie (measurement noise on a shared machine) and
-the one with the lowest p99 wins.
+the one with the lowest p99 wins. A model file that fixes its batch (``[1, 3,
+H, W]``) is never tried at larger batches.
+
+The tuner never writes a configuration slower than the one it replaces:
+
+* the current configuration is measured first and again last; with the load
+  average before and the CPU steal during the search, a change in its speed
+  says the machine was busy (:class:`MachineCheck`), and the report says so;
+* before writing, the pick and the current configuration run in turns, the
+  order swapped each round (:func:`verify`); the pick is written only when the
+  median of its turns beats the current one's by more than :data:`TIE`.
+
+``stream_file`` measures under the pipeline's load: each caller decodes its own
+copy of a video file (:class:`FileFrames`) before each request, as N cameras would.
 
 :func:`write_tuned_config` puts the pick into ``config.yaml`` with a
 round-trip YAML editor: only the tuned keys that changed are rewritten, the
@@ -157,10 +172,24 @@ class SearchSpace:
     threads: tuple[int, ...]
     batches: tuple[int, ...]  # () = the model has no batch axis (max_batch_size 0)
     delays_us: tuple[int, ...]
+    skipped_batches: tuple[int, ...] = ()  # refused by a model file with a fixed batch
+    fixed_batch: int | None = None
 
     @classmethod
-    def for_model(cls, config: ModelConfig, *, concurrency: int, cpus: int | None = None) -> SearchSpace:
-        """The knobs' values for ``config`` on this machine under ``concurrency`` callers."""
+    def for_model(
+        cls,
+        config: ModelConfig,
+        *,
+        concurrency: int,
+        cpus: int | None = None,
+        fixed_batch: int | None = None,
+    ) -> SearchSpace:
+        """The knobs' values for ``config`` on this machine under ``concurrency`` callers.
+
+        ``fixed_batch``: the batch the model file declares, when it is not dynamic;
+        larger batches are left out (the runtime would refuse them), except where
+        OpenVINO runs a batch as pieces of a static size (``static_batch_sizes``).
+        """
         cpus = cpus or os.cpu_count() or 1
         backends = [b for b in ("openvino", "onnxruntime") if importlib.util.find_spec(b) is not None]
         if config.backend not in backends:
@@ -175,6 +204,13 @@ class SearchSpace:
             # A batch larger than the callers in flight can never fill.
             batches = [b for b in BATCHES if b <= max(1, concurrency)]
             batches.append(config.max_batch_size)
+        skipped: list[int] = []
+        pieces = config.backend == "openvino" and bool(
+            config.backend_options_as(OpenVinoOptions).static_batch_sizes
+        )
+        if fixed_batch is not None and not pieces:
+            skipped = sorted({b for b in batches if b > fixed_batch})
+            batches = [b for b in batches if b <= fixed_batch] or [fixed_batch]
         return cls(
             backends=tuple(backends),
             precisions=tuple(precisions),
@@ -182,6 +218,8 @@ class SearchSpace:
             threads=_sorted_unique([0, 1, cpus, start.threads]),
             batches=_sorted_unique(batches),
             delays_us=_sorted_unique([*DELAYS_US, start.delay_us]),
+            skipped_batches=tuple(skipped),
+            fixed_batch=fixed_batch,
         )
 
     def preferred_for(self, max_batch: int) -> list[tuple[int, ...]]:
@@ -396,23 +434,68 @@ def sample_images(config: ModelConfig, count: int = 16) -> list[np.ndarray]:
 # -- measuring -------------------------------------------------------------------------------
 
 
+class FileFrames:
+    """Frames of a video file decoded in a loop (PyAV), as one camera of the pipeline would decode them.
+
+    Under ``--source FILE --streams N`` every caller owns one, so the CPU decodes
+    N streams while the model runs: the load the model shares the machine with.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._container: Any = None
+        self._frames: Any = None
+
+    def _open(self) -> None:
+        import av
+
+        self.close()
+        self._container = av.open(self.path)
+        self._frames = self._container.decode(video=0)
+
+    def next(self) -> np.ndarray:
+        """The next frame as RGB uint8; the file starts again at its end (blocking: run it on a thread)."""
+        for _ in range(2):
+            if self._frames is None:
+                self._open()
+            frame = next(self._frames, None)
+            if frame is not None:
+                return np.asarray(frame.to_ndarray(format="rgb24"))
+            self._frames = None
+        raise ValueError(f"{self.path}: no video frames")
+
+    def close(self) -> None:
+        if self._container is not None:
+            self._container.close()
+        self._container = self._frames = None
+
+
 class TrialRunner:
-    """Measures a point: load the model with it, drive closed-loop load, unload."""
+    """Measures a point: load the model with it, drive closed-loop load, unload.
+
+    A trial lasts a number of answers, not seconds: ``warmup`` answers are not
+    counted, then ``inferences`` answers (at least four per caller) are, so a slow
+    model is measured on as many answers as a fast one and a busy second does not
+    decide a ranking. With ``stream_file``, each caller decodes its own copy of
+    that video file in a loop before each request (the pipeline's sources × streams).
+    """
 
     def __init__(
         self,
         source: ModelSource,
         *,
         concurrency: int = 8,
-        trial_seconds: float = 2.0,
-        warmup_seconds: float = 0.5,
+        inferences: int = 64,
+        warmup: int | None = None,
         images: Sequence[np.ndarray] | None = None,
+        stream_file: str | None = None,
     ) -> None:
         self.source = source
         self.concurrency = max(1, concurrency)
-        self.trial_seconds = trial_seconds
-        self.warmup_seconds = warmup_seconds
+        self.inferences = max(inferences, 4 * self.concurrency)
+        self.warmup = max(1, warmup if warmup is not None else max(self.concurrency, inferences // 4))
         self.images = list(images) if images is not None else sample_images(source.config)
+        self.stream_file = stream_file
 
     async def __call__(self, point: TrialPoint) -> TrialResult:
         src = self.source
@@ -436,45 +519,170 @@ class TrialRunner:
         return result
 
     async def _drive(self, model: Model, result: TrialResult) -> None:
-        """Closed-loop load: warm up, then count the answers that arrive inside the window."""
-        window_start = time.perf_counter() + self.warmup_seconds
-        window_end = window_start + self.trial_seconds
+        """Closed-loop load until ``warmup + inferences`` answers; the last ``inferences`` are timed."""
+        target = self.warmup + self.inferences
         latencies: list[float] = []
-        rejected = 0
+        answered = rejected = 0
+        window = [0.0, 0.0]
+        batches = [0, 0]
         n = len(self.images)
+        streams = [FileFrames(self.stream_file) for _ in range(self.concurrency)] if self.stream_file else []
 
-        async def caller(offset: int) -> None:
-            nonlocal rejected
-            i = offset
-            while (t0 := time.perf_counter()) < window_end:
+        async def caller(k: int) -> None:
+            nonlocal answered, rejected
+            i = k
+            while answered < target:
+                if streams:
+                    image = await asyncio.to_thread(streams[k].next)
+                else:
+                    image = self.images[i % n]
+                t0 = time.perf_counter()
                 try:
-                    await model.infer(self.images[i % n])
+                    await model.infer(image)
                 except InferenceRejected:
                     rejected += 1
                     await asyncio.sleep(0.001)  # a full queue: let the instances drain it
                     continue
                 t1 = time.perf_counter()
-                # An answer inside the window counts, even if it was asked during the warm-up.
-                if window_start <= t1 <= window_end:
+                answered += 1
+                if answered == self.warmup:
+                    window[0] = t1
+                    batches[:] = [model.stats.batches, model.stats.batched_requests]
+                elif self.warmup < answered <= target:
                     latencies.append(t1 - t0)
+                    if answered == target:
+                        window[1] = t1
                 i += self.concurrency
 
-        async def batches_at_window_start() -> tuple[int, int]:
-            await asyncio.sleep(self.warmup_seconds)
-            return model.stats.batches, model.stats.batched_requests
-
-        callers = asyncio.gather(*(caller(k) for k in range(self.concurrency)))
-        (b0, r0), _ = await asyncio.gather(batches_at_window_start(), callers)
+        try:
+            await asyncio.gather(*(caller(k) for k in range(self.concurrency)))
+        finally:
+            for stream in streams:
+                stream.close()
         stats = model.stats
         result.requests = len(latencies)
         result.rejected = rejected
-        result.throughput = len(latencies) / self.trial_seconds
+        seconds = window[1] - window[0]
+        result.throughput = len(latencies) / seconds if seconds > 0 else 0.0
         if latencies:
             ms = np.asarray(latencies) * 1000.0
             result.p50_ms = float(np.percentile(ms, 50))
             result.p99_ms = float(np.percentile(ms, 99))
-        if stats.batches > b0:
-            result.mean_batch = (stats.batched_requests - r0) / (stats.batches - b0)
+        if stats.batches > batches[0]:
+            result.mean_batch = (stats.batched_requests - batches[1]) / (stats.batches - batches[0])
+
+
+# -- is the machine quiet? -------------------------------------------------------------------
+
+# The start point measured at the start and again at the end: more apart than this, the
+# machine's speed changed during the search and the ranking cannot be trusted.
+DRIFT = 0.15
+BUSY_LOAD = 0.5  # 1-minute load average per CPU before the search, from other work
+BUSY_STEAL = 0.05  # share of CPU time the hypervisor gave to other guests during the search
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(steal, total) jiffies from /proc/stat; None where there is no such file."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    values = [int(v) for v in fields[1:]]
+    steal = values[7] if len(values) > 7 else 0
+    return steal, sum(values[:8])
+
+
+@dataclass
+class MachineProbe:
+    """Reads the load average and the CPU steal; injectable so a test can play a busy machine."""
+
+    loadavg: Callable[[], float] = field(default=lambda: os.getloadavg()[0])
+    cpu_times: Callable[[], tuple[int, int] | None] = field(default=_cpu_times)
+    cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+
+@dataclass
+class MachineCheck:
+    """How quiet the machine was: load before, steal during, the start point at start and end."""
+
+    cpus: int
+    load_before: float
+    steal: float | None = None
+    baseline_start: float = math.nan
+    baseline_end: float = math.nan
+
+    @property
+    def drift(self) -> float:
+        a, b = self.baseline_start, self.baseline_end
+        if math.isnan(a) or math.isnan(b) or max(a, b) <= 0:
+            return math.nan
+        return abs(a - b) / max(a, b)
+
+    def reasons(self) -> list[str]:
+        """Why the measurements may be off; empty on a quiet machine."""
+        out = []
+        if self.load_before >= BUSY_LOAD * self.cpus:
+            out.append(f"load average {self.load_before:.1f} on {self.cpus} CPU(s) before the search")
+        if self.steal is not None and self.steal >= BUSY_STEAL:
+            out.append(f"{self.steal:.0%} of CPU time stolen by other guests during the search")
+        if not math.isnan(self.drift) and self.drift > DRIFT:
+            out.append(
+                f"the current configuration ran {self.baseline_start:.1f}/s at the start and "
+                f"{self.baseline_end:.1f}/s at the end ({self.drift:.0%} apart)"
+            )
+        return out
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.reasons())
+
+
+@dataclass
+class Verification:
+    """The pick against the current configuration, measured in turns (A B, B A, ...)."""
+
+    current: list[TrialResult]
+    picked: list[TrialResult]
+    margin: float
+
+    @staticmethod
+    def _rate(results: Sequence[TrialResult]) -> float:
+        ok = [r.throughput for r in results if not r.error and r.requests]
+        return float(np.median(ok)) if len(ok) == len(results) and ok else 0.0
+
+    @property
+    def current_rate(self) -> float:
+        return self._rate(self.current)
+
+    @property
+    def picked_rate(self) -> float:
+        return self._rate(self.picked)
+
+    @property
+    def faster(self) -> bool:
+        """The pick beat the current configuration by more than the margin in the median of the turns."""
+        return self.picked_rate > self.current_rate * (1 + self.margin)
+
+    def describe(self) -> str:
+        turns = len(self.picked)
+        ratio = self.picked_rate / self.current_rate if self.current_rate else math.inf
+        return (
+            f"the pick ran {self.picked_rate:.1f}/s against the current {self.current_rate:.1f}/s "
+            f"({ratio:.2f}x, median of {turns} interleaved turn(s) each)"
+        )
+
+
+async def verify(
+    current: TrialPoint, picked: TrialPoint, measure: Measure, *, rounds: int = 3, margin: float = TIE
+) -> Verification:
+    """Measure ``picked`` and ``current`` in turns, the order swapped each round, so drift hits both."""
+    out = Verification([], [], margin)
+    for r in range(rounds):
+        order = ((current, out.current), (picked, out.picked))
+        for point, into in order if r % 2 == 0 else order[::-1]:
+            into.append(await measure(point))
+    return out
 
 
 # -- the whole run ---------------------------------------------------------------------------
@@ -491,6 +699,17 @@ class TuneReport:
     log: SearchLog
     latency_budget_ms: float | None
     picked: TrialResult | None
+    machine: MachineCheck | None = None
+    verification: Verification | None = None
+
+    @property
+    def to_write(self) -> TrialPoint | None:
+        """The point to write: a pick that differs from the current one and beat it when verified."""
+        if self.picked is None or self.picked.point == self.start:
+            return None
+        if self.verification is not None and not self.verification.faster:
+            return None
+        return self.picked.point
 
     @property
     def best_measured(self) -> TrialResult | None:
@@ -521,6 +740,21 @@ class TuneReport:
             f"searched {len(self.log.results)} of {self.space.size()} points in {self.log.seconds:.1f} s "
             f"({self.log.passes} pass(es){', time budget reached' if self.log.stopped_by_budget else ''})"
         )
+        if self.space.skipped_batches:
+            lines.append(
+                f"skipped max_batch_size {', '.join(map(str, self.space.skipped_batches))}: the model file "
+                f"fixes its batch at {self.space.fixed_batch}"
+            )
+        if self.machine is not None:
+            reasons = self.machine.reasons()
+            if reasons:
+                lines.append(
+                    "busy machine: " + "; ".join(reasons) + ". The ranking may be wrong: tune again on a "
+                    "quiet machine"
+                )
+        if self.verification is not None:
+            verdict = "faster" if self.verification.faster else "not faster: the current configuration stays"
+            lines.append(f"verified: {self.verification.describe()}: {verdict}")
         return "\n".join(lines)
 
 
@@ -585,43 +819,130 @@ def format_table(results: Sequence[TrialResult], picked: TrialResult | None = No
     return "\n".join([line(HEADER), sep, *(line(r) for r in rows), *notes])
 
 
+def fixed_batch_of(source: ModelSource) -> int | None:
+    """The batch an ONNX model file fixes on its input (``[1, 3, H, W]``), None when it is dynamic."""
+    from inference.introspect import ModelIntrospectionError, read_onnx
+    from inference.model import resolve_model_file
+
+    try:
+        path = resolve_model_file(source.config, source.model_dir, source.version_dir)
+        if path.suffix.lower() != ".onnx":
+            return None
+        inputs, _, _ = read_onnx(path)
+    except (ModelIntrospectionError, ValueError, OSError):
+        return None  # the trials will say what is wrong with the file
+    wanted = source.config.input.name
+    spec = next((i for i in inputs if wanted is None or i.name == wanted), None)
+    if spec is None or len(spec.shape) != 4 or spec.shape[0] is None:
+        return None
+    return spec.shape[0]
+
+
 async def tune(
     root: Path,
     name: str,
     *,
     concurrency: int = 8,
     budget_s: float = 120.0,
-    trial_seconds: float = 2.0,
+    inferences: int = 64,
     latency_budget_ms: float | None = None,
     on_result: Callable[[int, TrialResult], None] | None = None,
+    verify_rounds: int = 3,
+    stream_file: str | None = None,
+    measure: Measure | None = None,
+    probe: MachineProbe | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> TuneReport:
-    """Search ``name``'s configuration in the repository at ``root``; nothing is written."""
+    """Search ``name``'s configuration in the repository at ``root``; nothing is written.
+
+    The current configuration is measured first and again last (a changed speed
+    means a busy machine); with ``verify_rounds``, a pick that differs from it is
+    then measured against it in turns (:func:`verify`). ``measure`` replaces the
+    real trial runner (a test's seam); ``probe`` the load and steal readings.
+    """
     source = read_source(root, name)
     start = TrialPoint.from_config(source.config)
-    space = SearchSpace.for_model(source.config, concurrency=concurrency)
-    runner = TrialRunner(
-        source,
-        concurrency=concurrency,
-        trial_seconds=trial_seconds,
-        warmup_seconds=min(0.5, trial_seconds / 4),
+    probe = probe or MachineProbe()
+    space = SearchSpace.for_model(
+        source.config, concurrency=concurrency, cpus=probe.cpus, fixed_batch=fixed_batch_of(source)
     )
+    if measure is None:
+        measure = TrialRunner(source, concurrency=concurrency, inferences=inferences, stream_file=stream_file)
+    machine = MachineCheck(probe.cpus, probe.loadavg())
+    times_before = probe.cpu_times()
     log = await coordinate_descent(
         start,
         space,
-        runner,
+        measure,
         budget_s=budget_s,
         latency_budget_ms=latency_budget_ms,
         on_result=on_result,
+        clock=clock,
     )
-    return TuneReport(
-        name, source.file, start, space, log, latency_budget_ms, pick(log.results, latency_budget_ms)
-    )
+    machine.baseline_start = log.results[0].throughput
+    again = await measure(start)
+    machine.baseline_end = again.throughput
+    times_after = probe.cpu_times()
+    if times_before is not None and times_after is not None and times_after[1] > times_before[1]:
+        machine.steal = (times_after[0] - times_before[0]) / (times_after[1] - times_before[1])
+    picked = pick(log.results, latency_budget_ms)
+    verification = None
+    if verify_rounds > 0 and picked is not None and picked.point != start:
+        verification = await verify(start, picked.point, measure, rounds=verify_rounds)
+    return TuneReport(name, source.file, start, space, log, latency_budget_ms, picked, machine, verification)
+
+
+@dataclass
+class InstanceChoice:
+    """What ``models add`` measured per instance count, and the count it chose."""
+
+    results: list[TrialResult]
+    chosen: int
+
+    def describe(self) -> str:
+        rates = ", ".join(f"{r.point.instances} -> {r.throughput:.1f}/s" for r in self.results)
+        return f"instances: {self.chosen} (measured {rates})"
+
+
+async def choose_instances(
+    root: Path,
+    name: str,
+    *,
+    counts: Sequence[int] | None = None,
+    inferences: int = 16,
+    measure: Measure | None = None,
+) -> InstanceChoice:
+    """Measure ``name`` with each instance count (a few inferences each) and choose the fastest.
+
+    Counts default to 1, 2 and one per CPU. A larger count wins only when it is
+    faster by more than :data:`TIE`: instances cost memory, and noise is no reason
+    to spend it.
+    """
+    source = read_source(root, name)
+    cpus = os.cpu_count() or 1
+    counts = sorted(set(counts or [c for c in (1, 2, cpus) if c <= max(2, cpus)]))
+    start = TrialPoint.from_config(source.config)
+    results = []
+    for count in counts:
+        point = dataclasses.replace(start, instances=count)
+        if measure is None:
+            # Two callers per instance keep every instance busy without batching for it.
+            runner = TrialRunner(source, concurrency=2 * count, inferences=inferences, warmup=2 * count)
+            results.append(await runner(point))
+        else:
+            results.append(await measure(point))
+    chosen = results[0]
+    for r in results[1:]:
+        if not r.error and r.throughput > chosen.throughput * (1 + TIE):
+            chosen = r
+    return InstanceChoice(results, chosen.point.instances)
 
 
 # -- writing the pick ------------------------------------------------------------------------
 
 
-def _yaml() -> Any:
+def round_trip_yaml() -> Any:
+    """A YAML editor that keeps a config file's comments, order and flow style."""
     from ruamel.yaml import YAML
 
     y = YAML(typ="rt")
@@ -646,7 +967,8 @@ def _section(doc: Any, key: str) -> Any:
     return doc[key]
 
 
-def _set(mapping: Any, key: str, value: Any, changes: list[str], label: str) -> None:
+def set_key(mapping: Any, key: str, value: Any, changes: list[str], label: str) -> None:
+    """Set ``key`` in a round-trip mapping when it differs, and say so in ``changes``."""
     old = mapping.get(key)
     if old == value:
         return
@@ -672,11 +994,11 @@ def tuned_config_text(text: str, config: ModelConfig, point: TrialPoint, file: s
     knob leaves its line, or its absence, alone.
     """
     current = TrialPoint.from_config(config)
-    y = _yaml()
+    y = round_trip_yaml()
     doc = y.load(text)
     changes: list[str] = []
     if point.backend != config.backend:
-        _set(doc, "backend", point.backend, changes, "backend")
+        set_key(doc, "backend", point.backend, changes, "backend")
         # Keys of the old backend's options would make the file invalid for the new one.
         section = doc.get("backend_options")
         takes = BACKEND_OPTIONS.keys_of(point.backend)
@@ -684,11 +1006,11 @@ def tuned_config_text(text: str, config: ModelConfig, point: TrialPoint, file: s
             changes.append(f"backend_options.{key}: {_show(section[key])} -> (unset)")
             del section[key]
     if point.max_batch_size != config.max_batch_size:
-        _set(doc, "max_batch_size", point.max_batch_size, changes, "max_batch_size")
+        set_key(doc, "max_batch_size", point.max_batch_size, changes, "max_batch_size")
     if point.preferred != current.preferred or point.delay_us != current.delay_us:
         db = _section(doc, "dynamic_batching")
         if point.preferred != current.preferred:
-            _set(
+            set_key(
                 db,
                 "preferred_batch_size",
                 list(point.preferred),
@@ -696,7 +1018,7 @@ def tuned_config_text(text: str, config: ModelConfig, point: TrialPoint, file: s
                 "dynamic_batching.preferred_batch_size",
             )
         if point.delay_us != current.delay_us:
-            _set(
+            set_key(
                 db,
                 "max_queue_delay_microseconds",
                 point.delay_us,
@@ -706,7 +1028,7 @@ def tuned_config_text(text: str, config: ModelConfig, point: TrialPoint, file: s
     if point.instances != config.instance_count:
         groups = doc.get("instance_group")
         if isinstance(groups, list) and len(groups) == 1 and isinstance(groups[0], dict):
-            _set(groups[0], "count", point.instances, changes, "instance_group[0].count")
+            set_key(groups[0], "count", point.instances, changes, "instance_group[0].count")
         else:
             from ruamel.yaml.comments import CommentedMap
 
@@ -725,7 +1047,7 @@ def tuned_config_text(text: str, config: ModelConfig, point: TrialPoint, file: s
         )
     if point.backend == "openvino":
         if point.precision != was.precision:
-            _set(
+            set_key(
                 _section(doc, "backend_options"),
                 "precision",
                 point.precision,
@@ -733,11 +1055,11 @@ def tuned_config_text(text: str, config: ModelConfig, point: TrialPoint, file: s
                 "backend_options.precision",
             )
         if point.threads != was.threads:
-            _set(
+            set_key(
                 _section(doc, "backend_options"), "threads", point.threads, changes, "backend_options.threads"
             )
     elif point.threads != was.threads:
-        _set(
+        set_key(
             _section(doc, "backend_options"),
             "intra_op_threads",
             point.threads,

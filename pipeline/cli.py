@@ -8,9 +8,11 @@
     vidpipe validate CONFIG
     vidpipe subscribe [--nats URL] [SUBJECT] [--count N] [--timeout S]
     vidpipe models list REPO
-    vidpipe models add MODEL.onnx [--repo DIR] [--name NAME] [--link]
-    vidpipe tune REPO MODEL [--concurrency N] [--seconds S] [--trial-seconds S]
-                            [--latency-budget-ms MS] [--write]
+    vidpipe models add MODEL.onnx [--repo DIR] [--name NAME] [--link] [--backend B] [--instances N]
+    vidpipe models quantize NAME --from SOURCE... [--repo DIR] [--frames N] [--every K]
+                            [--min-agreement A]
+    vidpipe tune REPO MODEL [--concurrency N] [--seconds S] [--trial-inferences N]
+                            [--latency-budget-ms MS] [--source FILE --streams N] [--write]
     vidpipe run CONFIG --fleet NAME ...      share the sources with other workers (docs/fleet.md)
     vidpipe fleet add URL [--id ID] | remove ID | list [--json]   --nats URL --fleet NAME
     vidpipe serve-rtsp FILE... [--port N] [--host ADDR]   looping RTSP cameras for trials
@@ -180,20 +182,81 @@ def build_parser() -> argparse.ArgumentParser:
         "prove the config works.",
     )
     models_add.add_argument("model", help="the .onnx file")
-    models_add.add_argument("--repo", default="models", help="model repository folder (default: models)")
+    models_add.add_argument("--repo", default="models", help="model repository folder")
     models_add.add_argument("--name", help="model name (default: the file name without .onnx)")
     models_add.add_argument("--link", action="store_true", help="symlink the file instead of copying it")
+    models_add.add_argument(
+        "--backend",
+        choices=["openvino", "onnxruntime"],
+        help="the runtime (default: openvino where installed, else onnxruntime)",
+    )
+    models_add.add_argument(
+        "--instances",
+        type=int,
+        metavar="N",
+        help="instances to run (default: 1, 2 or one per CPU, whichever a short measurement finds fastest)",
+    )
+
+    quantize = models_sub.add_parser(
+        "quantize",
+        help="INT8 from your own video: calibrate, check against the float model, write a new version",
+        parents=[common],
+        description="Calibrates an INT8 OpenVINO model (NNCF) on frames of your files or cameras, taken "
+        "through the model's own preprocessing; every fourth frame is held out to compare the INT8 "
+        "answers with the float model's. A model that agrees less than --min-agreement is refused and "
+        "nothing is written; otherwise it becomes the model's next version (the float one stays).",
+    )
+    quantize.add_argument("name", help="model name (its folder in the repository)")
+    quantize.add_argument("--repo", default="models", help="model repository folder")
+    quantize.add_argument(
+        "--from",
+        dest="sources",
+        action="append",
+        required=True,
+        metavar="SOURCE",
+        help="a file or camera URL to take frames from (repeatable)",
+    )
+    quantize.add_argument("--frames", type=int, default=300, metavar="N", help="frames in all")
+    quantize.add_argument("--every", type=int, default=5, metavar="K", help="take every K-th frame")
+    quantize.add_argument(
+        "--min-agreement",
+        type=float,
+        default=0.95,
+        metavar="A",
+        help="the share of answers (boxes at IoU >= 0.7 and per-frame counts, labels, text) that must agree",
+    )
 
     tune = sub.add_parser(
         "tune", help="measure a model's configurations and pick the fastest", parents=[common]
     )
     tune.add_argument("repo", help="model repository folder")
     tune.add_argument("model", help="model name (its folder in the repository)")
-    tune.add_argument("--concurrency", type=int, default=8, metavar="N", help="callers in flight (8)")
-    tune.add_argument("--seconds", type=float, default=120.0, metavar="S", help="the whole search (120)")
-    tune.add_argument("--trial-seconds", type=float, default=2.0, metavar="S", help="each point (2)")
+    tune.add_argument("--concurrency", type=int, default=8, metavar="N", help="callers in flight")
+    tune.add_argument("--seconds", type=float, default=120.0, metavar="S", help="the whole search")
+    tune.add_argument(
+        "--trial-inferences",
+        type=int,
+        default=64,
+        metavar="N",
+        help="answers timed per point, after a warm-up (at least 4 per caller)",
+    )
     tune.add_argument("--latency-budget-ms", type=float, metavar="MS", help="p99 limit for the pick")
-    tune.add_argument("--write", action="store_true", help="write the pick into the model's config.yaml")
+    tune.add_argument(
+        "--source",
+        metavar="FILE",
+        help="measure under the pipeline's load: each caller decodes this video as a stream of its own",
+    )
+    tune.add_argument(
+        "--streams",
+        type=int,
+        metavar="N",
+        help="streams of --source at once (default: --concurrency)",
+    )
+    tune.add_argument(
+        "--write",
+        action="store_true",
+        help="write the pick into config.yaml once it beats the current configuration in interleaved turns",
+    )
 
     serve = sub.add_parser(
         "serve-rtsp",
@@ -295,6 +358,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     if args.models_command == "add":
         return cmd_models_add(args)
+    if args.models_command == "quantize":
+        return cmd_models_quantize(args)
     repo = Path(args.repo)
     if not repo.is_dir():
         raise ConfigError(str(repo), None, "", "model repository folder not found", "check the path")
@@ -306,22 +371,88 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_models_add(args: argparse.Namespace) -> int:
     """``vidpipe models add MODEL.onnx``: exit 2 for a file it cannot describe, 1 if it does not load."""
     from inference.introspect import ModelIntrospectionError
-    from inference.repository import add_model
+    from inference.repository import add_model, read_source
+    from inference.tuning import TrialPoint, choose_instances, write_tuned_config
 
     model = Path(args.model)
     if not model.is_file():
         raise ConfigError(str(model), None, "", "model file not found", "check the path")
+    if args.instances is not None and args.instances < 1:
+        raise ConfigError("--instances", None, "", "must be at least 1")
+    repo = Path(args.repo)
     try:
-        added = asyncio.run(add_model(model, Path(args.repo), args.name, link=args.link))
+        added = asyncio.run(
+            add_model(
+                model, repo, args.name, link=args.link, backend=args.backend, instances=args.instances or 1
+            )
+        )
     except ModelIntrospectionError as exc:
         print(f"vidpipe: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    text = added.config_text
+    choice = None
+    if args.instances is None:
+        # A bounded number of answers per count (not seconds): seconds on a fast model, longer on a slow one.
+        choice = asyncio.run(choose_instances(repo, added.name))
+        if choice.chosen != 1:
+            point = TrialPoint.from_config(read_source(repo, added.name).config)
+            write_tuned_config(added.config_file, dataclasses.replace(point, instances=choice.chosen))
+            text = added.config_file.read_text(encoding="utf-8")
     print(f"wrote {added.config_file}:")
-    print(added.config_text, end="")
+    print(text, end="")
     print(f"model file: {added.model_file}")
     for note in added.description.notes:
         print(f"note: {note}")
     print(f"model {added.name} loads: {added.status.state.value} on {added.status.backend}")
+    if choice is not None:
+        print(choice.describe())
+    if added.description.max_batch_size == 1:
+        suggested = choice.chosen if choice is not None else args.instances
+        print(
+            "batch: the model was exported with a fixed batch of 1, so each instance runs one image at a "
+            f"time; suggested instances: {suggested}. Re-export with a dynamic batch axis "
+            "(ultralytics: dynamic=True) to batch images from several cameras"
+        )
+    return EXIT_OK
+
+
+def cmd_models_quantize(args: argparse.Namespace) -> int:
+    """``vidpipe models quantize NAME --from SOURCE...``: exit 1 when the INT8 model is refused."""
+    from inference.quantize import QuantizeError, QuantizeRefused, quantize_model, read_frames
+    from pipeline.sources.schemes import check_url
+    from pipeline.urls import resolve_url
+
+    for flag, value in (("--frames", args.frames), ("--every", args.every)):
+        if value < 1:
+            raise ConfigError(flag, None, "", "must be at least 1")
+    if not 0 < args.min_agreement <= 1:
+        raise ConfigError("--min-agreement", None, "", "must be in (0, 1]")
+    if not Path(args.repo).is_dir():
+        raise ConfigError(args.repo, None, "", "model repository folder not found", "check the path")
+    urls = []
+    for source in args.sources:
+        problem = check_url(source)
+        if problem:
+            raise ConfigError("--from", None, "", f"{source}: {problem}")
+        url = resolve_url(source, Path.cwd())
+        urls.append(url.removeprefix("file://"))
+    try:
+        frames = read_frames(urls, args.frames, every=args.every)
+        print(f"{len(frames)} frame(s) from {len(urls)} source(s)", flush=True)
+        result = quantize_model(Path(args.repo), args.name, frames, min_agreement=args.min_agreement)
+    except QuantizeRefused as exc:
+        print(f"vidpipe: refused: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    except QuantizeError as exc:
+        print(f"vidpipe: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    print(
+        f"model {result.name}: INT8 version {result.version} written to {result.model_file} "
+        f"(calibrated on {result.calibration_frames} frame(s))"
+    )
+    print(f"check: {result.agreement.describe()} (threshold {result.threshold:g})")
+    print(f"wrote {result.config_file}: " + "; ".join(result.changes))
+    print(f"to roll back: {result.rollback}")
     return EXIT_OK
 
 
@@ -331,12 +462,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for flag, value in (
         ("--concurrency", args.concurrency),
         ("--seconds", args.seconds),
-        ("--trial-seconds", args.trial_seconds),
+        ("--trial-inferences", args.trial_inferences),
     ):
         if value <= 0:
             raise ConfigError(flag, None, "", "must be greater than 0")
     if args.latency_budget_ms is not None and args.latency_budget_ms <= 0:
         raise ConfigError("--latency-budget-ms", None, "", "must be greater than 0")
+    if args.streams is not None:
+        if args.source is None:
+            raise ConfigError("--streams", None, "", "needs --source FILE", "--source clip.mp4 --streams 4")
+        if args.streams <= 0:
+            raise ConfigError("--streams", None, "", "must be greater than 0")
+    if args.source is not None and not Path(args.source).is_file():
+        raise ConfigError(args.source, None, "", "video file not found", "check the path")
     if not Path(args.repo).is_dir():
         raise ConfigError(args.repo, None, "", "model repository folder not found", "check the path")
 
@@ -352,11 +490,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
         tune(
             Path(args.repo),
             args.model,
-            concurrency=args.concurrency,
+            concurrency=args.streams or args.concurrency,
             budget_s=args.seconds,
-            trial_seconds=args.trial_seconds,
+            inferences=args.trial_inferences,
             latency_budget_ms=args.latency_budget_ms,
             on_result=progress,
+            verify_rounds=3 if args.write else 0,
+            stream_file=args.source,
         )
     )
     print(report.table())
@@ -364,11 +504,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if report.picked is None:
         return EXIT_RUNTIME
     if args.write:
-        changes = write_tuned_config(report.config_file, report.picked.point)
-        if changes:
-            print(f"wrote {report.config_file}: " + "; ".join(changes))
-        else:
-            print(f"{report.config_file}: already the pick, unchanged")
+        point = report.to_write
+        if point is None:
+            print(f"{report.config_file}: unchanged (the current configuration is as fast as the pick)")
+            return EXIT_OK
+        changes = write_tuned_config(report.config_file, point)
+        print(f"wrote {report.config_file}: " + "; ".join(changes))
     return EXIT_OK
 
 

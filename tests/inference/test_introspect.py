@@ -8,7 +8,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from inference.introspect import ModelIntrospectionError, describe_model
+from inference.introspect import ModelIntrospectionError, config_text, default_backend, describe_model
 from inference.model import ModelState
 from inference.repository import ModelRepository
 
@@ -193,3 +193,18 @@ async def test_input_shape_left_out_and_undeclared_is_an_error_at_its_line(tmp_p
         "[?, 3, ?, ?] and no imgsz metadata; re-export with a fixed image size, or set input.shape: "
         "[3, H, W]"
     )
+
+
+def test_the_written_config_runs_on_the_fastest_installed_runtime_unless_told(tmp_path: Path) -> None:
+    path = export(
+        tmp_path / "yolov8n.onnx", [1, 3, 640, 640], [[1, 84, 8400]], ultralytics_meta("detect", COCO)
+    )
+    desc = describe_model(path)
+    # OpenVINO is a dependency of vidpipe, so it is installed here.
+    assert default_backend() == "openvino"
+    lines = config_text(desc, "yolov8n").splitlines()
+    assert "backend: openvino" in lines
+    assert "instance_group: [{count: 1, kind: KIND_CPU}]" in lines
+    told = config_text(desc, "yolov8n", backend="onnxruntime", instances=2).splitlines()
+    assert "backend: onnxruntime" in told
+    assert "instance_group: [{count: 2, kind: KIND_CPU}]" in told

@@ -6,6 +6,7 @@ metadata Ultralytics writes, so a run on the test pattern has a known answer.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import onnx
@@ -37,7 +38,7 @@ V8_CONFIG = """\
 # Input: images[?, 3, 320, 320] float32. Output: output0[?, 5, 1] float32.
 # Layout: YOLOv8 [N, 4+C, A] (boxes and class scores, no objectness).
 name: squares8
-backend: onnxruntime
+backend: openvino
 model_file: {path: model.onnx}
 max_batch_size: 8
 input: {name: images, shape: [3, 320, 320], dtype: float32, resize: letterbox}
@@ -53,7 +54,7 @@ V5_CONFIG = """\
 # Layout: YOLOv5 [N, A, 5+C] (boxes, objectness and class scores).
 # A fixed batch of 1: re-export with a dynamic batch axis to batch images.
 name: yolov5-squares
-backend: onnxruntime
+backend: openvino
 model_file: {path: model.onnx}
 max_batch_size: 1
 input: {name: images, shape: [3, 320, 320], dtype: float32, resize: letterbox}
@@ -94,15 +95,23 @@ async def test_models_add_writes_the_config_from_the_export_and_the_model_runs(
 ) -> None:
     export = ultralytics_export(tmp_path / f"{layout}-squares.onnx", layout, batch=batch)
     repo = tmp_path / "models"
-    proc = run_cli("models", "add", str(export), "--repo", str(repo), *(["--name", name] if name else []))
+    proc = run_cli(
+        "models", "add", str(export), "--repo", str(repo), "--instances", "1",
+        *(["--name", name] if name else []),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     added = name or export.stem
     config = repo / added / "config.yaml"
     assert config.read_text() == expected
     assert (repo / added / "1" / "model.onnx").read_bytes() == export.read_bytes()
+    batch_line = (
+        "batch: the model was exported with a fixed batch of 1, so each instance runs one image at a time; "
+        "suggested instances: 1. Re-export with a dynamic batch axis (ultralytics: dynamic=True) to batch "
+        "images from several cameras\n"
+    )
     assert proc.stdout == (
         f"wrote {config}:\n{expected}model file: {repo / added / '1' / 'model.onnx'}\n"
-        f"model {added} loads: ready on onnxruntime\n"
+        f"model {added} loads: ready on openvino\n" + (batch_line if batch == 1 else "")
     )
 
     messages = await run_on_pattern(tmp_path, repo, added, nats_server)
@@ -111,6 +120,56 @@ async def test_models_add_writes_the_config_from_the_export_and_the_model_runs(
         (obj,) = m["objects"]
         assert (obj["label"], obj["class_id"]) == ("square", 0)
         assert_box(obj["bbox"], pattern_square_box(m["frame"], 320, 240))
+
+
+@pytest.mark.parametrize("batch", [None, 1])
+def test_models_add_measures_the_instance_count_writes_the_fastest_and_says_so(
+    tmp_path: Path, batch: int | None
+) -> None:
+    export = ultralytics_export(tmp_path / "sq.onnx", "yolov8", batch=batch)
+    repo = tmp_path / "models"
+    proc = run_cli("models", "add", str(export), "--repo", str(repo))
+    assert proc.returncode == 0, proc.stderr
+    # One count per line of measurement: 1, 2 and one per CPU (this machine's CPUs decide the last).
+    found = re.search(r"^instances: (\d+) \(measured (.*)\)$", proc.stdout, re.M)
+    assert found, proc.stdout
+    measured = [tuple(item.split(" -> ")) for item in found.group(2).split(", ")]
+    counts = [int(c) for c, _ in measured]
+    rates = [float(r.removesuffix("/s")) for _, r in measured]
+    assert counts[:2] == [1, 2] and counts == sorted(set(counts))
+    # A count is chosen over a smaller one only when it is more than 3% faster.
+    chosen = 0
+    for k in range(1, len(rates)):
+        if rates[k] > rates[chosen] * 1.03:
+            chosen = k
+    assert int(found.group(1)) == counts[chosen]
+    config = (repo / "sq" / "config.yaml").read_text()
+    assert f"instance_group: [{{count: {counts[chosen]}, kind: KIND_CPU}}]" in config
+    assert "backend: openvino\n" in config
+    if batch == 1:
+        assert f"suggested instances: {counts[chosen]}. Re-export with a dynamic batch axis" in proc.stdout
+        assert "max_batch_size: 1\n" in config
+    else:
+        assert "batch: the model was exported with a fixed batch of 1" not in proc.stdout
+
+
+def test_models_add_takes_the_backend_it_is_given(tmp_path: Path) -> None:
+    export = ultralytics_export(tmp_path / "sq.onnx", "yolov8")
+    repo = tmp_path / "models"
+    proc = run_cli(
+        "models", "add", str(export), "--repo", str(repo), "--backend", "onnxruntime", "--instances", "2"
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    config = (repo / "sq" / "config.yaml").read_text()
+    assert "backend: onnxruntime\n" in config
+    assert "instance_group: [{count: 2, kind: KIND_CPU}]\n" in config
+    assert "model sq loads: ready on onnxruntime\n" in proc.stdout
+    assert "instances: " not in proc.stdout  # given, not measured
+    bad = run_cli("models", "add", str(export), "--repo", str(repo), "--name", "x", "--instances", "0")
+    assert (bad.returncode, bad.stderr.strip()) == (2, "--instances: must be at least 1")
+    help_text = " ".join(run_cli("models", "add", "--help").stdout.split())
+    assert help_text.count("default: openvino where installed, else onnxruntime") == 1
+    assert help_text.count("(default: models)") == 1
 
 
 def test_models_add_refuses_what_it_cannot_serve_and_writes_nothing(tmp_path: Path) -> None:

@@ -1,0 +1,463 @@
+"""INT8 post-training quantization of a repository model, checked against the float model.
+
+``vidpipe models quantize NAME --repo DIR --from SOURCE...`` (and :func:`quantize_model`
+without the CLI) turns a float model into an INT8 OpenVINO model with NNCF:
+
+1. frames from the user's own files or cameras are split into calibration frames and
+   held-out frames (every fourth one is held out);
+2. the calibration frames go through the model's own preprocessing
+   (:class:`~inference.processing.resize.ImagePreprocessor` with the config's ``input``:
+   letterbox or stretch, colour order, mean and std), so the ranges NNCF measures are
+   the ranges the served model sees;
+3. NNCF quantizes the model as OpenVINO reads it (``nncf.quantize``);
+4. the float and the INT8 model both run the held-out frames through
+   :class:`~inference.model.Model` (pre- and post-processing included) and their answers
+   are compared: detections by box agreement (boxes paired at IoU ≥ 0.7, same class) and
+   by per-frame counts, classifications by label, recognised text by equality;
+5. only when the agreement reaches the threshold is the INT8 model written, as the next
+   version folder of the model::
+
+       models/yolov8s/
+         config.yaml          # model_file: {path: model.xml}, backend: openvino (rewritten)
+         1/model.onnx         # the float model, untouched: roll back to it
+         2/model.xml          # INT8 (OpenVINO IR)
+         2/model.bin
+         2/quantize.txt       # what was measured: agreement, frames, threshold
+
+A model that fails the check is refused with :class:`QuantizeRefused`, which carries the
+measured agreement and the threshold; nothing is written. The NNCF package is an
+optional extra (``pip install 'vidpipe[int8]'``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from inference.config import ModelConfig, OpenVinoOptions
+from inference.errors import VidpipeError
+from inference.model import Model, ModelState, resolve_model_file
+from inference.processing.resize import ImagePreprocessor
+from inference.repository import CONFIG_FILE, ModelSource, read_source
+from inference.results import Classification, Detection, Recognition, Result
+from inference.schema import build, load_yaml_text
+
+__all__ = [
+    "Agreement",
+    "QuantizeError",
+    "QuantizeRefused",
+    "QuantizeResult",
+    "compare_results",
+    "quantize_model",
+    "read_frames",
+    "split_frames",
+]
+
+log = logging.getLogger(__name__)
+
+# Boxes of the float and the INT8 model are the same box at this IoU or more.
+MATCH_IOU = 0.7
+DEFAULT_MIN_AGREEMENT = 0.95
+HOLD_OUT_EVERY = 4  # every fourth frame checks, the others calibrate
+MAX_SIDE = 1280  # frames read for calibration are scaled down to this (models take 320-1280)
+INT8_FILE = "model.xml"
+REPORT_FILE = "quantize.txt"
+DETECTION_KINDS = ("yolo", "text_detect")
+
+
+class QuantizeError(VidpipeError, RuntimeError):
+    """The model cannot be quantized (missing NNCF, a backend without files, too few frames)."""
+
+
+class QuantizeRefused(QuantizeError):
+    """The INT8 model disagrees with the float model more than allowed; nothing was written."""
+
+    def __init__(self, message: str, agreement: Agreement, threshold: float) -> None:
+        super().__init__(message)
+        self.agreement = agreement
+        self.threshold = threshold
+
+
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    """How far the INT8 model's answers agree with the float model's on the held-out frames.
+
+    ``score`` is the number checked against the threshold: for detections the lower of
+    box agreement and count agreement, for classifiers and recognisers the share of
+    equal answers.
+    """
+
+    kind: str  # "detection", "label" or "text"
+    frames: int
+    score: float
+    boxes_float: int = 0
+    boxes_int8: int = 0
+    boxes_matched: int = 0
+    box_agreement: float = 1.0  # 2 × matched / (float boxes + INT8 boxes)
+    count_agreement: float = 1.0  # frames with as many INT8 boxes as float ones
+    equal: int = 0  # classifiers/recognisers: answers that are the same
+
+    def describe(self) -> str:
+        if self.kind == "detection":
+            return (
+                f"box agreement {self.box_agreement:.3f} ({self.boxes_matched} of {self.boxes_float} float / "
+                f"{self.boxes_int8} INT8 boxes matched at IoU >= {MATCH_IOU}), per-frame counts equal on "
+                f"{self.count_agreement:.3f} of {self.frames} frames"
+            )
+        return f"{self.kind} equal on {self.equal} of {self.frames} frames ({self.score:.3f})"
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizeResult:
+    """What :func:`quantize_model` wrote."""
+
+    name: str
+    version: int
+    model_file: Path
+    config_file: Path
+    agreement: Agreement
+    threshold: float
+    calibration_frames: int
+    changes: list[str]
+    rollback: str
+
+
+def read_frames(
+    urls: Sequence[str], count: int, *, every: int = 1, max_side: int = MAX_SIDE
+) -> list[np.ndarray]:
+    """Up to ``count`` RGB frames from files or camera URLs (PyAV), every ``every``-th frame.
+
+    The sources are read in turn, each for an equal share of ``count``, so a
+    calibration set covers every camera the model will see. Frames larger than
+    ``max_side`` are scaled down (the model sees them smaller still), so a few
+    hundred 4K frames fit in memory.
+    """
+    import av
+    import cv2
+
+    frames: list[np.ndarray] = []
+    for k, url in enumerate(urls):
+        share = (count - len(frames)) // (len(urls) - k)
+        options = {"rtsp_transport": "tcp"} if url.startswith(("rtsp://", "rtsps://")) else {}
+        try:
+            container = av.open(url, options=options, timeout=10.0)
+        except (av.FFmpegError, OSError) as exc:
+            raise QuantizeError(f"{url}: cannot open: {exc}") from None
+        taken = 0
+        with container:
+            for i, frame in enumerate(container.decode(video=0)):
+                if taken >= share:
+                    break
+                if i % every == 0:
+                    image: np.ndarray = frame.to_ndarray(format="rgb24")
+                    scale = max_side / max(image.shape[:2])
+                    if scale < 1:
+                        size = (round(image.shape[1] * scale), round(image.shape[0] * scale))
+                        image = cv2.resize(image, size, interpolation=cv2.INTER_AREA)
+                    frames.append(image)
+                    taken += 1
+        if taken == 0:
+            raise QuantizeError(f"{url}: no video frames")
+    return frames
+
+
+def split_frames(frames: Sequence[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Calibration frames and held-out frames: every :data:`HOLD_OUT_EVERY`-th frame is held out."""
+    held = [f for i, f in enumerate(frames) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
+    calib = [f for i, f in enumerate(frames) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1]
+    return calib, held
+
+
+# -- comparing answers ---------------------------------------------------------------------------
+
+
+def _iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """IoU of every box in ``a`` [N, 4] with every box in ``b`` [M, 4] (x1, y1, x2, y2)."""
+    x1 = np.maximum(a[:, None, 0], b[None, :, 0])
+    y1 = np.maximum(a[:, None, 1], b[None, :, 1])
+    x2 = np.minimum(a[:, None, 2], b[None, :, 2])
+    y2 = np.minimum(a[:, None, 3], b[None, :, 3])
+    inter = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
+    area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
+    area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+    union = area_a[:, None] + area_b[None, :] - inter
+    return np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
+
+
+def _matched(ref: Sequence[Detection], got: Sequence[Detection]) -> int:
+    """Pairs of boxes (same class, IoU ≥ :data:`MATCH_IOU`), each box in at most one pair."""
+    if not ref or not got:
+        return 0
+    from scipy.optimize import linear_sum_assignment
+
+    iou = _iou(np.asarray([d.box for d in ref], float), np.asarray([d.box for d in got], float))
+    same = np.asarray([[r.class_id == g.class_id for g in got] for r in ref])
+    iou = np.where(same, iou, 0.0)
+    rows, cols = linear_sum_assignment(-iou)
+    return int(np.sum(iou[rows, cols] >= MATCH_IOU))
+
+
+def compare_results(reference: Sequence[Result], candidate: Sequence[Result]) -> Agreement:
+    """The agreement of ``candidate`` (INT8) with ``reference`` (float), frame by frame."""
+    frames = len(reference)
+    if frames == 0:
+        return Agreement("detection", 0, 0.0)
+    first = reference[0]
+    if isinstance(first, list):
+        n_ref = n_got = matched = counts = 0
+        for ref, got in zip(reference, candidate, strict=True):
+            assert isinstance(ref, list) and isinstance(got, list)
+            n_ref += len(ref)
+            n_got += len(got)
+            matched += _matched(ref, got)
+            counts += len(ref) == len(got)
+        boxes = 2 * matched / (n_ref + n_got) if n_ref + n_got else 1.0
+        count_share = counts / frames
+        return Agreement(
+            "detection",
+            frames,
+            min(boxes, count_share),
+            boxes_float=n_ref,
+            boxes_int8=n_got,
+            boxes_matched=matched,
+            box_agreement=boxes,
+            count_agreement=count_share,
+        )
+    if isinstance(first, Recognition):
+        equal = sum(
+            isinstance(r, Recognition) and isinstance(g, Recognition) and r.text == g.text
+            for r, g in zip(reference, candidate, strict=True)
+        )
+        return Agreement("text", frames, equal / frames, equal=equal)
+    if isinstance(first, Classification):
+        equal = sum(
+            isinstance(r, Classification) and isinstance(g, Classification) and r.class_id == g.class_id
+            for r, g in zip(reference, candidate, strict=True)
+        )
+        return Agreement("label", frames, equal / frames, equal=equal)
+    raise QuantizeError(f"cannot compare answers of type {type(first).__name__}")
+
+
+# -- running -------------------------------------------------------------------------------------
+
+
+def _answers(config: ModelConfig, source: ModelSource, frames: Sequence[np.ndarray]) -> list[Result]:
+    """Every frame through a freshly loaded :class:`Model` with ``config``, one after another."""
+    model = Model(
+        config,
+        source.model_dir,
+        version=source.version,
+        version_dir=source.version_dir,
+        describe_error=source.describe,
+    )
+    try:
+        if model.load() is not ModelState.READY:
+            raise QuantizeError(f"model {source.name} does not load: {model.reason}")
+        return [model.submit(frame).result() for frame in frames]
+    finally:
+        model.stop(drain=False)
+
+
+def int8_config(config: ModelConfig, model_path: Path) -> ModelConfig:
+    """``config`` served from the INT8 IR at ``model_path`` on OpenVINO (other settings kept)."""
+    from inference.config import ModelFile
+
+    options = config.backend_options if config.backend == "openvino" else OpenVinoOptions()
+    return dataclasses.replace(
+        config,
+        backend="openvino",
+        model_file=ModelFile(path=str(model_path)),
+        backend_options=options,
+    )
+
+
+def _to_tensor(config: ModelConfig) -> Callable[[np.ndarray], np.ndarray]:
+    """A frame as the model's input tensor, through the model's own preprocessing."""
+    preprocess = ImagePreprocessor(config.input)
+    c, h, w = config.input.shape
+
+    def tensor(frame: np.ndarray) -> np.ndarray:
+        out = np.empty((1, c, h, w), dtype=config.input.dtype)
+        preprocess([frame], out)
+        return out if config.max_batch_size else out[0]
+
+    return tensor
+
+
+def _quantize(config: ModelConfig, float_path: Path, frames: Sequence[np.ndarray], out: Path) -> None:
+    try:
+        import nncf
+    except ImportError:
+        raise QuantizeError(
+            "INT8 quantization needs NNCF: pip install 'vidpipe[int8]' (or pip install nncf)"
+        ) from None
+    import openvino as ov
+
+    nncf.set_log_level(logging.ERROR)
+    model = ov.Core().read_model(str(float_path))
+    name = config.input.name or model.inputs[0].get_any_name()
+    tensor = _to_tensor(config)
+    # Preprocessed one frame at a time as NNCF asks: a few hundred float tensors would not fit in memory.
+    dataset = nncf.Dataset(frames, lambda frame: {name: tensor(frame)})
+    quantized = nncf.quantize(model, dataset, subset_size=len(frames))
+    ov.save_model(quantized, str(out), compress_to_fp16=False)
+
+
+def _rollback_from(report: Path) -> str:
+    for line in report.read_text(encoding="utf-8").splitlines():
+        if line.startswith("to roll back: "):
+            return line.removeprefix("to roll back: ")
+    return "point model_file at the float model"
+
+
+def _next_version(folder: Path) -> int:
+    versions = [int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit()]
+    return max(versions, default=0) + 1
+
+
+def _model_file_text(config: ModelConfig) -> str:
+    mf = config.model_file
+    if mf is None:
+        return "(unset)"
+    package = f"package: {mf.package}, " if mf.package else ""
+    return f"{{{package}path: {mf.path}}}"
+
+
+def _rollback_hint(source: ModelSource) -> str:
+    previous = _model_file_text(source.config)
+    if source.version is not None:
+        return f"set version: {source.version} and model_file: {previous}"
+    return f"set model_file: {previous} and remove the INT8 version folder"
+
+
+def _rewrite_config(source: ModelSource, version: int) -> tuple[str, list[str], str]:
+    """config.yaml served from the INT8 version: model_file, backend (and a pinned version)."""
+    from ruamel.yaml.comments import CommentedMap
+
+    from inference.tuning import round_trip_yaml, set_key
+
+    text = source.file.read_text(encoding="utf-8")
+    rollback = _rollback_hint(source)
+    y = round_trip_yaml()
+    doc = y.load(text)
+    changes: list[str] = []
+    if source.config.backend != "openvino":
+        set_key(doc, "backend", "openvino", changes, "backend")
+        if "backend_options" in doc:
+            del doc["backend_options"]  # the other runtime's options do not apply to OpenVINO
+            changes.append("backend_options: removed (they were the previous runtime's)")
+    mf = CommentedMap(path=INT8_FILE)
+    mf.fa.set_flow_style()
+    doc["model_file"] = mf
+    changes.append(f"model_file: {_model_file_text(source.config)} -> {{path: {INT8_FILE}}}")
+    if source.config.version is not None:
+        set_key(doc, "version", version, changes, "version")
+    doc.yaml_set_start_comment(
+        f"INT8 version {version} written by `vidpipe models quantize`; to roll back, {rollback}."
+    )
+    out = io.StringIO()
+    y.dump(doc, out)
+    new_text = out.getvalue()
+    build(load_yaml_text(new_text, str(source.file)), ModelConfig, str(source.file))
+    return new_text, changes, rollback
+
+
+def quantize_model(
+    root: Path,
+    name: str,
+    frames: Sequence[np.ndarray],
+    *,
+    held_out: Sequence[np.ndarray] | None = None,
+    min_agreement: float = DEFAULT_MIN_AGREEMENT,
+) -> QuantizeResult:
+    """Quantize ``root/name`` with ``frames`` (RGB uint8) and write it as a new version if it agrees.
+
+    Every :data:`HOLD_OUT_EVERY`-th frame is held out for the check unless ``held_out``
+    gives the check its own frames (then all of ``frames`` calibrate). Raises
+    :class:`QuantizeRefused` (nothing written) when the INT8 model's agreement with the
+    float model on the held-out frames is below ``min_agreement``.
+    """
+    source = read_source(Path(root), name)
+    config = source.config
+    if config.backend in ("tensorrt", "triton"):
+        raise QuantizeError(
+            f"model {name}: INT8 here is for CPU runtimes (OpenVINO); {config.backend} builds its own"
+        )
+    float_path = resolve_model_file(config, source.model_dir, source.version_dir)
+    if (float_path.parent / REPORT_FILE).is_file():
+        raise QuantizeError(
+            f"model {name}: version {source.version} is already INT8 ({float_path.parent / REPORT_FILE}); "
+            f"quantize the float model: {_rollback_from(float_path.parent / REPORT_FILE)}"
+        )
+    if held_out is None:
+        calib, held = split_frames(frames)
+    else:
+        calib, held = list(frames), list(held_out)
+    if len(held) < 1 or len(calib) < 2:
+        raise QuantizeError(
+            f"model {name}: {len(frames)} frame(s) are too few: at least {HOLD_OUT_EVERY} are needed "
+            "(three calibrate, one checks); give a longer clip or more sources"
+        )
+    from inference.introspect import fill_input_shape
+
+    config = fill_input_shape(config, float_path)
+    folder = source.model_dir
+    version = _next_version(folder)
+    staging = folder / f".{version}.int8-tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        int8_path = staging / INT8_FILE
+        log.info("%s: calibrating on %d frame(s)", name, len(calib))
+        _quantize(config, float_path, calib, int8_path)
+        log.info("%s: checking against the float model on %d held-out frame(s)", name, len(held))
+        reference = _answers(config, source, held)
+        candidate = _answers(int8_config(config, int8_path), source, held)
+        if all(isinstance(r, list) and not r for r in reference):
+            raise QuantizeError(
+                f"model {name}: the float model finds nothing on the {len(held)} held-out frame(s), so "
+                "the check would prove nothing; give frames that show what the model detects"
+            )
+        agreement = compare_results(reference, candidate)
+        if agreement.score < min_agreement:
+            raise QuantizeRefused(
+                f"model {name}: the INT8 model agrees with the float model at {agreement.score:.3f}, below "
+                f"the threshold {min_agreement:g} ({agreement.describe()}); nothing was written. "
+                "Calibrate on more (or more typical) frames, or keep the float model",
+                agreement,
+                min_agreement,
+            )
+        new_text, changes, rollback = _rewrite_config(source, version)
+        (staging / REPORT_FILE).write_text(
+            f"INT8 by NNCF from {float_path.name}, calibrated on {len(calib)} frame(s)\n"
+            f"checked on {len(held)} held-out frame(s): {agreement.describe()}\n"
+            f"threshold: {min_agreement:g}\n"
+            f"to roll back: {rollback}\n",
+            encoding="utf-8",
+        )
+        target = folder / str(version)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    tmp = source.file.with_name(CONFIG_FILE + ".tmp")
+    tmp.write_text(new_text, encoding="utf-8")
+    tmp.replace(source.file)
+    return QuantizeResult(
+        name=name,
+        version=version,
+        model_file=target / INT8_FILE,
+        config_file=source.file,
+        agreement=agreement,
+        threshold=min_agreement,
+        calibration_frames=len(calib),
+        changes=changes,
+        rollback=rollback,
+    )

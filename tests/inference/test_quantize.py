@@ -1,0 +1,187 @@
+"""INT8 with NNCF: the shipped PP-OCR text detector calibrated on a rendered clip, checked, written or refused."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+from inference.model import ModelState
+from inference.quantize import (
+    Agreement,
+    QuantizeRefused,
+    compare_results,
+    quantize_model,
+    read_frames,
+    split_frames,
+)
+from inference.repository import ModelRepository
+from inference.results import Detection, Recognition
+from samples.make_clip import Plate, write_clip
+from tests.conftest import run_cli
+
+pytest.importorskip("nncf")
+
+ROOT = Path(__file__).resolve().parents[2]
+PLATES = (
+    Plate("KA05 MX2231", start=0, y=70, x=60),
+    Plate("GATE B7", start=0, y=200, x=300),
+    Plate("VIDPIPE 42", start=0, y=130, speed=9.0),
+)
+
+
+def det_repo(tmp_path: Path) -> Path:
+    """A repository with PP-OCR det as version 1 (the ONNX file from the rapidocr wheel)."""
+    import rapidocr_onnxruntime
+
+    wheel = Path(rapidocr_onnxruntime.__file__).parent / "models" / "ch_PP-OCRv4_det_infer.onnx"
+    repo = tmp_path / "models"
+    (repo / "ppocr_det" / "1").mkdir(parents=True)
+    shutil.copyfile(wheel, repo / "ppocr_det" / "1" / "model.onnx")
+    text = (ROOT / "samples" / "models" / "ppocr_det" / "config.yaml").read_text()
+    text = text.replace(
+        "{package: rapidocr_onnxruntime, path: models/ch_PP-OCRv4_det_infer.onnx}", "{path: model.onnx}"
+    )
+    (repo / "ppocr_det" / "config.yaml").write_text(text)
+    return repo
+
+
+def plate_clip(tmp_path: Path, frames: int = 12) -> Path:
+    return write_clip(tmp_path / "plates.mp4", frames=frames, fps=15, plates=PLATES)
+
+
+def decoded(path: Path) -> list[np.ndarray]:
+    with av.open(str(path)) as container:
+        return [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def box(x1: float, y1: float, x2: float, y2: float, class_id: int = 0) -> Detection:
+    return Detection((x1, y1, x2, y2), 0.9, class_id, "text")
+
+
+def test_agreement_pairs_boxes_at_iou_0_7_of_the_same_class_and_counts_frames() -> None:
+    reference = [[box(0, 0, 10, 10), box(20, 20, 30, 30)], [box(0, 0, 10, 10)]]
+    # Frame 1: one box moved a little (IoU 0.81), one moved too far (IoU 0.54); frame 2: an extra box.
+    candidate = [[box(1, 0, 11, 10), box(23, 23, 33, 33)], [box(0, 0, 10, 10), box(50, 50, 60, 60)]]
+    a = compare_results(reference, candidate)
+    assert (a.boxes_float, a.boxes_int8, a.boxes_matched) == (3, 4, 2)
+    assert a.box_agreement == pytest.approx(4 / 7)
+    assert a.count_agreement == 0.5
+    assert a.score == 0.5
+    other_class = compare_results([[box(0, 0, 10, 10)]], [[box(0, 0, 10, 10, class_id=1)]])
+    assert other_class.boxes_matched == 0
+    text = compare_results(
+        [Recognition("GATE B7", 0.9), Recognition("EXIT 12", 0.9)],
+        [Recognition("GATE B7", 0.8), Recognition("EXIT 1Z", 0.9)],
+    )
+    assert (text.kind, text.equal, text.score) == ("text", 1, 0.5)
+
+
+def test_every_fourth_frame_is_held_out() -> None:
+    frames = [np.full((2, 2, 3), i, np.uint8) for i in range(8)]
+    calib, held = split_frames(frames)
+    assert [int(f[0, 0, 0]) for f in held] == [3, 7]
+    assert [int(f[0, 0, 0]) for f in calib] == [0, 1, 2, 4, 5, 6]
+
+
+def test_frames_come_from_every_source_in_turn_every_kth_and_scaled_down(demo_clip: Path) -> None:
+    frames = read_frames([str(demo_clip), str(demo_clip)], 10, every=3, max_side=320)
+    assert len(frames) == 10
+    assert {f.shape for f in frames} == {(180, 320, 3)}
+    # Five from each source, the 0th, 3rd, 6th, ... frame: the two halves are the same frames.
+    assert all(np.array_equal(a, b) for a, b in zip(frames[:5], frames[5:], strict=True))
+    assert not np.array_equal(frames[0], frames[1])
+
+
+def test_quantize_refuses_bad_arguments_and_unreadable_sources(tmp_path: Path) -> None:
+    repo = det_repo(tmp_path)
+    proc = run_cli(
+        "models", "quantize", "ppocr_det", "--repo", str(repo), "--from", "x.mp4", "--min-agreement", "0"
+    )
+    assert (proc.returncode, proc.stderr.strip()) == (2, "--min-agreement: must be in (0, 1]")
+    missing = tmp_path / "missing.mp4"
+    proc = run_cli("models", "quantize", "ppocr_det", "--repo", str(repo), "--from", str(missing))
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"vidpipe: {missing}: cannot open: ")
+    assert sorted(p.name for p in (repo / "ppocr_det").iterdir()) == ["1", "config.yaml"]
+
+
+@pytest.mark.slow
+def test_quantize_writes_the_int8_detector_as_the_next_version_and_keeps_the_float_one(
+    tmp_path: Path,
+) -> None:
+    repo = det_repo(tmp_path)
+    clip = plate_clip(tmp_path)
+    float_file = repo / "ppocr_det" / "1" / "model.onnx"
+    before = digest(float_file)
+    proc = run_cli(
+        "models", "quantize", "ppocr_det", "--repo", str(repo), "--from", str(clip),
+        "--frames", "12", "--every", "1", timeout=170,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "12 frame(s) from 1 source(s)" in proc.stdout
+    assert "INT8 version 2 written" in proc.stdout
+    assert "calibrated on 9 frame(s)" in proc.stdout
+    # Three held-out frames, each with the two standing plates (and the moving one once it is in).
+    assert "per-frame counts equal on 1.000 of 3 frames" in proc.stdout
+    assert "box agreement 1.000" in proc.stdout
+    assert "to roll back: set version: 1 and model_file: {path: model.onnx}" in proc.stdout
+    v2 = repo / "ppocr_det" / "2"
+    assert sorted(p.name for p in v2.iterdir()) == ["model.bin", "model.xml", "quantize.txt"]
+    assert digest(float_file) == before
+    config = (repo / "ppocr_det" / "config.yaml").read_text()
+    assert "model_file: {path: model.xml}" in config
+    assert config.startswith("# INT8 version 2 written by `vidpipe models quantize`")
+    # The rest of the file is as it was: comments and options kept.
+    assert "# pixel probability threshold" in config
+    assert "backend_options: {precision: auto, static_batch_sizes: [1]}" in config
+
+    # The repository serves version 2 and it finds the plates' text.
+    async def load() -> tuple[ModelState, int | None, int]:
+        models = ModelRepository(repo)
+        status = await models.load("ppocr_det")
+        found = await models.get("ppocr_det").infer(decoded(clip)[5])
+        await models.close()
+        return status.state, status.version, len(found)  # type: ignore[arg-type]
+
+    import asyncio
+
+    state, version, boxes = asyncio.run(load())
+    assert (state, version) == (ModelState.READY, 2)
+    assert boxes >= 2
+
+    # Quantizing the INT8 version again is refused: it says how to get back to the float one.
+    again = run_cli(
+        "models", "quantize", "ppocr_det", "--repo", str(repo), "--from", str(clip), "--frames", "8"
+    )
+    assert again.returncode == 1
+    assert "version 2 is already INT8" in again.stderr
+    assert "set version: 1 and model_file: {path: model.onnx}" in again.stderr
+
+
+@pytest.mark.slow
+def test_quantize_refuses_a_model_that_fails_its_check_and_writes_nothing(tmp_path: Path) -> None:
+    repo = det_repo(tmp_path)
+    clip = plate_clip(tmp_path, frames=8)
+    frames = decoded(clip)
+    config_before = (repo / "ppocr_det" / "config.yaml").read_text()
+    # Calibrated on black frames, the INT8 ranges cannot hold what text frames produce.
+    black = [np.zeros_like(frames[0]) for _ in range(4)]
+    with pytest.raises(QuantizeRefused) as refused:
+        quantize_model(repo, "ppocr_det", black, held_out=frames[::3])
+    agreement: Agreement = refused.value.agreement
+    assert agreement.score < 0.95
+    assert agreement.boxes_float >= 6
+    message = str(refused.value)
+    assert f"agrees with the float model at {agreement.score:.3f}, below the threshold 0.95" in message
+    assert "nothing was written" in message
+    assert sorted(p.name for p in (repo / "ppocr_det").iterdir()) == ["1", "config.yaml"]
+    assert (repo / "ppocr_det" / "config.yaml").read_text() == config_before
