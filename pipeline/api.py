@@ -6,6 +6,7 @@
       listen: 127.0.0.1:8080     # host:port; port 0 picks a free one
       token: null                # bearer token; required (16+ characters) off loopback
       max_connections: 256       # open connections at once (at most half the open-file limit)
+      max_connections_per_client: 64   # open connections from one client address
       header_timeout: 10.0       # seconds to send a request's headers
       keepalive_timeout: 15.0    # seconds an idle keep-alive connection stays open
       file_roots: []             # folders POST /v1/sources may open files in; none by default
@@ -309,7 +310,11 @@ class ApiServer:
         )
         await self._runner.setup()
         self.site = GuardedSite(
-            self._runner, sock, max_connections=cap, header_timeout=self.config.header_timeout
+            self._runner,
+            sock,
+            max_connections=cap,
+            header_timeout=self.config.header_timeout,
+            max_connections_per_client=self.config.max_connections_per_client,
         )
         await self.site.start()
         self._sampler = asyncio.create_task(self._sample_rates(), name="api-rates")
@@ -349,8 +354,10 @@ class ApiServer:
             raise
         except Exception as exc:
             # The plain log format shows no tracebacks (only --debug does), so say what it was.
-            log.error("%s %s failed: %s: %s", request.method, request.path, type(exc).__name__, exc)
-            log.debug("%s %s failed", request.method, request.path, exc_info=True)
+            # ascii(): a decoded path may hold a newline, which would forge a log line.
+            path = ascii(request.path)
+            log.error("%s %s failed: %s: %s", request.method, path, type(exc).__name__, ascii(str(exc)))
+            log.debug("%s %s failed", request.method, path, exc_info=True)
             return _error(500, "internal error; see the server log")
 
     @web.middleware

@@ -186,6 +186,9 @@ class HttpConfig:
     max_connections: int = field(
         default=256, metadata=spec(ge=1, le=65536, help="open connections at once; more are closed at once")
     )
+    max_connections_per_client: int = field(
+        default=64, metadata=spec(ge=1, le=65536, help="open connections from one client address at once")
+    )
     header_timeout: float = field(
         default=10.0, metadata=spec(gt=0, le=3600, help="seconds a client has to send a request's headers")
     )

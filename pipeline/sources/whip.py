@@ -194,7 +194,9 @@ class WhipSource(Source):
     async def end_session(self, session_id: str) -> bool:
         """The publisher's DELETE; False if ``session_id`` is not the active session."""
         session = self.session
-        if session is None or not secrets.compare_digest(session.id, session_id):
+        # As bytes: compare_digest refuses a str that is not ASCII (a path may hold any).
+        given = session_id.encode("utf-8", "surrogateescape")
+        if session is None or not secrets.compare_digest(session.id.encode(), given):
             return False
         await self._end(session, SourceState.CONNECTING, PUBLISHER_LEFT, "publisher_left")
         return True
