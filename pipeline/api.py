@@ -85,6 +85,13 @@ from pipeline.sources.base import SourceError, SourceState
 from pipeline.sources.schemes import resolve_url
 from pipeline.sources.whip import MAX_SDP_BYTES, WhipError, WhipSource
 from pipeline.stats import ModelReport, PipelineReport, SourceReport
+from pipeline.webrtc_guard import (
+    OfferGuard,
+    OfferRefused,
+    PendingSession,
+    default_ice_networks,
+    parse_network,
+)
 
 log = logging.getLogger("vidpipe.api")
 
@@ -250,6 +257,12 @@ class ApiServer:
         self.site: GuardedSite | None = None
         # Created with the first WHEP viewer.
         self._whep: WhepServer | None = None
+        # What WHIP and WHEP offers may ask: candidate ranges, pending sessions per client.
+        networks = [n for n in map(parse_network, config.ice_networks or []) if n is not None]
+        self.webrtc = OfferGuard(
+            networks if config.ice_networks is not None else default_ice_networks(self.host),
+            config.max_pending_webrtc_per_client,
+        )
         self.app = web.Application(
             client_max_size=max_body, middlewares=[self._errors, self._cross_site, self._auth]
         )
@@ -612,9 +625,14 @@ class ApiServer:
         offer = await _read_sdp(request)
         if isinstance(offer, web.Response):
             return offer
+        guarded = self._guard_offer(request, offer)
+        if isinstance(guarded, web.Response):
+            return guarded
+        offer, unconnected = guarded
         try:
-            session, answer = await self.whep.offer(sid, offer)
+            session, answer = await self.whep.offer(sid, offer, unconnected)
         except WhepEgressError as exc:
+            unconnected.settled()
             return _error(exc.status, exc.message)
         return web.Response(
             status=201, text=answer, content_type="application/sdp",
@@ -725,6 +743,13 @@ class ApiServer:
 
     # -- WHIP --------------------------------------------------------------------------------
 
+    def _guard_offer(self, request: web.Request, offer: str) -> tuple[str, PendingSession] | web.Response:
+        """The offer with only allowed ICE candidates, counted as pending for its client."""
+        try:
+            return self.webrtc.filter_offer(offer), self.webrtc.admit(request.remote or "")
+        except OfferRefused as exc:
+            return _error(exc.status, exc.message)
+
     def _whip_source(self, name: str) -> WhipSource | None:
         for run in self.runtime.sources.values():
             if isinstance(run.source, WhipSource) and run.source.name == name:
@@ -739,9 +764,14 @@ class ApiServer:
         offer = await _read_sdp(request)
         if isinstance(offer, web.Response):
             return offer
+        guarded = self._guard_offer(request, offer)
+        if isinstance(guarded, web.Response):
+            return guarded
+        offer, unconnected = guarded
         try:
-            session, answer = await source.accept(offer)
+            session, answer = await source.accept(offer, unconnected)
         except WhipError as exc:
+            unconnected.settled()
             return _error(exc.status, exc.message)
         return web.Response(
             status=201,

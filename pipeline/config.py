@@ -36,6 +36,7 @@ from pipeline.sources.schemes import (
 )
 from pipeline.stages.base import NAME_HELP, StageOptions, check_name
 from pipeline.stages.registry import stage_kinds
+from pipeline.webrtc_guard import parse_network
 
 # 8K UHD: the largest picture any camera or clip in scope sends. A frame over it is
 # refused before a buffer is allocated (a 16384x8192 clip of a few hundred KB would
@@ -168,6 +169,13 @@ class RuntimeConfig:
 API_SOURCE_SCHEMES = ("file", "test", "rtsp", "rtsps", "whip", "http", "https", "udp", "rtp", "srt")
 
 
+def _check_networks(ranges: list[str]) -> str | None:
+    bad = [r for r in ranges if parse_network(r) is None]
+    if bad:
+        return f"{bad[0]!r} is not an address range (CIDR, e.g. 192.168.1.0/24 or fd00::/8)"
+    return None
+
+
 def _known_schemes(names: list[str]) -> str | None:
     unknown = [n for n in names if n not in SCHEMES]
     if unknown:
@@ -202,6 +210,16 @@ class HttpConfig:
     source_schemes: list[str] = field(
         default_factory=lambda: list(API_SOURCE_SCHEMES),
         metadata=spec(check=_known_schemes, help="URL schemes POST /v1/sources accepts"),
+    )
+    ice_networks: list[str] | None = field(
+        default=None,
+        metadata=spec(
+            check=_check_networks,
+            help="address ranges a WHIP/WHEP offer's ICE candidates may name; default: those of listen",
+        ),
+    )
+    max_pending_webrtc_per_client: int = field(
+        default=4, metadata=spec(ge=1, le=1024, help="WHIP/WHEP sessions per client not yet connected")
     )
 
 
