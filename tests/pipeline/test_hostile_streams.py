@@ -69,25 +69,26 @@ async def test_an_undecodable_stream_leaks_no_thread_and_no_socket() -> None:
         started = time.monotonic()
         source.start(queue)
         try:
-            # A stall cycle is about 3.5 s (open, 2 s of garbage, 0.1 s backoff): the
-            # 5th reconnect comes near 20 s, the 16th near 60 s.
+            # A stall cycle is about 3.5 s (open, 2 s of garbage, 0.1 s backoff): the 5th
+            # reconnect comes near 20 s; the late count is taken at the first reconnect
+            # after 60 s of garbage.
             early = await _counts_after_reconnect(labels, 5, timeout=60.0)
-            early_at = time.monotonic() - started
-            late = await _counts_after_reconnect(labels, 16, timeout=120.0)
-            late_at = time.monotonic() - started
+            while time.monotonic() - started < 60.0:
+                await asyncio.sleep(0.1)
+            late = await _counts_after_reconnect(labels, len(labels) + 1, timeout=30.0)
             readers = metrics.render().decode()
         finally:
             source.stop()
             await asyncio.to_thread(source.join, 5.0)
     assert set(labels) == {"stalled"}, labels
-    assert late_at - early_at > 30.0
+    assert len(labels) >= 10, labels  # many stalls, each of which leaked a thread and a socket before
     # Flat after the first stalls: no reader thread and no socket per stall.
     assert late[0] <= early[0], (early, late)
     assert late[1] <= early[1], (early, late)
     # One reader at most (none for a moment between two connections).
     gauge = [line for line in readers.splitlines() if line.startswith("vidpipe_source_reader_threads ")]
     assert gauge in (["vidpipe_source_reader_threads 1.0"], ["vidpipe_source_reader_threads 0.0"])
-    assert camera.connections >= 16
+    assert camera.connections >= len(labels)
 
 
 # -- decoder bombs: pictures far over max_pixels -------------------------------------------------
