@@ -16,14 +16,23 @@ nothing, ``/healthz`` included. :class:`GuardedSite` serves the same aiohttp
 runner from its own accept loop (:class:`GuardedListener`) through
 :class:`ConnectionGuard`, which wraps each connection's protocol:
 
+* an accepted socket that has sent nothing is only watched for bytes
+  (:class:`WaitingSocket`); aiohttp's protocol is made when it speaks, so silent
+  sockets are cheap to hold and to close;
 * at ``max_connections`` (or at ``max_connections_per_client`` from one client
-  address) a new connection takes the place of the oldest connection (of that
-  address) that has not completed a request head yet: idle sockets are shed
-  before useful ones, and a health probe always gets in, however many silent
-  sockets a flood holds. When every connection has sent a request, the new one
-  is closed as soon as it is accepted, before any transport is made, so its
+  address) a new connection that has sent bytes takes the place of the oldest
+  connection (of that address) that has not completed a request head: idle
+  sockets are shed before useful ones, and a health probe gets in however many
+  silent sockets a flood holds. A newcomer still silent displaces only a
+  connection silent for a second or more; otherwise it waits, uncounted, up to
+  half a second (64 at most) for its first bytes, so a flood cannot churn the
+  slots it holds. When every connection has sent a request, the new one is
+  closed as soon as it is accepted, before any transport is made, so its
   descriptor is free again at once and the process never runs out of
   descriptors because of HTTP clients;
+* the accept queue is deep (4096, capped by ``net.core.somaxconn``): under a
+  flood a probe's connection waits its turn there, drained quickly, instead of
+  having its SYN dropped and retried a second later;
 * a connection that has not sent a complete request head (``\\r\\n\\r\\n``) within
   ``header_timeout`` of connecting, or of its previous request head, is closed;
 * if ``accept()`` fails for want of descriptors anyway (other parts of the process
@@ -88,7 +97,7 @@ class ConnectionGuard(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
         self._admitted = True
-        self._site.awaiting_head[self] = None
+        self._site.awaiting_head[self] = self._site._clock()
         self._inner.connection_made(transport)
         self._arm()
 
@@ -154,11 +163,104 @@ class ConnectionGuard(asyncio.Protocol):
             self._inner.resume_writing()
 
 
+class WaitingSocket:
+    """An accepted socket that has sent nothing yet: watched for bytes, no transport made.
+
+    A flood of silent sockets is cheap to hold and to evict this way (one reader
+    registration each); aiohttp's protocol, buffers and timers are made only for a
+    socket that speaks. On ``probation`` it is not counted yet: it arrived silent
+    while every slot was taken, and gets one only if it speaks within
+    :data:`PROBATION_SECONDS` (displacing a silent connection); otherwise it is closed.
+    """
+
+    __slots__ = ("_listener", "_timer", "client", "conn", "probation")
+
+    def __init__(self, listener: GuardedListener, conn: socket.socket, client: str, probation: bool) -> None:
+        self._listener = listener
+        self.conn = conn
+        self.client = client
+        self.probation = probation
+        site = listener._site
+        loop = listener._loop
+        if probation:
+            site.probation[self] = None
+            timeout = PROBATION_SECONDS
+        else:
+            site.awaiting_head[self] = site._clock()
+            timeout = site.header_timeout
+        conn.setblocking(False)
+        loop.add_reader(conn.fileno(), self._readable)
+        self._timer: asyncio.TimerHandle | None = loop.call_later(timeout, self._timeout)
+
+    def _stop_watching(self) -> None:
+        self._listener._loop.remove_reader(self.conn.fileno())
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _readable(self) -> None:
+        try:
+            first = self.conn.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            first = b""
+        if not first:  # the client left without a word
+            self.drop()
+            return
+        site = self._listener._site
+        if self.probation:
+            if not site.make_room(self.client):
+                self.refuse()
+                return
+            site.probation.pop(self, None)
+            site.admit(self.client)
+        else:
+            # Still without a complete head: the ConnectionGuard takes over that place.
+            site.awaiting_head.pop(self, None)
+        self._stop_watching()
+        self._listener.serve(self.conn, self.client)
+
+    def _timeout(self) -> None:
+        self._timer = None
+        if self.probation:
+            self.refuse()
+        else:
+            self._listener._site.stats.timed_out += 1
+            self.drop()
+
+    def refuse(self) -> None:
+        """A newcomer on probation that got no slot: closed and counted as refused."""
+        site = self._listener._site
+        site.stats.refused += 1
+        site.report_refusal()
+        self.drop()
+
+    def evict(self) -> None:
+        self.drop()
+
+    def drop(self) -> None:
+        """Close it and uncount it."""
+        self._stop_watching()
+        if self.probation:
+            self._listener._site.probation.pop(self, None)
+        else:
+            self._listener._site.release(self)
+        self.conn.close()
+
+
 # accept() errors that mean "out of descriptors or memory": wait for some to be freed.
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 # Connections taken per readiness event, so one burst cannot starve the loop.
 _ACCEPT_BATCH = 64
 _ACCEPT_RETRY_DELAY = 1.0
+_BACKLOG = 4096
+# Seconds a silent connection is safe from a newcomer that is silent too.
+SILENT_DISPLACES_AFTER = 1.0
+# A silent newcomer finding every slot taken waits this long, uncounted, to speak;
+# at most this many wait at once (the oldest is closed for the next).
+PROBATION_SECONDS = 0.5
+_PROBATION_SOCKETS = 64
 
 
 class GuardedListener(asyncio.AbstractServer):
@@ -198,16 +300,43 @@ class GuardedListener(asyncio.AbstractServer):
                 self._retry = self._loop.call_later(_ACCEPT_RETRY_DELAY, self._resume)
                 return
             client = str(address[0]) if isinstance(address, tuple) else ""
-            if not self._site.make_room(client):
+            speaking = True
+            if self._site.full(client):
+                conn.setblocking(False)
+                try:
+                    speaking = bool(conn.recv(1, socket.MSG_PEEK))
+                    if not speaking:  # gone already
+                        conn.close()
+                        continue
+                except (BlockingIOError, InterruptedError):
+                    speaking = False
+                except OSError:
+                    conn.close()
+                    continue
+            if not self._site.make_room(client, speaking):
+                if not speaking:
+                    self._probation(conn, client)
+                    continue
                 # Closed before any transport exists: the descriptor is free now.
                 conn.close()
                 stats.refused += 1
                 self._site.report_refusal()
                 continue
             self._site.admit(client)
-            task = self._loop.create_task(self._serve(conn, client))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            WaitingSocket(self, conn, client, probation=False)
+
+    def _probation(self, conn: socket.socket, client: str) -> None:
+        """Hold a silent newcomer uncounted for a moment; the oldest held one makes way when full."""
+        probation = self._site.probation
+        if len(probation) >= _PROBATION_SOCKETS:
+            next(iter(probation)).refuse()
+        WaitingSocket(self, conn, client, probation=True)
+
+    def serve(self, conn: socket.socket, client: str) -> None:
+        """Hand a socket that has sent its first bytes to aiohttp (through a :class:`ConnectionGuard`)."""
+        task = self._loop.create_task(self._serve(conn, client))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, conn: socket.socket, client: str) -> None:
         protocol = ConnectionGuard(self._site, self._factory(), client)
@@ -235,6 +364,9 @@ class GuardedListener(asyncio.AbstractServer):
         else:
             self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
+        waiting = [c for c in self._site.awaiting_head if isinstance(c, WaitingSocket)]
+        for held in [*waiting, *self._site.probation]:
+            held.drop()
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
@@ -272,31 +404,47 @@ class GuardedSite(web.SockSite):
         log_interval: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(runner, sock, backlog=max(128, min(max_connections, 1024)))
+        # A deep accept queue: under a flood, a probe's connection waits its turn in the
+        # queue (the loop drains it fast, evicting) instead of having its SYN dropped and
+        # retried a second later. The kernel caps it at net.core.somaxconn.
+        super().__init__(runner, sock, backlog=_BACKLOG)
         self.max_connections = max_connections
         self.max_per_client = min(max_connections_per_client or max_connections, max_connections)
         self.header_timeout = header_timeout
         self.log_interval = log_interval
         self.stats = ConnectionStats()
         self._clock = clock
-        # Connections yet to complete their first request head, oldest first.
-        self.awaiting_head: dict[ConnectionGuard, None] = {}
+        # Connections yet to complete their first request head, oldest first, with the
+        # time each came in.
+        self.awaiting_head: dict[ConnectionGuard | WaitingSocket, float] = {}
+        # Silent newcomers waiting, uncounted, for a slot they may take once they speak.
+        self.probation: dict[WaitingSocket, None] = {}
         self.per_client: dict[str, int] = {}
 
-    def make_room(self, client: str) -> bool:
+    def full(self, client: str) -> bool:
+        """Whether a new connection from ``client`` needs room made for it."""
+        return (
+            self.stats.open >= self.max_connections or self.per_client.get(client, 0) >= self.max_per_client
+        )
+
+    def make_room(self, client: str, speaking: bool = True) -> bool:
         """Whether a new connection from ``client`` fits, evicting an idle one if it must.
 
         At the per-client cap the oldest of that client's connections without a
-        request head goes; at the global cap the oldest of anyone's. False when
-        there is none to evict.
+        request head goes; at the global cap the oldest of anyone's. A newcomer
+        that has sent nothing yet displaces only a connection silent for
+        :data:`SILENT_DISPLACES_AFTER` seconds or more: a flood of silent sockets
+        then cannot churn the slots it holds, while a client that speaks always
+        gets in. False when there is none to evict.
         """
-        if self.per_client.get(client, 0) >= self.max_per_client and not self._evict(client):
+        min_age = 0.0 if speaking else SILENT_DISPLACES_AFTER
+        if self.per_client.get(client, 0) >= self.max_per_client and not self._evict(client, min_age):
             return False
-        return self.stats.open < self.max_connections or self._evict(None)
+        return self.stats.open < self.max_connections or self._evict(None, min_age)
 
-    def _evict(self, client: str | None) -> bool:
+    def _evict(self, client: str | None, min_age: float) -> bool:
         victim = next((c for c in self.awaiting_head if client is None or c.client == client), None)
-        if victim is None:
+        if victim is None or self._clock() - self.awaiting_head[victim] < min_age:
             return False
         victim.evict()
         self.stats.evicted += 1
@@ -308,7 +456,7 @@ class GuardedSite(web.SockSite):
         self.stats.accepted += 1
         self.per_client[client] = self.per_client.get(client, 0) + 1
 
-    def release(self, connection: ConnectionGuard) -> None:
+    def release(self, connection: ConnectionGuard | WaitingSocket) -> None:
         """Uncount a connection that closed, was evicted or never connected."""
         self.stats.open -= 1
         self.awaiting_head.pop(connection, None)

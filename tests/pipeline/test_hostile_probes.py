@@ -21,7 +21,7 @@ import pytest
 
 from pipeline.nats_server import EmbeddedNats
 from tests.conftest import ROOT
-from tests.pipeline.stack import Stack
+from tests.pipeline.stack import Stack, until
 from tests.support.processes import stop_process
 from tests.support.socket_flood import SocketFlood
 
@@ -133,7 +133,7 @@ async def test_the_cap_evicts_the_oldest_silent_connection_and_refuses_when_all_
             assert (await reader.readuntil(b'{"status": "ok"}')).startswith(b"HTTP/1.1 200 OK")
             busy.append((reader, writer))
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        assert await asyncio.wait_for(reader.read(), 2.0) == b""  # closed at once
+        assert await asyncio.wait_for(reader.read(), 2.0) == b""  # closed: it never spoke
         writer.close()
         assert stack.api.site.stats.refused >= 1
         for _, writer in busy:
@@ -148,17 +148,24 @@ async def test_one_client_address_holds_at_most_its_cap(tmp_path: Path, nats_ser
     stack = await Stack.start(tmp_path, yaml, nats_server.url)
     port = stack.api.port
     assert port is not None and stack.api.site is not None
+    site = stack.api.site
     try:
         held = []
-        for source in ("127.0.0.2", "127.0.0.2", "127.0.0.2", "127.0.0.2", "127.0.0.3"):
+        for source in ("127.0.0.2", "127.0.0.2", "127.0.0.2", "127.0.0.3"):
             held.append(await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0)))
-        await asyncio.sleep(0.3)
-        site = stack.api.site
-        assert site.per_client == {"127.0.0.2": 3, "127.0.0.3": 1}
-        assert (site.stats.open, site.stats.evicted) == (4, 1)
-        # The first of 127.0.0.2 made room for its fourth; 127.0.0.3's was never touched.
+        await until(lambda: site.per_client == {"127.0.0.2": 3, "127.0.0.3": 1}, what="four connections")
+        # A fourth silent one from 127.0.0.2 takes no slot: it is closed when it stays silent.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+        assert await asyncio.wait_for(reader.read(), 2.0) == b""
+        writer.close()
+        assert (site.stats.open, site.stats.evicted, site.per_client["127.0.0.2"]) == (4, 0, 3)
+        # One that speaks takes the place of 127.0.0.2's oldest silent connection.
+        elapsed, answer = await asyncio.to_thread(probe, port, "/healthz", "127.0.0.2")
+        assert answer.startswith(b"HTTP/1.1 200 OK") and elapsed < 1.0
         assert await asyncio.wait_for(held[0][0].read(), 2.0) == b""
-        for _, writer in held:
-            writer.close()
+        assert site.stats.evicted == 1
+        assert site.per_client["127.0.0.3"] == 1  # another address's connection was never touched
+        for _, w in held:
+            w.close()
     finally:
         await stack.close()
