@@ -79,8 +79,10 @@ class ConnectionStats:
 class ConnectionGuard(asyncio.Protocol):
     """One connection: admitted under the cap, then passed through to aiohttp's protocol."""
 
-    def __init__(self, site: GuardedSite, inner: asyncio.Protocol, client: str) -> None:
+    def __init__(self, site: GuardedSite, inner: asyncio.Protocol, client: str, waited: float = 0.0) -> None:
         self._site = site
+        # Seconds it already waited for its first bytes: they count against its first head.
+        self._waited = waited
         self._inner = inner
         self.client = client
         self._transport: asyncio.Transport | None = None
@@ -111,7 +113,8 @@ class ConnectionGuard(asyncio.Protocol):
     def _arm(self) -> None:
         if self._timer is None:
             loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(self._site.header_timeout, self._header_timeout)
+            delay, self._waited = max(0.0, self._site.header_timeout - self._waited), 0.0
+            self._timer = loop.call_later(delay, self._header_timeout)
 
     def _disarm(self) -> None:
         if self._timer is not None:
@@ -173,7 +176,7 @@ class WaitingSocket:
     :data:`PROBATION_SECONDS` (displacing a silent connection); otherwise it is closed.
     """
 
-    __slots__ = ("_listener", "_timer", "client", "conn", "probation")
+    __slots__ = ("_listener", "_timer", "client", "conn", "probation", "since")
 
     def __init__(self, listener: GuardedListener, conn: socket.socket, client: str, probation: bool) -> None:
         self._listener = listener
@@ -181,6 +184,7 @@ class WaitingSocket:
         self.client = client
         self.probation = probation
         site = listener._site
+        self.since = site._clock()
         loop = listener._loop
         if probation:
             site.probation[self] = None
@@ -219,7 +223,8 @@ class WaitingSocket:
             # Still without a complete head: the ConnectionGuard takes over that place.
             site.awaiting_head.pop(self, None)
         self._stop_watching()
-        self._listener.serve(self.conn, self.client)
+        waited = 0.0 if self.probation else site._clock() - self.since
+        self._listener.serve(self.conn, self.client, waited)
 
     def _timeout(self) -> None:
         self._timer = None
@@ -332,14 +337,14 @@ class GuardedListener(asyncio.AbstractServer):
             next(iter(probation)).refuse()
         WaitingSocket(self, conn, client, probation=True)
 
-    def serve(self, conn: socket.socket, client: str) -> None:
+    def serve(self, conn: socket.socket, client: str, waited: float) -> None:
         """Hand a socket that has sent its first bytes to aiohttp (through a :class:`ConnectionGuard`)."""
-        task = self._loop.create_task(self._serve(conn, client))
+        task = self._loop.create_task(self._serve(conn, client, waited))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, conn: socket.socket, client: str) -> None:
-        protocol = ConnectionGuard(self._site, self._factory(), client)
+    async def _serve(self, conn: socket.socket, client: str, waited: float) -> None:
+        protocol = ConnectionGuard(self._site, self._factory(), client, waited)
         try:
             await self._loop.connect_accepted_socket(lambda: protocol, sock=conn)
         except (OSError, RuntimeError):
