@@ -6,6 +6,7 @@
       listen: 127.0.0.1:8080     # host:port; port 0 picks a free one
       token: null                # bearer token; required (16+ characters) off loopback
       max_connections: 256       # open connections at once (at most half the open-file limit)
+      max_connections_per_client: 64   # open connections from one client address
       header_timeout: 10.0       # seconds to send a request's headers
       keepalive_timeout: 15.0    # seconds an idle keep-alive connection stays open
       file_roots: []             # folders POST /v1/sources may open files in; none by default
@@ -83,6 +84,13 @@ from pipeline.snapshot import render_snapshot
 from pipeline.sources.base import SourceError, SourceState
 from pipeline.sources.whip import MAX_SDP_BYTES, WhipError, WhipSource
 from pipeline.stats import ModelReport, Overload, PipelineReport, SourceReport
+from pipeline.webrtc_guard import (
+    OfferGuard,
+    OfferRefused,
+    PendingSession,
+    default_ice_networks,
+    parse_network,
+)
 
 log = logging.getLogger("vidpipe.api")
 
@@ -241,6 +249,12 @@ class ApiServer:
         self.site: GuardedSite | None = None
         # Created with the first WHEP viewer.
         self._whep: WhepServer | None = None
+        # What WHIP and WHEP offers may ask: candidate ranges, pending sessions per client.
+        networks = [n for n in map(parse_network, config.ice_networks or []) if n is not None]
+        self.webrtc = OfferGuard(
+            networks if config.ice_networks is not None else default_ice_networks(self.host),
+            config.max_pending_webrtc_per_client,
+        )
         self.app = web.Application(
             client_max_size=max_body, middlewares=[self._errors, self._cross_site, self._auth]
         )
@@ -303,7 +317,11 @@ class ApiServer:
         )
         await self._runner.setup()
         self.site = GuardedSite(
-            self._runner, sock, max_connections=cap, header_timeout=self.config.header_timeout
+            self._runner,
+            sock,
+            max_connections=cap,
+            header_timeout=self.config.header_timeout,
+            max_connections_per_client=self.config.max_connections_per_client,
         )
         await self.site.start()
         self._sampler = asyncio.create_task(self._sample_rates(), name="api-rates")
@@ -343,8 +361,10 @@ class ApiServer:
             raise
         except Exception as exc:
             # The plain log format shows no tracebacks (only --debug does), so say what it was.
-            log.error("%s %s failed: %s: %s", request.method, request.path, type(exc).__name__, exc)
-            log.debug("%s %s failed", request.method, request.path, exc_info=True)
+            # ascii(): a decoded path may hold a newline, which would forge a log line.
+            path = ascii(request.path)
+            log.error("%s %s failed: %s: %s", request.method, path, type(exc).__name__, ascii(str(exc)))
+            log.debug("%s %s failed", request.method, path, exc_info=True)
             return _error(500, "internal error; see the server log")
 
     @web.middleware
@@ -616,9 +636,14 @@ class ApiServer:
         offer = await _read_sdp(request)
         if isinstance(offer, web.Response):
             return offer
+        guarded = self._guard_offer(request, offer)
+        if isinstance(guarded, web.Response):
+            return guarded
+        offer, unconnected = guarded
         try:
-            session, answer = await self.whep.offer(sid, offer)
+            session, answer = await self.whep.offer(sid, offer, unconnected)
         except WhepEgressError as exc:
+            unconnected.settled()
             return _error(exc.status, exc.message)
         return web.Response(
             status=201, text=answer, content_type="application/sdp",
@@ -730,6 +755,13 @@ class ApiServer:
 
     # -- WHIP --------------------------------------------------------------------------------
 
+    def _guard_offer(self, request: web.Request, offer: str) -> tuple[str, PendingSession] | web.Response:
+        """The offer with only allowed ICE candidates, counted as pending for its client."""
+        try:
+            return self.webrtc.filter_offer(offer), self.webrtc.admit(request.remote or "")
+        except OfferRefused as exc:
+            return _error(exc.status, exc.message)
+
     def _whip_source(self, name: str) -> WhipSource | None:
         for run in self.runtime.sources.values():
             if isinstance(run.source, WhipSource) and run.source.name == name:
@@ -744,9 +776,14 @@ class ApiServer:
         offer = await _read_sdp(request)
         if isinstance(offer, web.Response):
             return offer
+        guarded = self._guard_offer(request, offer)
+        if isinstance(guarded, web.Response):
+            return guarded
+        offer, unconnected = guarded
         try:
-            session, answer = await source.accept(offer)
+            session, answer = await source.accept(offer, unconnected)
         except WhipError as exc:
+            unconnected.settled()
             return _error(exc.status, exc.message)
         return web.Response(
             status=201,

@@ -34,6 +34,7 @@ from pipeline.sources.schemes import SCHEME_OPTIONS, SCHEMES, resolve_live, sche
 from pipeline.stages.base import StageOptions
 from pipeline.stages.registry import stage_kinds
 from pipeline.urls import derive_id, normalise_url, resolve_url, scheme_name
+from pipeline.webrtc_guard import parse_network
 
 # 8K UHD: the largest picture any camera or clip in scope sends. A frame over it is
 # refused before a buffer is allocated (a 16384x8192 clip of a few hundred KB would
@@ -195,6 +196,13 @@ def _web_origins(origins: list[str]) -> str | None:
     return None
 
 
+def _check_networks(ranges: list[str]) -> str | None:
+    bad = [r for r in ranges if parse_network(r) is None]
+    if bad:
+        return f"{bad[0]!r} is not an address range (CIDR, e.g. 192.168.1.0/24 or fd00::/8)"
+    return None
+
+
 def _known_schemes(names: list[str]) -> str | None:
     unknown = [n for n in names if n not in SCHEMES]
     if unknown:
@@ -212,6 +220,9 @@ class HttpConfig:
     )
     max_connections: int = field(
         default=256, metadata=spec(ge=1, le=65536, help="open connections at once; more are closed at once")
+    )
+    max_connections_per_client: int = field(
+        default=64, metadata=spec(ge=1, le=65536, help="open connections from one client address at once")
     )
     header_timeout: float = field(
         default=10.0, metadata=spec(gt=0, le=3600, help="seconds a client has to send a request's headers")
@@ -232,6 +243,16 @@ class HttpConfig:
         metadata=spec(
             check=_web_origins, help="pages (scheme://host[:port]) that may embed MJPEG views and snapshots"
         ),
+    )
+    ice_networks: list[str] | None = field(
+        default=None,
+        metadata=spec(
+            check=_check_networks,
+            help="address ranges a WHIP/WHEP offer's ICE candidates may name; default: those of listen",
+        ),
+    )
+    max_pending_webrtc_per_client: int = field(
+        default=4, metadata=spec(ge=1, le=1024, help="WHIP/WHEP sessions per client not yet connected")
     )
 
 

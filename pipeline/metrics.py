@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pipeline.events import EVENT_TYPES
+from pipeline.sources.live import reader_threads
 
 if TYPE_CHECKING:
     from inference.repository import ModelStatus
@@ -165,6 +166,12 @@ class Metrics:
         self.pool_buffers = Gauge(
             "vidpipe_pool_buffers", "Buffers in a memory pool, by state", ["pool", "state"], registry=r
         )
+        self.reader_threads = Gauge(
+            "vidpipe_source_reader_threads",
+            "Reader threads of live sources in this process, abandoned ones included",
+            registry=r,
+        )
+        self.reader_threads.set_function(lambda: float(reader_threads()))
         self.model_info = ModelInfoCollector()
         r.register(self.model_info)
         gpu = GpuCollector.create()

@@ -18,6 +18,7 @@ from typing import Any
 
 from inference.errors import VidpipeError
 from pipeline.outputs.relay import FrameRelay, Subscription
+from pipeline.webrtc_guard import PENDING_TIMEOUT, PendingSession
 
 log = logging.getLogger("vidpipe.whep")
 
@@ -71,6 +72,17 @@ class _Session:
     source: str
     pc: Any
     sub: Subscription
+    # Counted against the viewer's address until the connection is up or ends.
+    unconnected: PendingSession | None = None
+    expiry: asyncio.TimerHandle | None = None
+
+    def settle(self) -> None:
+        """Connected or ended: no longer pending, no expiry."""
+        if self.expiry is not None:
+            self.expiry.cancel()
+            self.expiry = None
+        if self.unconnected is not None:
+            self.unconnected.settled()
 
 
 class WhepServer:
@@ -80,9 +92,16 @@ class WhepServer:
         self.relay = relay
         self.max_sessions = max_sessions
         self.sessions: dict[str, _Session] = {}
+        self._closing: set[asyncio.Task[bool]] = set()
 
-    async def offer(self, source: str, sdp: str) -> tuple[str, str]:
-        """Answer a viewer's offer; returns ``(session id, answer SDP)``."""
+    async def offer(
+        self, source: str, sdp: str, unconnected: PendingSession | None = None
+    ) -> tuple[str, str]:
+        """Answer a viewer's offer; returns ``(session id, answer SDP)``.
+
+        A session whose peer has not connected within ``PENDING_TIMEOUT`` seconds
+        is ended; ``unconnected`` is settled when it connects or ends.
+        """
         from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
         if len(self.sessions) >= self.max_sessions:
@@ -92,11 +111,13 @@ class WhepServer:
         # No ICE servers: the default would be a public STUN server (see WHIP).
         pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         sub = self.relay.subscribe(source, WHEP_FPS)
-        session = _Session(secrets.token_urlsafe(12), source, pc, sub)
+        session = _Session(secrets.token_urlsafe(12), source, pc, sub, unconnected)
         self.sessions[session.id] = session
 
         @pc.on("connectionstatechange")
         async def on_state() -> None:
+            if pc.connectionState == "connected":
+                session.settle()
             if pc.connectionState in ("failed", "closed"):
                 await self.end(session.id)
 
@@ -114,14 +135,25 @@ class WhepServer:
         except Exception as exc:  # aiortc raises ValueError and friends on malformed SDP
             await self.end(session.id)
             raise WhepError(400, f"bad SDP offer: {exc or type(exc).__name__}") from None
+        session.expiry = asyncio.get_running_loop().call_later(PENDING_TIMEOUT, self._expire, session)
         log.info("source %s: WHEP viewer connected (session %s)", source, session.id)
         return session.id, pc.localDescription.sdp
+
+    def _expire(self, session: _Session) -> None:
+        session.expiry = None
+        if self.sessions.get(session.id) is session and session.pc.connectionState != "connected":
+            log.info("source %s: WHEP session %s ended: not connected within %gs", session.source, session.id,
+                     PENDING_TIMEOUT)  # fmt: skip
+            task = asyncio.ensure_future(self.end(session.id))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def end(self, session_id: str, source: str | None = None) -> bool:
         session = self.sessions.get(session_id)
         if session is None or (source is not None and session.source != source):
             return False
         del self.sessions[session_id]
+        session.settle()
         session.sub.close()
         await session.pc.close()
         return True

@@ -29,7 +29,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
@@ -50,10 +50,17 @@ __all__ = [
     "file_formats",
     "frame_rate",
     "hwaccel_support",
+    "jpeg_size",
     "open_with_hwaccel",
 ]
 
 DecodeMode = Literal["auto", "cpu", "cuda"]
+
+# Bytes FFmpeg may read while it probes a stream at open (its own default, said
+# explicitly): probing decodes frames too, under the source's max_pixels.
+PROBE_BYTES = 5_000_000
+# Microseconds of stream FFmpeg may probe when a source does not set less (its default).
+PROBE_US = 5_000_000
 
 
 # -- FFmpeg errors ---------------------------------------------------------------------------
@@ -199,6 +206,30 @@ def file_formats() -> str:
     return ",".join(sorted(names))
 
 
+def jpeg_size(data: bytes) -> tuple[int, int]:
+    """A JPEG's ``(width, height)`` from its frame header; ``(0, 0)`` when it has none.
+
+    Walks the marker segments up to the start of the scan (a start-of-frame marker's
+    bytes may appear inside entropy-coded data, so the data is never searched).
+    """
+    pos = 2 if data[:2] == b"\xff\xd8" else len(data)
+    while pos + 4 <= len(data) and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        # SOF0..SOF15, but not DHT (C4), JPG (C8) or DAC (CC).
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC) and pos + 9 <= len(data):
+            height = int.from_bytes(data[pos + 5 : pos + 7], "big")
+            width = int.from_bytes(data[pos + 7 : pos + 9], "big")
+            return width, height
+        if marker == 0xDA or length < 2:  # start of scan: no frame header before it
+            break
+        pos += 2 + length
+    return 0, 0
+
+
 class PacketListener(Protocol):
     """Told of the stream as it is read (event clips keep the camera's packets).
 
@@ -274,14 +305,30 @@ class AvSource(ThreadedSource):
             options["format_whitelist"] = STREAM_FORMATS[scheme]
         return options
 
+    def decoder_limits(self) -> dict[str, str]:
+        """What bounds FFmpeg's work before vidpipe sees a frame: probing and picture size.
+
+        ``max_pixels`` goes to the decoders probing uses here and to the stream's own
+        decoder in :meth:`video_stream`: FFmpeg refuses a larger picture before it
+        allocates it, so a stream that switches to 16000x16000 costs nothing.
+        """
+        return {
+            "probesize": str(PROBE_BYTES),
+            "analyzeduration": str(PROBE_US),
+            "max_pixels": str(self.config.max_pixels),
+        }
+
     def open(self) -> Any:
         """Open the stream; raises :class:`SourceError` (with ``kind``) when it cannot."""
         import av
 
+        limits = self.decoder_limits()
+        # A source may probe less than the default, never past the pixel cap.
+        options = {**limits, **self.open_options(), "max_pixels": limits["max_pixels"]}
         try:
             container, self.decoder = open_with_hwaccel(
                 self.url,
-                self.open_options(),
+                options,
                 self.open_timeout(),
                 self.config.decode,
                 self.container_options(),
@@ -311,40 +358,63 @@ class AvSource(ThreadedSource):
         codec = stream.codec_context
         if codec.width and codec.height:
             self.check_frame_size(codec.width, codec.height)
+        # The decoder opens at the first packet; from then on it refuses larger pictures.
+        codec.options = {**codec.options, "max_pixels": str(self.config.max_pixels)}
         stream.thread_type = self.thread_type
         return stream
 
-    def frames(self, container: Any, stream: Any) -> Iterator[tuple[Any, float | None]]:
+    def frames(
+        self, container: Any, stream: Any, cancelled: Callable[[], bool] | None = None
+    ) -> Iterator[tuple[Any, float | None]]:
         """Each decoded frame of ``stream`` with its timestamp in seconds (None if it has none).
 
-        Ends at the end of the stream or when the source is stopping; a read or decode
-        error raises :class:`SourceError` (a bad packet is skipped with
-        :attr:`skip_bad_packets`).
+        Ends at the end of the stream, when the source is stopping or when
+        ``cancelled()`` says so (checked at every packet, so a stream that never
+        decodes still ends); a read or decode error raises :class:`SourceError` (a
+        bad packet is skipped with :attr:`skip_bad_packets`). A picture over
+        ``max_pixels``, refused by the decoder, raises kind ``too_large``.
         """
         import av
 
         time_base = float(stream.time_base) if stream.time_base else 0.0
         try:
             for packet in container.demux(stream):
-                if self.stopping:
+                if self.stopping or (cancelled is not None and cancelled()):
                     return
                 if self.packet_listener is not None:
                     self.packet_listener.on_packet(packet, stream)
                 try:
                     decoded = packet.decode()
                 except av.FFmpegError as exc:
+                    self._check_refused_size(stream, packet)
                     if not self.skip_bad_packets:
                         raise
                     log.debug("source %s: skipped a packet: %s", self.id, ffmpeg_reason(exc, self.url))
                     continue
+                # Frame threads drop a refused picture without an error; the context
+                # keeps its size.
+                self._check_refused_size(stream, None)
                 for frame in decoded:
                     seconds = float(frame.pts) * time_base if frame.pts is not None and time_base else None
                     yield frame, seconds
+            self._check_refused_size(stream, None)
         except av.FFmpegError as exc:
             reason = ffmpeg_reason(exc, self.url)
             raise SourceError(
                 self.id, f"cannot decode {self.display_url}: {reason}", ffmpeg_error_kind(exc), reason
             ) from None
+
+    def _check_refused_size(self, stream: Any, packet: Any | None) -> None:
+        """After a decode error: raise ``too_large`` if the decoder refused the picture's size.
+
+        H.264 and HEVC decoders keep the refused size in the codec context; MJPEG resets
+        it to 0x0, and the size is read from the JPEG's own header instead.
+        """
+        codec = stream.codec_context
+        width, height = codec.width, codec.height
+        if packet is not None and not (width and height) and codec.name in ("mjpeg", "jpegls"):
+            width, height = jpeg_size(bytes(packet))
+        self.check_frame_size(width, height)
 
     def emit_frame(self, frame: Any, pts: float, capture_ts: float | None = None) -> bool:
         """Hand a decoded frame to the graph (see :meth:`Source.emit`)."""

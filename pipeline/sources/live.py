@@ -24,8 +24,13 @@ FFmpeg sits in a blocking read) or does not open in ``open_timeout``, the source
 goes to ``backoff`` with a one-line reason, waits ``min_delay * 2**n`` (capped at
 ``max_delay``, +-``jitter``; ``n`` counts failures since the last frame), counts a
 reconnect with a short reason label and connects again. A reader stuck in FFmpeg is
-abandoned, not closed from another thread: it frees its connection when its read
-times out, and can no longer emit. So :meth:`Source.stop` takes effect within a
+abandoned, not closed from another thread (closing a container another thread is
+reading is not safe in FFmpeg): it can no longer emit, stops at its next packet
+(a stream of undecodable bytes still has packets), and otherwise at its next read
+FFmpeg's interrupt ends after ``read_timeout``, freeing its connection. The next
+connection starts only once the abandoned reader has ended, so a source never has
+more than one reader; :func:`reader_threads` counts them all
+(``vidpipe_source_reader_threads``). :meth:`Source.stop` takes effect within a
 tenth of a second whatever FFmpeg is doing.
 
 Frame indices keep counting across reconnects and ``pts`` keeps increasing;
@@ -49,12 +54,21 @@ from pipeline.sources.decode import AvSource, frame_rate
 
 log = logging.getLogger("vidpipe.source")
 
-__all__ = ["LiveSource", "backoff_delay"]
+__all__ = ["LiveSource", "backoff_delay", "reader_threads"]
 
 # How often the supervisor looks at its reader; also the bound on how late stop() is seen.
 _TICK = 0.05
 # FFmpeg enforces open_timeout itself; the supervisor steps in only if it does not.
 _OPEN_GRACE = 1.0
+
+# Reader threads alive in this process, abandoned ones included.
+_readers = 0
+_readers_lock = threading.Lock()
+
+
+def reader_threads() -> int:
+    """Live-source reader threads alive in this process (at most one per live source)."""
+    return _readers
 
 
 def backoff_delay(failures: int, reconnect: ReconnectConfig, rand: float) -> float:
@@ -129,11 +143,14 @@ class LiveSource(AvSource):
 
     def run(self) -> None:
         number = 0
+        previous: _Attempt | None = None
         while not self.stopping:
             number += 1
             if number == 1:
                 self.set_state(SourceState.CONNECTING, self.display_url)
-            attempt = _Attempt(number=number, started=time.monotonic())
+            if previous is not None and not self._outlive(previous):
+                break
+            attempt = previous = _Attempt(number=number, started=time.monotonic())
             reader = threading.Thread(
                 target=self._read, args=(attempt,), name=f"live-{self.id}-{number}", daemon=True
             )
@@ -174,6 +191,19 @@ class LiveSource(AvSource):
             return None
         return attempt.failure or ("error", f"connection to {self.display_url} ended")
 
+    def _outlive(self, attempt: _Attempt) -> bool:
+        """Wait until an abandoned reader has ended; False if the source stops first.
+
+        Its read ends within ``read_timeout`` (FFmpeg's interrupt) or at its next packet.
+        """
+        if attempt.done.is_set():
+            return True
+        log.info("source %s: waiting for the abandoned connection to end before reconnecting", self.id)
+        while not attempt.done.wait(_TICK):
+            if self.stopping:
+                return False
+        return True
+
     def _abandon(self, attempt: _Attempt) -> None:
         # Taking the lock waits out an emit in progress; after it the reader cannot emit.
         with self._lock:
@@ -182,12 +212,23 @@ class LiveSource(AvSource):
     # -- the reader thread -----------------------------------------------------------------
 
     def _read(self, attempt: _Attempt) -> None:
+        global _readers
+        with _readers_lock:
+            _readers += 1
+        try:
+            self._read_connection(attempt)
+        finally:
+            with _readers_lock:
+                _readers -= 1
+            attempt.done.set()
+
+    def _read_connection(self, attempt: _Attempt) -> None:
         container: Any = None
         failure: tuple[ReconnectReason, str] | None
         try:
             container = self.open()
             attempt.opened = time.monotonic()
-            failure = self._decode_live(container, attempt)
+            failure = None if attempt.abandoned else self._decode_live(container, attempt)
         except SourceError as exc:
             failure = self._classify(exc, attempt)
             if exc.kind in ("too_large", "budget"):
@@ -200,14 +241,13 @@ class LiveSource(AvSource):
                 with contextlib.suppress(Exception):
                     container.close()
         attempt.failure = failure
-        attempt.done.set()
 
     def _decode_live(self, container: Any, attempt: _Attempt) -> tuple[ReconnectReason, str] | None:
         """Emit the connection's frames until it ends (returns why) or is given up (None)."""
         stream = self.video_stream(container)
         step = 1.0 / frame_rate(stream)
         timeline = _Timeline(step)
-        for frame, seconds in self.frames(container, stream):
+        for frame, seconds in self.frames(container, stream, lambda: attempt.abandoned):
             if attempt.abandoned or self.stopping:
                 return None
             capture_ts = time.time()

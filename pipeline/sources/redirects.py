@@ -16,6 +16,10 @@ attempt with ``redirected to <location>; set allow_redirects: true to follow it`
 (reconnect reason ``redirect``). A redirect to the same host and port is harmless
 (the credentials go where they were meant to) and is left to FFmpeg.
 
+The ``Location`` is read exactly as FFmpeg reads it (:func:`ffmpeg_endpoint`):
+FFmpeg never resolves it against the request, needs no ``//`` after the scheme
+(``rtsp:10.0.0.9:8554/x`` is host 10.0.0.9), and ends header lines at a bare LF.
+
 What this cannot see: a camera that answers these requests normally and redirects
 FFmpeg's own requests afterwards, or only after authenticating (the check sends no
 credentials, so a camera that answers it with 401 says nothing about its redirects).
@@ -24,6 +28,7 @@ See docs/security.md.
 
 from __future__ import annotations
 
+import re
 import socket
 import ssl
 import time
@@ -32,11 +37,12 @@ from urllib.parse import urlsplit
 from pipeline.redact import redact_url
 from pipeline.sources.base import SourceError
 
-__all__ = ["check_redirect", "has_credentials", "same_endpoint"]
+__all__ = ["check_redirect", "ffmpeg_endpoint", "has_credentials", "same_endpoint"]
 
 _DEFAULT_PORTS = {"rtsp": 554, "rtsps": 322}
 # An answer larger than this is not a camera's reply to OPTIONS or DESCRIBE headers.
 _MAX_HEAD = 16 * 1024
+_BLANK_LINE = re.compile(rb"\n\r?\n")
 
 
 def has_credentials(url: str) -> bool:
@@ -49,13 +55,56 @@ def _endpoint(url: str) -> tuple[str, int]:
     return (parts.hostname or "").lower(), parts.port or _DEFAULT_PORTS.get(parts.scheme.lower(), 554)
 
 
+def ffmpeg_endpoint(location: str) -> tuple[str, str, int | None] | None:
+    """``(scheme, host, port)`` of ``location`` as FFmpeg's ``av_url_split`` reads it (host lowercased).
+
+    None for a location without a ``:`` (FFmpeg takes it as a plain path and
+    connects to no host). FFmpeg needs no ``//``: ``rtsp:10.0.0.9:8554/x`` names
+    host 10.0.0.9 port 8554, and the scheme is everything before the first ``:``,
+    wherever it is (``/a:1/b`` names host ``1``). ``port`` is None when absent,
+    0 when FFmpeg's ``strtol`` finds no digits.
+    """
+    scheme, colon, rest = location.partition(":")
+    if not colon:
+        return None
+    for _ in range(2):
+        rest = rest.removeprefix("/")
+    hostport = rest[: min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))]
+    hostport = hostport.rpartition("@")[2]  # user info up to the last '@'
+    port_text: str | None = None
+    if hostport.startswith("[") and "]" in hostport:
+        host, _, after = hostport[1:].partition("]")
+        if after.startswith(":"):
+            port_text = after[1:]
+    else:
+        host, sep, port_text_found = hostport.partition(":")
+        port_text = port_text_found if sep else None
+    port: int | None = None
+    if port_text is not None:
+        digits = port_text.lstrip(" \t")
+        sign = -1 if digits.startswith("-") else 1
+        digits = digits.lstrip("+-")
+        number = digits[: len(digits) - len(digits.lstrip("0123456789"))]
+        port = sign * int(number) if number else 0
+    return scheme, host.lower(), port
+
+
 def same_endpoint(url: str, location: str) -> bool:
-    """Whether ``location`` (absolute, or relative to ``url``) is the same host and port."""
-    if "://" not in location:
-        return True
+    """Whether FFmpeg, following ``location``, stays on ``url``'s host and port.
+
+    ``location`` is read as FFmpeg reads it (:func:`ffmpeg_endpoint`), not as a
+    browser would: FFmpeg never resolves a redirect relative to the request.
+    """
+    endpoint = ffmpeg_endpoint(location)
+    if endpoint is None:
+        return True  # a plain path: FFmpeg connects to no other host with it
+    scheme, host, port = endpoint
+    if port is None or port < 0:
+        # FFmpeg compares the scheme case-sensitively and takes anything else for rtsp.
+        port = _DEFAULT_PORTS["rtsps" if scheme == "rtsps" else "rtsp"]
     try:
-        return _endpoint(url) == _endpoint(location)
-    except ValueError:  # an unparsable port: not the same place
+        return _endpoint(url) == (host, port)
+    except ValueError:  # an unparsable port in the source's own URL: not the same place
         return False
 
 
@@ -72,9 +121,15 @@ def _request_url(url: str) -> str:
     return f"{parts.scheme}://{netloc}{parts.path or '/'}{query}"
 
 
+def _head_end(data: bytes) -> int:
+    """Where the head ends (FFmpeg ends lines at LF and drops a CR before it); -1 if not yet."""
+    match = _BLANK_LINE.search(data)
+    return -1 if match is None else match.start()
+
+
 def _read_head(sock: socket.socket, deadline: float) -> bytes:
     data = b""
-    while b"\r\n\r\n" not in data:
+    while _head_end(data) < 0:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError
@@ -89,16 +144,20 @@ def _read_head(sock: socket.socket, deadline: float) -> bytes:
 
 
 def _status_and_location(head: bytes) -> tuple[int, str | None]:
-    lines = head.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
-    status_line = lines[0].split(" ", 2)
-    if len(status_line) < 2 or not status_line[0].startswith("RTSP/") or not status_line[1].isdigit():
+    end = _head_end(head)
+    text = (head if end < 0 else head[:end]).decode("latin-1")
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    # FFmpeg reads the status as atoi() of the line's second word, whatever the first is.
+    words = lines[0].split()
+    digits = words[1][: len(words[1]) - len(words[1].lstrip("0123456789"))] if len(words) > 1 else ""
+    if not digits:
         return 0, None
     location = None
     for line in lines[1:]:
         name, _, value = line.partition(":")
         if name.strip().lower() == "location":
             location = value.strip()
-    return int(status_line[1]), location
+    return int(digits), location
 
 
 def check_redirect(source_id: str, url: str, timeout: float) -> None:

@@ -48,6 +48,7 @@ from pipeline.queues import FrameQueue
 from pipeline.sources.base import ReconnectReason, Source, SourceError, SourceState, StateListener
 from pipeline.sources.decode import copy_rgb
 from pipeline.urls import whip_name
+from pipeline.webrtc_guard import PENDING_TIMEOUT, PendingSession
 
 log = logging.getLogger("vidpipe.whip")
 
@@ -80,6 +81,9 @@ class WhipSession:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     first_pts: float | None = None
     skipped: int = 0
+    # Counted against the publisher's address until the connection is up or ends.
+    unconnected: PendingSession | None = None
+    expiry: asyncio.TimerHandle | None = None
 
 
 class WhipSource(Source):
@@ -127,10 +131,13 @@ class WhipSource(Source):
 
     # -- WHIP --------------------------------------------------------------------------------
 
-    async def accept(self, offer: str) -> tuple[str, str]:
+    async def accept(self, offer: str, unconnected: PendingSession | None = None) -> tuple[str, str]:
         """Answer a publisher's SDP offer; returns ``(session id, answer SDP)``.
 
-        Raises :class:`WhipError` (400 bad offer, 409 busy, 503 stopping).
+        Raises :class:`WhipError` (400 bad offer, 409 busy, 503 stopping). A session
+        whose peer has not connected within ``PENDING_TIMEOUT`` seconds is ended
+        (``publisher lost: not connected``); ``unconnected`` is settled when it
+        connects or ends.
         """
         from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
@@ -149,7 +156,7 @@ class WhipSource(Source):
         # network usually cannot reach, and waiting for it delays every answer.
         pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         # Claimed before the first await so a concurrent second POST gets 409.
-        session = WhipSession(id=secrets.token_urlsafe(12), pc=pc)
+        session = WhipSession(id=secrets.token_urlsafe(12), pc=pc, unconnected=unconnected)
         self.session = session
 
         @pc.on("track")
@@ -167,6 +174,8 @@ class WhipSource(Source):
         @pc.on("connectionstatechange")
         async def on_connection_state() -> None:
             state = pc.connectionState
+            if state == "connected":
+                _settle(session)
             if state in ("failed", "closed"):
                 label: ReconnectReason = "connection_failed" if state == "failed" else "connection_closed"
                 await self._end(session, SourceState.BACKOFF, f"publisher lost: connection {state}", label)
@@ -187,6 +196,7 @@ class WhipSource(Source):
         except Exception as exc:  # aiortc raises ValueError and friends on malformed SDP
             await self._discard(session)
             raise WhipError(400, f"bad SDP offer: {exc or type(exc).__name__}") from None
+        session.expiry = self._loop.call_later(PENDING_TIMEOUT, self._expire, session)
         if self._ended_by is not None:
             # A publisher coming back counts as a reconnect, labelled by how the last one ended.
             self.count_reconnect(self._ended_by)
@@ -196,12 +206,24 @@ class WhipSource(Source):
     async def end_session(self, session_id: str) -> bool:
         """The publisher's DELETE; False if ``session_id`` is not the active session."""
         session = self.session
-        if session is None or not secrets.compare_digest(session.id, session_id):
+        # As bytes: compare_digest refuses a str that is not ASCII (a path may hold any).
+        given = session_id.encode("utf-8", "surrogateescape")
+        if session is None or not secrets.compare_digest(session.id.encode(), given):
             return False
         await self._end(session, SourceState.CONNECTING, PUBLISHER_LEFT, "publisher_left")
         return True
 
+    def _expire(self, session: WhipSession) -> None:
+        """A session that has not connected in time: end it, freeing the source for another."""
+        session.expiry = None
+        if self.session is session and session.pc.connectionState != "connected":
+            reason = f"publisher lost: not connected within {PENDING_TIMEOUT:g}s"
+            task = asyncio.ensure_future(self._end(session, SourceState.BACKOFF, reason, "timeout"))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
     async def _discard(self, session: WhipSession) -> None:
+        _settle(session)
         if self.session is session:
             self.session = None
         await session.pc.close()
@@ -217,6 +239,7 @@ class WhipSource(Source):
         if self.session is not session:
             return
         self.session = None
+        _settle(session)
         if label is not None:
             self._ended_by = label
         if not self.stopping:
@@ -305,6 +328,15 @@ def _release_after(buffer: BufferHandle, conversion: asyncio.Future[None]) -> No
     buffer.release()
     if not conversion.cancelled() and conversion.exception() is not None:
         log.debug("frame conversion failed: %r", conversion.exception())
+
+
+def _settle(session: WhipSession) -> None:
+    """The session connected or ended: no longer pending, no expiry."""
+    if session.expiry is not None:
+        session.expiry.cancel()
+        session.expiry = None
+    if session.unconnected is not None:
+        session.unconnected.settled()
 
 
 async def _discard_frames(track: Any) -> None:

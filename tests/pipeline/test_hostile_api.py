@@ -70,29 +70,7 @@ async def healthz(port: int, timeout: float = 3.0) -> bytes:
 # -- 1. connection limits --------------------------------------------------------------------
 
 
-async def test_connections_over_the_cap_are_closed_at_once(tmp_path: Path, nats_server: EmbeddedNats) -> None:
-    stack = await Stack.start(
-        tmp_path, config(nats_server, http="max_connections: 4, header_timeout: 60"), nats_server.url
-    )
-    port = stack.api.port
-    assert port is not None
-    held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]
-    try:
-        await asyncio.sleep(0.3)  # all four accepted and idle
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        elapsed = await closed_within(reader, 3.0)
-        writer.close()
-        assert elapsed is not None and elapsed < 1.0, "the fifth connection was kept open"
-        for _, w in held:
-            w.close()
-        await asyncio.sleep(0.3)
-        answer = await healthz(port)
-        assert answer.startswith(b"HTTP/1.1 200 OK"), answer
-        assert answer.endswith(b'{"status": "ok"}')
-    finally:
-        for _, w in held:
-            w.close()
-        await stack.close()
+# The cap's eviction of silent connections and the per-client cap: test_hostile_probes.py.
 
 
 async def test_slow_request_head_is_cut_off(tmp_path: Path, nats_server: EmbeddedNats) -> None:

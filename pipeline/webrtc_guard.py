@@ -1,0 +1,174 @@
+"""What a WHIP or WHEP offer may ask of the server: ICE candidates in allowed ranges, few pending sessions.
+
+::
+
+    http:
+      listen: 192.168.1.10:8080
+      ice_networks: [192.168.1.0/24]   # default: the networks of http.listen (below)
+      max_pending_webrtc_per_client: 4 # offers per client address not connected yet
+
+An offer's ICE candidates are addresses the server will send STUN checks to, so
+an offer naming ``10.0.0.1:22`` or a host on another network would make the
+server probe it. :meth:`OfferGuard.filter_offer` keeps only the candidates whose
+address lies in ``http.ice_networks`` (hostnames, such as mDNS ``.local``
+names, are dropped: resolving them is a request of its own) and refuses an offer
+left with none (400). By default the ranges are those of the address the server
+listens on: loopback for a loopback address, the /24 (IPv4) or /64 (IPv6) around
+a specific address, and the private, link-local and loopback ranges for
+``0.0.0.0`` or ``::``.
+
+A session counts as pending from its answer until its peer connection connects;
+one that has not connected within :data:`PENDING_TIMEOUT` seconds is ended by
+its owner (WHIP source or WHEP server), and a client address may have at most
+``max_pending_webrtc_per_client`` pending at once (429 beyond).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from inference.errors import VidpipeError
+
+__all__ = [
+    "PENDING_TIMEOUT",
+    "IceNetwork",
+    "OfferGuard",
+    "OfferRefused",
+    "PendingSession",
+    "default_ice_networks",
+    "parse_network",
+]
+
+# Seconds a WHIP or WHEP session may take to connect (ICE and DTLS on a LAN take
+# well under a second; a peer behind a slow link, a few).
+PENDING_TIMEOUT = 10.0
+
+IceNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+# Where a server listening on every address expects its peers.
+_PRIVATE = (
+    "127.0.0.0/8",
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "100.64.0.0/10",
+    "169.254.0.0/16",
+    "::1/128",
+    "fc00::/7",
+    "fe80::/10",
+)
+
+
+class OfferRefused(VidpipeError):
+    """An offer the guard refuses: ``status`` (400, 429) and a message for the client."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def parse_network(text: str) -> IceNetwork | None:
+    """A CIDR range (``10.0.0.0/8``, an address alone is a /32 or /128); None if not one."""
+    try:
+        return ipaddress.ip_network(text.strip(), strict=False)
+    except ValueError:
+        return None
+
+
+def default_ice_networks(host: str) -> list[IceNetwork]:
+    """The ranges peers of a server listening on ``host`` are expected in (see the module doc)."""
+    try:
+        addresses = [ipaddress.ip_address(host.strip("[]"))]
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError:
+            infos = []
+        addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
+    networks: list[IceNetwork] = []
+    for address in addresses:
+        if address.is_unspecified:
+            networks += [ipaddress.ip_network(n) for n in _PRIVATE]
+        elif address.is_loopback:
+            networks += [ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128")]
+        else:
+            prefix = 24 if address.version == 4 else 64
+            networks.append(ipaddress.ip_network(f"{address}/{prefix}", strict=False))
+    return list(dict.fromkeys(networks))
+
+
+@dataclass
+class PendingSession:
+    """A session counted against its client until it connects or ends (whichever comes first)."""
+
+    guard: OfferGuard
+    client: str
+    counted: bool = field(default=True)
+
+    def settled(self) -> None:
+        """The session connected or ended: it no longer counts as pending."""
+        if self.counted:
+            self.counted = False
+            self.guard._release(self.client)
+
+
+class OfferGuard:
+    """The allowed candidate ranges and the pending sessions per client of one HTTP server."""
+
+    def __init__(self, networks: Iterable[IceNetwork], max_pending_per_client: int) -> None:
+        self.networks = list(networks)
+        self.max_pending_per_client = max_pending_per_client
+        self.pending: dict[str, int] = {}
+
+    def _allowed(self, address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False  # a hostname (mDNS .local): never resolved on an offer's word
+        return any(ip in network for network in self.networks)
+
+    def filter_offer(self, sdp: str) -> str:
+        """``sdp`` with only the candidates in the allowed ranges; :class:`OfferRefused` if none is left."""
+        kept: list[str] = []
+        dropped: list[str] = []
+        for line in sdp.splitlines():
+            if line.startswith("a=candidate:"):
+                fields = line.split()
+                address = fields[4] if len(fields) > 5 else ""
+                if not self._allowed(address):
+                    dropped.append(address)
+                    continue
+            kept.append(line)
+        if dropped and not any(line.startswith("a=candidate:") for line in kept):
+            shown = ", ".join(sorted(set(dropped))[:3])
+            ranges = ", ".join(str(n) for n in self.networks[:6]) or "none"
+            raise OfferRefused(
+                400,
+                f"bad SDP offer: no ICE candidate in the allowed ranges (offered {shown}; "
+                f"http.ice_networks allows {ranges})",
+            )
+        return "\r\n".join(kept) + "\r\n"
+
+    def admit(self, client: str) -> PendingSession:
+        """Count a new pending session of ``client``; :class:`OfferRefused` (429) over the cap."""
+        count = self.pending.get(client, 0)
+        if count >= self.max_pending_per_client:
+            raise OfferRefused(
+                429,
+                f"{count} WebRTC session(s) from this address have not connected yet "
+                f"(http.max_pending_webrtc_per_client={self.max_pending_per_client}); "
+                f"each expires after {PENDING_TIMEOUT:g}s",
+            )
+        self.pending[client] = count + 1
+        return PendingSession(self, client)
+
+    def _release(self, client: str) -> None:
+        left = self.pending.get(client, 0) - 1
+        if left > 0:
+            self.pending[client] = left
+        else:
+            self.pending.pop(client, None)
