@@ -16,7 +16,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pipeline.events import EVENT_TYPES
-from pipeline.sources.live import reader_threads
 
 if TYPE_CHECKING:
     from inference.repository import ModelStatus
@@ -170,8 +169,7 @@ class Metrics:
             "vidpipe_source_reader_threads",
             "Reader threads of live sources in this process, abandoned ones included",
             registry=r,
-        )
-        self.reader_threads.set_function(lambda: float(reader_threads()))
+        )  # read at scrape time from the sources' own count, wired by the runtime
         self.model_info = ModelInfoCollector()
         r.register(self.model_info)
         gpu = GpuCollector.create()

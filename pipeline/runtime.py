@@ -37,6 +37,7 @@ from pipeline.queues import EndOfStream, FrameQueue, OverflowPolicy
 from pipeline.ratelimit import RateLimitedLog
 from pipeline.sources.base import Source, SourceError, SourceState
 from pipeline.sources.budget import MIB, FrameMemoryBudget
+from pipeline.sources.live import reader_threads
 from pipeline.sources.registry import create_source
 from pipeline.stages.base import Stage, StageContext
 from pipeline.stages.publish import Publisher
@@ -194,6 +195,7 @@ class Runtime:
         self.nats_url = nats_url
         self.max_frames = max_frames
         self.metrics = metrics or Metrics()
+        self.metrics.reader_threads.set_function(lambda: float(reader_threads()))
         self.models: ModelRepository | None = None
         self.stages: list[Stage] = []
         self.publisher = Publisher(config.nats, nats_url, config.pipeline, self.metrics)
