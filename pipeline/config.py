@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import math
 import re
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
@@ -425,25 +424,6 @@ _SCHEME_KEYS = {key for keys in SCHEME_OPTIONS.values() for key in keys}
 _MAX_INT = 2**63 - 1
 
 
-def _number_errors(node: Any, path: str, file: str, line: int | None) -> list[ConfigError]:
-    """Non-finite floats (``.nan``, ``.inf``, JSON's ``1e999``) and integers out of range, anywhere
-    in a source: NaN passes every ``>=`` bound and made a reconnect loop without delay."""
-    if isinstance(node, dict):
-        return [
-            err
-            for key, value in node.items()
-            for err in _number_errors(value, f"{path}.{key}", file, line_of(node, key) or line)
-        ]
-    if isinstance(node, list):
-        return [err for i, v in enumerate(node) for err in _number_errors(v, f"{path}[{i}]", file, line)]
-    if isinstance(node, float) and not math.isfinite(node):
-        return [ConfigError(file, line, path, f"must be a finite number, got {node}")]
-    if isinstance(node, int) and not isinstance(node, bool) and abs(node) > _MAX_INT:
-        digits = math.floor(node.bit_length() * math.log10(2)) + 1
-        return [ConfigError(file, line, path, f"number out of range (about {digits} digits)")]
-    return []
-
-
 def _scheme_key_errors(item: dict[str, Any], url: str, path: str, file: str) -> list[ConfigError]:
     """Keys some scheme takes on a source whose scheme does not (``transport:`` on a file)."""
     scheme = scheme_name(url)
@@ -495,23 +475,20 @@ def parse_source(
         item = LineDict(data)
         item.line, item.key_lines = line_of(data), getattr(data, "key_lines", {})
         item["url"] = url = normalise_url(url)
-    # Numbers first: a value that is no usable number is not checked against its bounds.
-    number_errors = _number_errors(item, path, file, line_of(item))
     found = url_check(url) if isinstance(url, str) else None
-    errors = list(number_errors)
+    errors: list[ConfigError] = []
     if isinstance(url, str) and found is None:
         # A key of another scheme is an error, but the source is still checked further.
         errors.extend(_scheme_key_errors(item, url, path, file))
     config: SourceConfig | None = None
-    if not number_errors:
-        try:
-            config = build(item, SourceConfig, file, path=path)
-        except ConfigError as exc:
-            # The url's own hint (a did-you-mean, how to encode a password) says more than the field's.
-            for err in exc.errors:
-                if err.path == f"{path}.url" and found is not None and found.hint:
-                    err = ConfigError(err.file, err.line, err.path, err.problem, found.hint)
-                errors.append(err)
+    try:
+        config = build(item, SourceConfig, file, path=path)
+    except ConfigError as exc:
+        # The url's own hint (a did-you-mean, how to encode a password) says more than the field's.
+        for err in exc.errors:
+            if err.path == f"{path}.url" and found is not None and found.hint:
+                err = ConfigError(err.file, err.line, err.path, err.problem, found.hint)
+            errors.append(err)
     raise_errors(errors)
     assert config is not None, "a source that did not build has errors"
     config = replace(config, url=resolve_url(config.url, Path(base_dir)))

@@ -237,10 +237,11 @@ BAD_SOURCES: list[tuple[dict[str, Any], str, str, str]] = [
         "a file source takes: url, id, max_fps, queue_size, max_pixels, loop, realtime, decode",
     ),
     ({"url": "rtsp://cam/x", "reconnect": {"min_delay": math.nan}}, "reconnect.min_delay",
-     "must be a finite number, got nan", ""),
+     "expected a finite number, got nan", "seconds, at least 0.1"),
     ({"url": "rtsp://cam/x", "reconnect": {"min_delay": math.inf}}, "reconnect.min_delay",
-     "must be a finite number, got inf", ""),
-    ({"url": "rtsp://cam/x", "open_timeout": 10**400}, "open_timeout", "number out of range (about 401 digits)", ""),
+     "expected a finite number, got inf", "seconds, at least 0.1"),
+    ({"url": "rtsp://cam/x", "open_timeout": 10**400}, "open_timeout",
+     "out of range: an integer of 401 digits (at most ±9,223,372,036,854,775,807)", ""),
     ({"url": "rtsp://cam/x", "stall_timeout": 7200}, "stall_timeout", "must be at most 3600, got 7200.0", ""),
     ({"url": "rstp://cam/x"}, "url", "unsupported source scheme 'rstp' in 'rstp://cam/x'", "did you mean rtsp://?"),
     (
@@ -431,12 +432,12 @@ async def test_a_fleet_worker_never_starts_a_stored_source_with_nan(
         try:
             await until(lambda: "good" in runtime.sources, what="the good source to start")
             await until(
-                lambda: any("must be a finite number, got nan" in r.getMessage() for r in caplog.records),
+                lambda: any("expected a finite number, got nan" in r.getMessage() for r in caplog.records),
                 what="the refusal in the log",
             )
             assert set(runtime.sources) == {"good"}
             refusal = next(r.getMessage() for r in caplog.records if "got nan" in r.getMessage())
-            assert "sources.bad.reconnect.min_delay: must be a finite number, got nan" in refusal
+            assert "sources.bad.reconnect.min_delay: expected a finite number, got nan" in refusal
         finally:
             await fleet.stop()
             await runtime.stop()
