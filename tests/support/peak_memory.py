@@ -18,7 +18,7 @@ from pathlib import Path
 from pipeline.config import ReconnectConfig, SourceConfig
 from pipeline.queues import EndOfStream, FrameQueue
 from pipeline.sources.base import SourceState
-from pipeline.sources.schemes import create_source
+from pipeline.sources.registry import create_source
 from tests.support.hostile_streams import MjpegServer, switching_parts
 
 
