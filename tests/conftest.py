@@ -78,6 +78,7 @@ SLOW: dict[str, frozenset[str] | set[str]] = {
         "test_mpegts_pushed_over_udp_and_rtp_arrives_in_order",
     },
     "tests/pipeline/test_live_view.py": {
+        "test_lines_and_zones_are_drawn_on_the_snapshot_mjpeg_and_whep",
         "test_mjpeg_viewer_gets_frames_and_one_that_never_reads_does_not_slow_the_pipeline",
     },
     "tests/pipeline/test_models_add.py": ALL,
@@ -98,6 +99,24 @@ SLOW: dict[str, frozenset[str] | set[str]] = {
         "test_summary_counts_frames_not_events",
     },
     "tests/test_soak.py": ALL,
+    "tests/inference/test_quantize.py": {
+        "test_quantize_refuses_bad_arguments_and_unreadable_sources",
+    },
+    "tests/pipeline/test_hostile_webrtc.py": {
+        "test_pending_sessions_expire_and_count_against_their_address",
+    },
+    "tests/pipeline/test_metrics.py": {
+        "test_an_overloaded_source_is_named_with_its_drop_rate_and_bottleneck_once_per_interval",
+        "test_the_dashboard_shows_an_overloaded_source_as_the_log_says_it",
+    },
+    "tests/pipeline/test_outputs.py": {
+        "test_a_killed_run_leaves_a_recording_that_plays_to_the_kill_and_the_next_run_keeps_it",
+        "test_a_source_that_stops_while_a_clip_records_leaves_every_file_playable",
+        "test_the_clip_ring_is_bounded_in_bytes_at_any_bitrate_and_a_stop_releases_it",
+        "test_each_line_crossing_makes_a_clip_announced_with_its_line_and_direction",
+    },
+    "tests/pipeline/test_hostile_streams.py": ALL,
+    "tests/pipeline/test_hostile_probes.py": ALL,
 }
 
 
