@@ -50,7 +50,8 @@ from typing import Any, Protocol
 from inference.batch_policy import BatchPolicy, PendingQueue, Send, next_batch, split_by_level
 from inference.errors import VidpipeError
 
-log = logging.getLogger(__name__)
+# Under "vidpipe." like the pipeline's loggers: one tree to configure, "vidpipe.inference.*" here.
+log = logging.getLogger(f"vidpipe.{__name__}")
 
 QUEUE_FULL = "queue_full"
 TIMEOUT = "timeout"
@@ -460,7 +461,14 @@ class DynamicBatcher:
                 outcomes = [(r, res, None) for r, res in zip(live, results, strict=True)]
             except Exception as exc:
                 failed = True
-                log.warning("%s: batch of %d failed on instance %d: %s", self.name, n, index, exc)
+                log.warning(
+                    "%s: batch of %d failed on instance %d: %s",
+                    self.name,
+                    n,
+                    index,
+                    exc,
+                    extra={"model": self.name},
+                )
                 for r in live:
                     err = InferenceFailed(self.name, f"batch of {n} failed: {type(exc).__name__}: {exc}")
                     err.__cause__ = exc

@@ -69,7 +69,8 @@ from inference.processing.resize import ImageResizer, check_image
 from inference.processing.tasks import create_task
 from inference.results import Result
 
-log = logging.getLogger(__name__)
+# Under "vidpipe." like the pipeline's loggers: one tree to configure, "vidpipe.inference.*" here.
+log = logging.getLogger(f"vidpipe.{__name__}")
 
 TaskFactory = Callable[[ModelConfig, TensorSpec, Mapping[str, str], Sequence[str]], Task]
 BackendFactory = Callable[[ModelConfig, Path, int], Backend]
@@ -347,7 +348,7 @@ class Model:
                 inst.backend.close()
             self.error = exc
             reason = self._describe_error(exc)
-            log.warning("%s: unavailable: %s", self.name, reason)
+            log.warning("%s: unavailable: %s", self.name, reason, extra={"model": self.name})
             self._set_state(ModelState.UNAVAILABLE, reason)
             return self.state
         self.instances = instances

@@ -60,7 +60,8 @@ __all__ = [
     "split_frames",
 ]
 
-log = logging.getLogger(__name__)
+# Under "vidpipe." like the pipeline's loggers: one tree to configure, "vidpipe.inference.*" here.
+log = logging.getLogger(f"vidpipe.{__name__}")
 
 # Boxes of the float and the INT8 model are the same box at this IoU or more.
 MATCH_IOU = 0.7

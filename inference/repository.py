@@ -69,7 +69,8 @@ from inference.schema import ConfigError, ConfigOrigin, build, line_of, load_yam
 
 CONFIG_FILE = "config.yaml"
 
-log = logging.getLogger(__name__)
+# Under "vidpipe." like the pipeline's loggers: one tree to configure, "vidpipe.inference.*" here.
+log = logging.getLogger(f"vidpipe.{__name__}")
 
 
 class ModelNotFoundError(VidpipeError, LookupError):

@@ -7,9 +7,13 @@ import logging
 import sys
 import time
 
+# What a line is about, as fields of their own in JSON logs, so a log pipeline can filter
+# on a camera or a model without parsing the message; set with ``extra={"source": ...}``.
+CONTEXT_FIELDS = ("source", "model", "stage")
+
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, msg."""
+    """One JSON object per line: ts, level, logger, msg, and source / model / stage when known."""
 
     def format(self, record: logging.LogRecord) -> str:
         out = {
@@ -18,6 +22,10 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        for name in CONTEXT_FIELDS:
+            value = getattr(record, name, None)
+            if isinstance(value, str):
+                out[name] = value
         if record.exc_info and record.levelno >= logging.DEBUG and logging.getLogger().level <= logging.DEBUG:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)

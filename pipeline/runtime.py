@@ -434,13 +434,15 @@ class Runtime:
         # Called from the source's thread; logging and prometheus are thread-safe.
         up = 1.0 if state == SourceState.UP else 0.0
         self.metrics.source_up.labels(self.config.pipeline, source.id).set(up)
+        about = {"source": source.id}
         if state == SourceState.FAILED:
-            log.error("%s", reason if reason.startswith("source ") else f"source {source.id}: {reason}")
+            text = reason if reason.startswith("source ") else f"source {source.id}: {reason}"
+            log.error("%s", text, extra=about)
         elif state == SourceState.BACKOFF:
-            log.warning("source %s: %s", source.id, reason)
+            log.warning("source %s: %s", source.id, reason, extra=about)
             self.outputs.stream_ended(source.id)  # its clip rings go until it reconnects
         else:
-            log.info("source %s: %s%s", source.id, state.value, f" ({reason})" if reason else "")
+            log.info("source %s: %s%s", source.id, state.value, f" ({reason})" if reason else "", extra=about)
 
     def _on_sent(self, source: str) -> None:
         # A message really left (core: sent or flushed from the outbox; JetStream: acked).

@@ -48,7 +48,8 @@ from inference.backends.inputs import check_input
 from inference.config import ModelConfig, TensorRTOptions
 from inference.device import DLPACK_CUDA_DEVICES, gpu_available
 
-log = logging.getLogger(__name__)
+# Under "vidpipe." like the pipeline's loggers: one tree to configure, "vidpipe.inference.*" here.
+log = logging.getLogger(f"vidpipe.{__name__}")
 
 MISSING = (
     "TensorRT backend needs an NVIDIA GPU with the `tensorrt` and `cupy` packages "

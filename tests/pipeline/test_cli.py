@@ -80,6 +80,9 @@ def test_json_logs_are_one_object_per_line_without_credentials(
     assert "source test: up" in messages
     cam = [m for m in messages if m.startswith("source cam:")]
     assert cam and all("rtsp://***@127.0.0.1:9/cam" in m for m in cam if "rtsp://" in m)
+    # A source's lines name it in a field of their own, for filtering without parsing.
+    assert {r.get("source") for r in records if r["msg"].startswith("source cam:")} == {"cam"}
+    assert {r.get("source") for r in records if r["msg"] == "source test: up"} == {"test"}
     # Events, not frames: a few lines for a whole run.
     assert len(records) < 30
 
