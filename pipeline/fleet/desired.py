@@ -123,7 +123,13 @@ class DesiredSources:
             keys = []
         if any(not k.startswith(META_PREFIX) for k in keys):
             return []  # sources added before seeding was recorded: leave the set alone
-        return [c.source_id for c in configs if await self.add(c)]
+        try:
+            return [c.source_id for c in configs if await self.add(c)]
+        except Exception:
+            # Half seeded: take the mark back so the next try (this worker's or another's) seeds.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.kv.delete(SEEDED_KEY), self.timeout)
+            raise
 
     async def add(self, config: SourceConfig) -> bool:
         """Add ``config`` under its id; False when the id is taken (the stored one stays)."""

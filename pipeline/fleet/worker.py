@@ -10,8 +10,9 @@ each lease it holds, checks that its publishing connection still answers and
 that the buckets still exist; a lease it cannot renew in time is fenced
 (nothing more is published for it) and its source stopped. The **placer**
 (every ``lease_ttl / 8``) computes the placement from the live workers and acts
-on it, once the set of live workers it sees has held still for ``lease_ttl / 4``
-(a worker that briefly sees no peers does not take every source):
+on it, once the set of live workers it sees (a heartbeat within three quarters
+of ``lease_ttl``) has held still for ``lease_ttl / 8`` (a worker that briefly
+sees no peers does not take every source):
 
 * a desired source with no lease is claimed by the worker placement picks, at
   once; by any other worker only after it stayed free for ``lease_ttl``;
@@ -23,8 +24,9 @@ on it, once the set of live workers it sees has held still for ``lease_ttl / 4``
   worker seen alive, without a break, for ``lease_ttl``; it then claims it: one move;
 * a source no longer desired is stopped and released; one whose desired entry
   changed is restarted with the new settings;
-* a worker whose publishing connection cannot complete a round trip within the
-  lease's bound stops heartbeating and releases its sources.
+* a worker whose publishing connection does not answer a round trip within
+  ``lease_ttl / 4`` deletes its heartbeat and releases its sources; past the
+  lease's bound it publishes nothing more in any case.
 
 A drain (SIGTERM) deletes the heartbeat first, so the others stop placing
 sources here, then stops each source (its frames in flight are published) and
@@ -144,8 +146,13 @@ class FleetWorker:
         self._placement_memo: tuple[Any, dict[str, str]] | None = None
         # Monotonic time until which the publishing connection is known to deliver.
         self._publish_until = math.inf
+        self._publish_stalled = False  # the last probe got no answer in time
+        self._left = False  # the heartbeat was deleted while the publishing connection is stuck
         self._last_heartbeat = 0.0  # monotonic time of the last heartbeat that landed
         self._last_purge = 0.0
+        # No claims before this (monotonic): after a lost lease bucket, until every lease
+        # recorded in it has run out on its holder's clock, whoever the holder was.
+        self._claim_after = 0.0
 
     # -- the Fence the publisher asks ------------------------------------------------------
 
@@ -180,12 +187,13 @@ class FleetWorker:
         deadline = time.monotonic() + OPEN_PATIENCE
         while True:
             try:
-                for kind in ("sources", "leases", "workers"):
-                    await self._open(kind)
+                await self._join()
                 break
             except Exception as exc:
-                # A fresh cluster answers "no response from stream" until its meta leader is up.
+                # A fresh cluster answers "no response from stream" until its leaders are up.
                 if time.monotonic() < deadline:
+                    for view in self._views.values():
+                        await view.stop()
                     await asyncio.sleep(0.5)
                     continue
                 await self._nc.close()
@@ -195,17 +203,10 @@ class FleetWorker:
                     f"{type(exc).__name__}: {exc}; the server needs JetStream (nats-server -js)"
                     + (f" with {replicas} node(s) for fleet.replicas" if replicas > 1 else "")
                 ) from None
-        self.desired = DesiredSources(self._kvs["sources"], timeout=max(1.0, self.ttl / 2))
-        self.leases = LeaseTable(self._kvs["leases"], self.id, self.ttl)
-        self._workers_kv = self._kvs["workers"]
-        self._epoch_floor = await self._retrying(lambda: self._leases().load_epoch(self._epoch_floor))
-        await self._seed()
-        self._views = {kind: BucketView(kv, kind) for kind, kv in self._kvs.items()}
-        for view in self._views.values():
-            await view.start()
         self._started = time.monotonic()
         await self._probe_publisher()
-        await self._heartbeat()
+        with contextlib.suppress(Exception):  # the renewer writes the next one a moment later
+            await self._heartbeat()
         self.runtime.publisher.fence = self
         self.runtime.keep_running()
         self._tasks = [
@@ -221,19 +222,22 @@ class FleetWorker:
             self._leases().epoch,
         )
 
+    async def _join(self) -> None:
+        """Open the buckets, learn the epoch, seed the desired set, start the watchers."""
+        for kind in ("sources", "leases", "workers"):
+            await self._open(kind)
+        self.desired = DesiredSources(self._kvs["sources"], timeout=max(1.0, self.ttl / 2))
+        self.leases = LeaseTable(self._kvs["leases"], self.id, self.ttl)
+        self._workers_kv = self._kvs["workers"]
+        self._epoch_floor = await self.leases.load_epoch(self._epoch_floor)
+        await self._seed()
+        self._views = {kind: BucketView(kv, kind) for kind, kv in self._kvs.items()}
+        for view in self._views.values():
+            await view.start()
+
     def _leases(self) -> LeaseTable:
         assert self.leases is not None
         return self.leases
-
-    async def _retrying(self, call: Any) -> Any:
-        deadline = time.monotonic() + OPEN_PATIENCE
-        while True:
-            try:
-                return await call()
-            except Exception:
-                if time.monotonic() >= deadline:
-                    raise
-                await asyncio.sleep(0.5)
 
     async def _open(self, kind: str) -> KeyValue:
         """Open (creating when missing) one bucket and remember which incarnation it is."""
@@ -286,7 +290,7 @@ class FleetWorker:
         """
         if self._draining or not self._started:
             return None
-        quiet = time.monotonic() - self._last_heartbeat
+        quiet = time.monotonic() - max(self._last_heartbeat, self._started)
         limit = max(30.0, 5 * self.ttl)
         if quiet > limit:
             return f"fleet {self.name}: no heartbeat written for {quiet:.0f}s (limit {limit:.0f}s)"
@@ -297,8 +301,13 @@ class FleetWorker:
     async def _heartbeat(self) -> None:
         if self._draining or self._workers_kv is None:
             return
-        if time.monotonic() >= self._publish_until:
-            return  # cannot publish: let the others see this worker gone and place its sources
+        if not self._publishing(time.monotonic()):
+            # Cannot publish: leave the placement at once, so the others take the sources.
+            if not self._left:
+                await asyncio.wait_for(self._workers_kv.delete(self.id), max(0.5, self.ttl / 4))
+                self._left = True
+            return
+        self._left = False
         value = json.dumps(
             {
                 "capacity": self.capacity,
@@ -321,9 +330,19 @@ class FleetWorker:
         try:
             await asyncio.wait_for(nc.flush(timeout=max(1, int(self.ttl / 4))), max(0.5, self.ttl / 4))
         except Exception as exc:
-            self._errors("publisher", f"fleet {self.name}: the publishing connection did not answer: {exc}")
+            self._publish_stalled = True
+            self._errors(
+                "publisher",
+                f"fleet {self.name}: the publishing connection did not answer within "
+                f"{max(0.5, self.ttl / 4):g}s ({type(exc).__name__}); handing its sources over",
+            )
             return
+        self._publish_stalled = False
         self._publish_until = sent + self.ttl * 0.75
+
+    def _publishing(self, now: float) -> bool:
+        """Whether the publishing connection answered its last probe, within the fence's bound."""
+        return now < self._publish_until and not self._publish_stalled
 
     async def _renew_loop(self) -> None:
         while True:
@@ -397,10 +416,21 @@ class FleetWorker:
             elif kind == "leases":
                 self._leases().kv = kv
                 self._claim_clock.clear()
+                self._lost_lease_bucket()
                 self._epoch_floor = await self._leases().load_epoch(self._epoch_floor)
             else:
                 self._workers_kv = kv
             await self._views[kind].restart(kv)
+
+    def _lost_lease_bucket(self) -> None:
+        """Every lease recorded in a lost bucket: fence ours now, claim nothing for a TTL.
+
+        Other holders learn of the loss only at their next renewal; their deadlines
+        pass within ``lease_ttl`` of the loss, and no claim here comes before that.
+        """
+        for lease in list(self.owned.values()):
+            self._lost(lease, "taken")
+        self._claim_after = max(self._claim_after, time.monotonic() + self.ttl)
 
     async def _purge_tombstones(self) -> None:
         now = time.monotonic()
@@ -426,8 +456,11 @@ class FleetWorker:
 
     def alive_workers(self, now: float) -> dict[str, WorkerInfo]:
         """Workers whose heartbeat changed within ``lease_ttl`` (this one included unless draining)."""
-        out = {k: info for k, (info, seen) in self._heartbeats().items() if now - seen < self.ttl}
-        if self._draining or now >= self._publish_until:
+        # Three missed heartbeats: gone from placement a quarter TTL before its leases
+        # expire, so the view has held still by the time they do.
+        window = 0.75 * self.ttl
+        out = {k: info for k, (info, seen) in self._heartbeats().items() if now - seen < window}
+        if self._draining or not self._publishing(now):
             out.pop(self.id, None)
         else:
             out[self.id] = WorkerInfo(self.id, self.capacity, len(self.owned), self.version, time.time())
@@ -460,7 +493,7 @@ class FleetWorker:
         return placed
 
     def _note_members(self, now: float, alive: dict[str, WorkerInfo]) -> bool:
-        """Track the live set; True once it has held still for ``lease_ttl / 4``."""
+        """Track the live set; True once it has held still for ``lease_ttl / 8``."""
         members = frozenset(alive)
         if members != self._members:
             self._members, self._members_since = members, now
@@ -469,7 +502,7 @@ class FleetWorker:
                 del self._alive_since[w]
         for w in members:
             self._alive_since.setdefault(w, now)
-        return now - self._members_since >= self.ttl / 4
+        return now - self._members_since >= self.ttl / 8
 
     def _lease_age(self, sid: str, seen_at: float, stored: StoredLease | None, now: float) -> float:
         """How long the lease has gone without a real renewal, on this worker's clock.
@@ -504,7 +537,7 @@ class FleetWorker:
         stable = self._note_members(now, alive)
         self.metrics.workers_alive.labels(self.name).set(len(alive))
         self._note_epoch()
-        publishing = now < self._publish_until
+        publishing = self._publishing(now)
         for sid, lease in list(self.owned.items()):
             if sid in self._busy:
                 continue
@@ -517,7 +550,7 @@ class FleetWorker:
                 self._spawn(sid, self._release(sid, "publish"))
             elif desired[sid][0] != self._running.get(sid):
                 self._spawn(sid, self._restart(sid, desired[sid][0], desired[sid][1]))
-        if not stable or not publishing or self._draining:
+        if not stable or not publishing or self._draining or now < self._claim_after:
             return  # act on a view of the fleet that has held still, never on a passing one
         placed = self.placement(now, desired, alive)
         load = len(self.owned) + sum(1 for s in self._busy if s not in self.owned)
@@ -564,6 +597,8 @@ class FleetWorker:
         except ValueError as exc:
             self.bad.bad("leases", EPOCH_KEY, seen.revision, exc)
             return
+        if epoch > self._epoch_floor and self._epoch_floor:
+            self._lost_lease_bucket()  # another worker made the lease bucket again
         if epoch >= self._epoch_floor:
             self._epoch_floor = epoch
             self._leases().epoch = epoch
