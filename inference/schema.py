@@ -85,6 +85,10 @@ class ConfigErrors(ConfigError):
         return "\n".join(shown)
 
 
+# Unknown keys of one mapping reported one by one (with a did-you-mean); the rest are counted.
+MAX_UNKNOWN_REPORTED = 5
+
+
 def raise_errors(errors: list[ConfigError]) -> None:
     """Raise nothing for no errors, the error itself for one, :class:`ConfigErrors` for more."""
     flat = [e for err in errors for e in err.errors]
@@ -445,12 +449,16 @@ def _build_dataclass(data: dict[str, Any], cls: type[T], ctx: _Ctx) -> T:
     # Every problem of this mapping (and those below it) is collected, not just the first.
     errors: list[ConfigError] = []
     suggested: set[str] = set()  # a missing key an unknown one was taken for is not said twice
-    for key in data:
-        if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            suggested.update(close)
-            hint = f"did you mean {close[0]!r}?" if close else "allowed keys: " + ", ".join(fields)
-            errors.append(ctx.child(key, key_lines.get(key)).error("unknown key", hint))
+    unknown = [key for key in data if key not in fields]
+    # A few typos get a suggestion each; a flood of keys is one error (suggesting costs time).
+    for key in unknown[:MAX_UNKNOWN_REPORTED]:
+        close = difflib.get_close_matches(key, list(fields), n=1)
+        suggested.update(close)
+        hint = f"did you mean {close[0]!r}?" if close else "allowed keys: " + ", ".join(fields)
+        errors.append(ctx.child(key, key_lines.get(key)).error("unknown key", hint))
+    if len(unknown) > MAX_UNKNOWN_REPORTED:
+        more = len(unknown) - MAX_UNKNOWN_REPORTED
+        errors.append(ctx.error(f"{more} more unknown key(s)", "allowed keys: " + ", ".join(fields)))
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         child = ctx.child(name, key_lines.get(name))

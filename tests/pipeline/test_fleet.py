@@ -733,3 +733,20 @@ async def test_an_unconfirmed_claim_shows_no_owner_and_rewriting_it_does_not_hol
     finally:
         stop.set()
         await nc.close()
+
+
+async def test_a_body_with_a_flood_of_unknown_keys_is_one_quick_refusal(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    import aiohttp
+
+    async with one_worker(nats_server.url, tmp_path, []) as (_, api):
+        body = {"url": "test://?width=64&height=48&fps=20", **{f"k{i:05d}": 1 for i in range(60000)}}
+        async with aiohttp.ClientSession() as http:
+            t0 = time.perf_counter()
+            async with http.post(f"{api.url}/v1/sources", json=body) as r:
+                spent = time.perf_counter() - t0
+                assert r.status == 400
+                error = (await r.json())["error"]
+        assert error.startswith("sources.k00000: unknown key")
+        assert spent < 1.5, spent  # 3.3 s of loop time when every key got a suggestion
