@@ -32,7 +32,8 @@ Counted by the consumer, which applies the documented rule (keep the highest
   published earlier (the rule let a replaced owner through);
 * ``dropped``: messages the rule dropped;
 * ``dark_s``: the longest time any source went without an accepted message
-  from the fault on; ``gaps``: silences over 1 s.
+  from the fault on; ``gaps``: silences over 1 s; ``moves``: owner changes of
+  the source that moved most.
 
 Churn also reports removed sources seen again (``resurrected``) and the
 slowest update (``update_s``: from the change to the first message with the
@@ -107,7 +108,9 @@ class Node:
         self.conf.write_text(
             f"server_name: {self.name}\nlisten: 127.0.0.1:{self.port}\n"
             f'jetstream {{ store_dir: "{self.store}", max_memory_store: 256MB, max_file_store: 1GB }}\n'
-            f"cluster {{ name: vp, listen: 127.0.0.1:{self.cluster_port}, routes: [{route_urls}] }}\n"
+            # no_advertise: clients learn no node addresses, so workers stay behind their proxies.
+            f"cluster {{ name: vp, listen: 127.0.0.1:{self.cluster_port}, no_advertise: true, "
+            f"routes: [{route_urls}] }}\n"
         )
 
     def start(self) -> None:
@@ -347,6 +350,11 @@ class Consumer:
             if any(f > fence and start < m["publish_ts"] for f, start in first_of.get(m["source"], [])):
                 stale += 1
         dropped = sum(1 for _, _, ok in window if not ok)
+        # Owner changes of the source that moved most (a partition and its heal: 2 at best).
+        moves = 0
+        for sid in sources:
+            owners = [m["worker"] for _, m, ok in window if ok and m["source"] == sid]
+            moves = max(moves, sum(1 for a, b in itertools.pairwise(owners) if a != b))
         dark, gaps = 0.0, 0
         for sid in sources:
             times = [t0] + [at for at, m, ok in window if ok and m["source"] == sid] + [until]
@@ -360,6 +368,7 @@ class Consumer:
             "dropped": dropped,
             "dark_s": round(dark, 2),
             "gaps": gaps,
+            "moves": moves,
         }
 
 
