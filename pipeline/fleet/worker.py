@@ -150,6 +150,8 @@ class FleetWorker:
         self._left = False  # the heartbeat was deleted while the publishing connection is stuck
         self._last_heartbeat = 0.0  # monotonic time of the last heartbeat that landed
         self._last_purge = 0.0
+        # (revision, monotonic time) of a heartbeat written and not yet seen by the watcher.
+        self._own_heartbeat: tuple[int, float] | None = None
         # No claims before this (monotonic): after a lost lease bucket, until every lease
         # recorded in it has run out on its holder's clock, whoever the holder was.
         self._claim_after = 0.0
@@ -318,8 +320,30 @@ class FleetWorker:
             },
             separators=(",", ":"),
         ).encode()
-        await asyncio.wait_for(self._workers_kv.put(self.id, value), max(0.5, self.ttl / 4))
+        revision = await asyncio.wait_for(self._workers_kv.put(self.id, value), max(0.5, self.ttl / 4))
         self._last_heartbeat = time.monotonic()
+        if self._own_heartbeat is None:
+            self._own_heartbeat = (revision, self._last_heartbeat)
+
+    async def _check_views(self) -> None:
+        """Watch the buckets again when this worker's own heartbeat never showed up in its view.
+
+        A watcher that missed a reconnect would leave a frozen picture of the fleet:
+        peers that look dead and leases that look expired.
+        """
+        if self._own_heartbeat is None or not self._views:
+            return
+        revision, written = self._own_heartbeat
+        seen = self._views["workers"].entries.get(self.id)
+        if seen is not None and seen.revision >= revision:
+            self._own_heartbeat = None  # seen: check the next one
+            return
+        if time.monotonic() - written < self.ttl / 4:
+            return
+        log.warning("fleet %s: the bucket watchers fell behind; watching again", self.name)
+        self._own_heartbeat = None
+        for kind, view in self._views.items():
+            await view.restart(self._kvs[kind])
 
     async def _probe_publisher(self) -> None:
         """A round trip on the publishing connection; its bound fences every lease like a renewal."""
@@ -352,12 +376,23 @@ class FleetWorker:
                 await self._heartbeat()
             except Exception as exc:
                 self._errors("heartbeat", f"fleet {self.name}: heartbeat failed: {type(exc).__name__}: {exc}")
+            try:
+                # Before renewing: a compare-and-swap against a lease bucket made anew can
+                # land on a key whose revision happens to match, and renew someone else's claim.
+                await self._check_buckets()
+            except Exception as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+                self._errors("buckets", f"fleet {self.name}: bucket check failed: {problem}")
+            epoch = self._leases().epoch
+            for lease in self.owned.values():
+                if lease.epoch != epoch:
+                    self._lost(lease, "taken")  # claimed in a lease bucket that is gone
             leases = [lease for lease in self.owned.values() if not lease.fenced]
             await asyncio.gather(*(self._renew(lease) for lease in leases))
             self.metrics.sources_owned.labels(self.name).set(len(self.owned))
             try:
                 await self._leases().withdraw_unconfirmed()
-                await self._check_buckets()
+                await self._check_views()
                 await self._purge_tombstones()
             except Exception as exc:
                 problem = f"{type(exc).__name__}: {exc}"
