@@ -421,7 +421,7 @@ class Run:
         log = (self.tmp / f"worker-{len(self.workers)}.log").open("wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "pipeline.cli", "run", str(self.config), "--fleet", FLEET, "--nats", url,
-             "--log-level", "warning"],
+             "--log-level", self.args.log_level],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         worker = Worker(proc, faults, proxies)
@@ -624,6 +624,7 @@ def main() -> int:
     parser.add_argument("--ttl", type=float, default=12.0, help="fleet.lease_ttl, seconds")
     parser.add_argument("--fps", type=float, default=10.0)
     parser.add_argument("--keep-logs", metavar="DIR", help="copy each worker's log here")
+    parser.add_argument("--log-level", default="warning", help="the workers' --log-level")
     return asyncio.run(main_async(parser.parse_args()))
 
 
