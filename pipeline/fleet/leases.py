@@ -125,6 +125,8 @@ class LeaseTable:
         self.epoch = 0  # set by load_epoch before the first claim
         # Claims sent whose outcome is unknown: source -> the claim's ``since`` (its token).
         self.unconfirmed: dict[str, float] = {}
+        # Leases given up by deadline, still to delete if the key names them: source -> lease.
+        self.abandoned: dict[str, Lease] = {}
 
     async def load_epoch(self, floor: int = 0) -> int:
         """The bucket's epoch, written first when absent: above ``floor`` and no smaller than now."""
@@ -208,9 +210,41 @@ class LeaseTable:
             return None
         return entry.revision
 
+    def abandon(self, lease: Lease) -> None:
+        """A lease this worker stopped using at its deadline: delete it once the key can be read.
+
+        Renewals that timed out here may still reach the server after a reconnect (the
+        client queues them) and make the lease look alive to everyone for another TTL.
+        """
+        self.abandoned[lease.source] = lease
+
     async def withdraw_unconfirmed(self) -> int:
-        """Delete the claims whose outcome was unknown and that did land; how many were withdrawn."""
+        """Delete the claims whose outcome was unknown and that did land, and abandoned leases."""
         withdrawn = 0
+        for source, lease in list(self.abandoned.items()):
+            entry: Any = None
+            try:
+                entry = await asyncio.wait_for(self.kv.get(source), self.timeout)
+            except (KeyNotFoundError, KeyDeletedError):
+                self.abandoned.pop(source, None)
+            except Exception as exc:
+                entry = exc  # not reachable yet: try again next round
+            if entry is None or isinstance(entry, Exception):
+                continue
+            mine = False
+            if entry.value is not None and entry.revision is not None:
+                with contextlib.suppress(ValueError):
+                    stored = parse_lease(entry.value)
+                    held = (stored.worker, stored.number, stored.epoch)
+                    mine = held == (self.worker, lease.number, lease.epoch)
+            if not mine:
+                self.abandoned.pop(source, None)
+                continue
+            # A late renewal may land between the read and the delete: then try again next round.
+            with contextlib.suppress(APIError, TimeoutError):
+                await asyncio.wait_for(self.kv.delete(source, last=entry.revision), self.timeout)
+                self.abandoned.pop(source, None)
+                withdrawn += 1
         for source, since in list(self.unconfirmed.items()):
             revision = await self._read_back(source, since)
             if revision is None:

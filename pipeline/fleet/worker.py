@@ -423,6 +423,9 @@ class FleetWorker:
 
     async def _stop_lost(self, lease: Lease) -> None:
         await self.runtime.remove_source(lease.source)
+        self._leases().abandon(lease)  # deleted if the key still names it: no one waits a TTL
+        with contextlib.suppress(Exception):  # now if NATS answers, else from the renewer
+            await self._leases().withdraw_unconfirmed()
         if self.owned.get(lease.source) is lease:
             del self.owned[lease.source]
             self._running.pop(lease.source, None)

@@ -145,6 +145,31 @@ async def test_a_lease_not_renewed_stops_being_valid_before_others_may_take_it(
         await nc.close()
 
 
+async def test_a_lease_given_up_at_its_deadline_is_deleted_so_no_one_waits_a_ttl(
+    nats_server: EmbeddedNats,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    try:
+        kv = await open_bucket(nc.jetstream(), "race", "leases")
+        mine, theirs = LeaseTable(kv, "w1", TTL), LeaseTable(kv, "w2", TTL)
+        gone = await mine.claim("cam1")
+        taken = await mine.claim("cam2")
+        assert gone is not None and taken is not None
+        # A renewal that timed out here but landed later (queued across a reconnect).
+        assert await mine.renew(gone)
+        stolen = await theirs.claim("cam2", last=taken.revision)
+        assert stolen is not None
+        for lease in (gone, taken):
+            lease.fenced = True
+            mine.abandon(lease)
+        assert await mine.withdraw_unconfirmed() == 1
+        assert await kv.keys() == ["cam2"]  # ours deleted; the other worker's claim kept
+        assert parse_lease((await kv.get("cam2")).value or b"").worker == "w2"
+        assert mine.abandoned == {}
+    finally:
+        await nc.close()
+
+
 # --- the fleet as processes ------------------------------------------------------------
 
 
