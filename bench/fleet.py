@@ -1,39 +1,64 @@
-"""Fleet failover: kill -9 a worker, time until its sources publish again elsewhere.
+"""Fleet faults on a 3-node JetStream cluster, judged by an independent consumer.
 
 ::
 
-    python bench/fleet.py [--kills 10] [--workers 3] [--sources 6] [--ttl 3]
+    python bench/fleet.py [--scenarios all] [--workers 3] [--sources 9] [--ttl 12]
 
-Starts a nats-server with JetStream, ``--workers`` ``vidpipe run --fleet``
-processes sharing ``--sources`` ``test://`` cameras, and a subscriber that reads
-every message. Then ``--kills`` times: kill -9 a worker that owns sources, time
-each of its sources from the kill to the first message from another worker,
-start a replacement and wait for the fleet to settle again (the replacement
-takes its share: handovers by release, checked too).
+Each scenario starts a fresh 3-node ``nats-server`` cluster (routes, JetStream,
+the fleet's buckets at ``replicas: 3``), ``--workers`` ``vidpipe run --fleet``
+processes sharing ``--sources`` ``test://`` cameras, and a subscriber connected
+to every node that reads every detections message. Each worker reaches NATS
+only through a TCP proxy of this file's own, one per worker and node, that can
+**cut** (reset every connection and refuse new ones), **stall** (hold every
+byte, both ways, and deliver it later, as TCP does across a silent partition)
+or **slow** (deliver every chunk a fixed time late) its links, all of them or
+only the publishing connection (told apart by the name in its ``CONNECT``).
 
-Counted over the whole run, from the subscriber's side:
+Scenarios: ``leader_kill`` (kill -9 the node that leads the leases bucket,
+restart it 10 s later), ``nonleader_kill``, ``partition`` (a worker's links
+stalled for ``2 × lease_ttl``), ``cut`` (reset for 10 s), ``stall`` (stalled for
+``lease_ttl / 2``), ``slow`` (1000 ms each way for 30 s), ``publisher_stall``
+(only the publishing connection, for ``2 × lease_ttl``), ``leases_deleted``
+(another client deletes the leases bucket), ``store_wiped`` (every node stopped,
+its store removed, started again) and ``churn`` (two sources added, two
+removed, one updated, a worker joins, one drains, one is killed).
 
-* ``stale_publishes``: messages that arrived after a message of the same
-  source with a larger ``lease`` (an old owner still publishing);
-* ``double_owned``: handovers where the old owner's last message was
-  published after the new owner's first (two owners at once).
+Counted by the consumer, which applies the documented rule (keep the highest
+``(epoch, lease)`` per source, drop anything below):
 
-Last line: ``failover_p99_s=… stale_publishes=… double_owned=…``.
+* ``double``: handovers where two fences of one source published at once (the
+  old owner's last message later than the new owner's first, by ``publish_ts``);
+* ``stale``: messages the rule accepted although a larger fence had already
+  published earlier (the rule let a replaced owner through);
+* ``dropped``: messages the rule dropped;
+* ``dark_s``: the longest time any source went without an accepted message
+  from the fault on; ``gaps``: silences over 1 s; ``moves``: owner changes of
+  the source that moved most.
+
+Churn also reports removed sources seen again (``resurrected``) and the
+slowest update (``update_s``: from the change to the first message with the
+new settings). Last line per scenario: ``scenario=... double=... stale=...``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
+import re
+import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,170 +66,566 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nats
 
-from bench.common import ROOT, cpu_name, describe_load, percentile, utc_now
-from pipeline.nats_server import EmbeddedNats
+from bench.common import ROOT, cpu_name, describe_load, utc_now
+from pipeline.config import SourceConfig
+from pipeline.fleet.buckets import open_bucket
+from pipeline.fleet.desired import DesiredSources
+from pipeline.nats_server import find_nats_server, free_port
 
-Message = tuple[float, dict[str, Any]]
+SCENARIOS = (
+    "leader_kill",
+    "nonleader_kill",
+    "partition",
+    "cut",
+    "stall",
+    "slow",
+    "publisher_stall",
+    "leases_deleted",
+    "store_wiped",
+    "churn",
+)
+FLEET = "bench"
 
 
-class Bench:
-    def __init__(self, args: argparse.Namespace, url: str, tmp: Path) -> None:
-        self.args = args
-        self.url = url
-        self.tmp = tmp
-        self.sources = [f"cam{i}" for i in range(1, args.sources + 1)]
-        self.messages: list[Message] = []
-        self.config = tmp / "fleet.yaml"
-        lines = ["pipeline: bench", f"fleet: {{name: bench, lease_ttl: {args.ttl:g}}}", "sources:"]
-        lines += [f"  - url: test://?id={s}&width=64&height=48&fps={args.fps:g}" for s in self.sources]
-        self.config.write_text("\n".join(lines) + "\n")
+# -- a 3-node cluster ------------------------------------------------------------------------
+
+
+class Node:
+    def __init__(self, name: str, tmp: Path, port: int, cluster_port: int) -> None:
+        self.name = name
+        self.port = port
+        self.cluster_port = cluster_port
+        self.store = tmp / f"store-{name}"
+        self.conf = tmp / f"{name}.conf"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def write(self, routes: list[int]) -> None:
+        route_urls = ", ".join(f"nats-route://127.0.0.1:{p}" for p in routes if p != self.cluster_port)
+        self.conf.write_text(
+            f"server_name: {self.name}\nlisten: 127.0.0.1:{self.port}\n"
+            f'jetstream {{ store_dir: "{self.store}", max_memory_store: 256MB, max_file_store: 1GB }}\n'
+            # no_advertise: clients learn no node addresses, so workers stay behind their proxies.
+            f"cluster {{ name: vp, listen: 127.0.0.1:{self.cluster_port}, no_advertise: true, "
+            f"routes: [{route_urls}] }}\n"
+        )
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [find_nats_server(), "-c", str(self.conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+class Cluster:
+    def __init__(self, tmp: Path) -> None:
+        self.nodes = [Node(f"n{i}", tmp, free_port(), free_port()) for i in range(1, 4)]
+        for n in self.nodes:
+            n.write([m.cluster_port for m in self.nodes])
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    def start(self) -> None:
+        for n in self.nodes:
+            n.start()
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.kill()
+
+    async def ready(self, timeout: float = 30.0) -> None:
+        """Until JetStream answers with a leader (a fresh cluster elects one first)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                nc = await nats.connect(servers=self.urls, connect_timeout=1, max_reconnect_attempts=1)
+                try:
+                    await nc.jetstream().account_info()
+                    return
+                finally:
+                    await nc.close()
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+
+    def by_name(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
+
+# -- a TCP fault proxy -----------------------------------------------------------------------
+
+
+@dataclass
+class Faults:
+    """What a worker's links suffer now; ``publisher_only`` limits it to the publishing connection."""
+
+    mode: str = "ok"  # ok, stall, cut, slow
+    delay: float = 0.0
+    publisher_only: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    links: set[Link] = field(default_factory=set)
+
+    def set(self, mode: str, delay: float = 0.0, publisher_only: bool = False) -> None:
+        self.mode, self.delay, self.publisher_only = mode, delay, publisher_only
+        if mode == "cut":
+            for link in list(self.links):
+                if self.applies(link):
+                    link.reset()
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def applies(self, link: Link) -> bool:
+        return not self.publisher_only or link.publisher
+
+
+class Link:
+    """One proxied client connection: two pumps, each a queue of (due time, bytes)."""
+
+    def __init__(self, faults: Faults, client: Any, upstream: Any) -> None:
+        self.faults = faults
+        self.client = client  # (reader, writer)
+        self.upstream = upstream
+        self.publisher = False
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def reset(self) -> None:
+        for _, writer in (self.client, self.upstream):
+            sock = writer.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.close()
+        for t in self.tasks:
+            t.cancel()
+
+    async def pump(self, reader: Any, writer: Any, from_client: bool) -> None:
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def read() -> None:
+            first = from_client
+            while data := await reader.read(65536):
+                if first:
+                    # The client's CONNECT names it: vidpipe-fleet-<id> or vidpipe-<pipeline>.
+                    named = re.search(r'"name":\s*"(vidpipe-[^"]*)"', data.decode("latin-1"))
+                    self.publisher = named is not None and not named[1].startswith("vidpipe-fleet-")
+                    first = False
+                delay = self.faults.delay if self.faults.mode == "slow" and self.faults.applies(self) else 0.0
+                await queue.put((time.monotonic() + delay, data))
+            await queue.put((0.0, b""))
+
+        async def write() -> None:
+            while True:
+                due, data = await queue.get()
+                while self.faults.mode == "stall" and self.faults.applies(self):
+                    await self.faults.changed.wait()
+                wait = due - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if not data:
+                    writer.close()
+                    return
+                writer.write(data)
+                await writer.drain()
+
+        reading = asyncio.create_task(read())
+        try:
+            await write()
+        finally:
+            reading.cancel()
+
+
+class Proxy:
+    """Listens on a free port and forwards to one node, through a worker's :class:`Faults`."""
+
+    def __init__(self, faults: Faults, target_port: int) -> None:
+        self.faults = faults
+        self.target_port = target_port
+        self.port = free_port()
+        self.server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.faults.mode == "cut" and not self.faults.publisher_only:
+            writer.close()
+            return
+        try:
+            up = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+        link = Link(self.faults, (reader, writer), up)
+        self.faults.links.add(link)
+        link.tasks = [
+            asyncio.create_task(link.pump(reader, up[1], True)),
+            asyncio.create_task(link.pump(up[0], writer, False)),
+        ]
+        try:
+            await asyncio.gather(*link.tasks, return_exceptions=True)
+        finally:
+            self.faults.links.discard(link)
+            for w in (writer, up[1]):
+                w.close()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for link in list(self.faults.links):
+            link.reset()
+
+
+# -- workers ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Worker:
+    proc: subprocess.Popen[bytes]
+    faults: Faults
+    proxies: list[Proxy]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+# -- the consumer ----------------------------------------------------------------------------
+
+
+@dataclass
+class Consumer:
+    """Every detections message with its arrival time; the documented rule applied on arrival."""
+
+    messages: list[tuple[float, dict[str, Any], bool]] = field(default_factory=list)
+    highest: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def take(self, m: dict[str, Any]) -> None:
+        fence = (m.get("epoch", 0), m.get("lease", 0))
+        accepted = fence >= self.highest.get(m["source"], (0, 0))
+        if accepted:
+            self.highest[m["source"]] = fence
+        self.messages.append((time.monotonic(), m, accepted))
 
     def owners(self, window: float) -> dict[str, str]:
         cutoff = time.monotonic() - window
-        return {m["source"]: m["worker"] for at, m in self.messages if at >= cutoff}
+        return {m["source"]: m["worker"] for at, m, ok in self.messages if at >= cutoff and ok}
 
-    async def settle(self, workers: int, timeout: float = 60.0) -> dict[str, str]:
-        """Until every source publishes, spread evenly over ``workers`` workers, unchanged for 1.5 s."""
+    def counts(self, t0: float, sources: list[str], until: float) -> dict[str, Any]:
+        """The scenario's numbers, over the messages that arrived from ``t0`` on."""
+        window = [(at, m, ok) for at, m, ok in self.messages if at >= t0]
+        # Double publishing: two fences of one source publishing at once (publish_ts spans).
+        spans: dict[str, dict[tuple[int, int], list[float]]] = defaultdict(dict)
+        for _, m, _ in self.messages:
+            fence = (m.get("epoch", 0), m.get("lease", 0))
+            span = spans[m["source"]].setdefault(fence, [m["publish_ts"], m["publish_ts"]])
+            span[0] = min(span[0], m["publish_ts"])
+            span[1] = max(span[1], m["publish_ts"])
+        double = 0
+        first_of: dict[str, list[tuple[tuple[int, int], float]]] = {}
+        for sid, fences in spans.items():
+            ordered = sorted(fences.items())
+            first_of[sid] = [(f, span[0]) for f, span in ordered]
+            double += sum(1 for (_, a), (_, b) in itertools.pairwise(ordered) if a[1] > b[0])
+        # Stale accepted: accepted although a larger fence had begun publishing before it.
+        stale = 0
+        for _, m, ok in window:
+            if not ok:
+                continue
+            fence = (m.get("epoch", 0), m.get("lease", 0))
+            if any(f > fence and start < m["publish_ts"] for f, start in first_of.get(m["source"], [])):
+                stale += 1
+        dropped = sum(1 for _, _, ok in window if not ok)
+        # Owner changes of the source that moved most (a partition and its heal: 2 at best).
+        moves = 0
+        for sid in sources:
+            owners = [m["worker"] for _, m, ok in window if ok and m["source"] == sid]
+            moves = max(moves, sum(1 for a, b in itertools.pairwise(owners) if a != b))
+        dark, gaps = 0.0, 0
+        for sid in sources:
+            times = [t0] + [at for at, m, ok in window if ok and m["source"] == sid] + [until]
+            for a, b in itertools.pairwise(times):
+                dark = max(dark, b - a)
+                gaps += b - a > 1.0
+        return {
+            "messages": len(window),
+            "double": double,
+            "stale": stale,
+            "dropped": dropped,
+            "dark_s": round(dark, 2),
+            "gaps": gaps,
+            "moves": moves,
+        }
+
+
+# -- one scenario ----------------------------------------------------------------------------
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.args = args
+        self.tmp = tmp
+        self.ttl = args.ttl
+        self.cluster = Cluster(tmp)
+        self.sources = [f"cam{i}" for i in range(1, args.sources + 1)]
+        self.config = tmp / "fleet.yaml"
+        lines = [
+            "pipeline: bench",
+            f"fleet: {{name: {FLEET}, lease_ttl: {self.ttl:g}, replicas: 3}}",
+            "sources:",
+        ]
+        lines += [f"  - url: {self.url_for(s)}" for s in self.sources]
+        self.config.write_text("\n".join(lines) + "\n")
+        self.workers: list[Worker] = []
+        self.consumer = Consumer()
+        self.nc: Any = None
+
+    def url_for(self, sid: str, width: int = 64) -> str:
+        return f"test://?id={sid}&width={width}&height=48&fps={self.args.fps:g}"
+
+    async def start(self) -> None:
+        self.cluster.start()
+        await self.cluster.ready()
+        self.nc = await nats.connect(
+            servers=self.cluster.urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2
+        )
+
+        async def on_msg(msg: Any) -> None:
+            self.consumer.take(json.loads(msg.data))
+
+        await self.nc.subscribe("vidpipe.bench.*.detections", cb=on_msg)
+        await self.nc.flush()
+        # Three workers at once on a fresh R3 cluster: none may exit.
+        await asyncio.gather(*(self.start_worker() for _ in range(self.args.workers)))
+
+    async def start_worker(self) -> Worker:
+        faults = Faults()
+        proxies = [Proxy(faults, n.port) for n in self.cluster.nodes]
+        for p in proxies:
+            await p.start()
+        url = ",".join(p.url for p in proxies)
+        log = (self.tmp / f"worker-{len(self.workers)}.log").open("wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", "run", str(self.config), "--fleet", FLEET, "--nats", url,
+             "--log-level", self.args.log_level],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        worker = Worker(proc, faults, proxies)
+        self.workers.append(worker)
+        return worker
+
+    def alive(self) -> list[Worker]:
+        return [w for w in self.workers if w.proc.poll() is None]
+
+    def exited(self) -> list[int]:
+        return [w.proc.returncode for w in self.workers if w.proc.poll() is not None and w.proc.returncode]
+
+    def worker_of(self, wid: str) -> Worker | None:
+        return next((w for w in self.workers if wid.endswith(f"-{w.pid}")), None)
+
+    async def settle(self, sources: list[str], timeout: float) -> dict[str, str]:
+        """Until every source publishes (accepted) and owners held still for 2 s."""
         deadline = time.monotonic() + timeout
         last: dict[str, str] = {}
         still = time.monotonic()
         while time.monotonic() < deadline:
             await asyncio.sleep(0.25)
-            owners = self.owners(0.6)
+            owners = {s: w for s, w in self.consumer.owners(1.0).items() if s in sources}
             if owners != last:
                 last, still = owners, time.monotonic()
-                continue
-            counts = [list(owners.values()).count(w) for w in set(owners.values())]
-            even = counts and max(counts) - min(counts) <= 1
-            if (
-                sorted(owners) == self.sources
-                and len(counts) == workers
-                and even
-                and time.monotonic() - still >= 1.5
-            ):
+            elif sorted(owners) == sorted(sources) and time.monotonic() - still >= 2.0:
                 return owners
         raise RuntimeError(f"the fleet did not settle within {timeout:.0f}s: {last}")
 
-    def first_from_other(self, source: str, worker: str, after: float) -> float | None:
-        for at, m in self.messages:
-            if at >= after and m["source"] == source and m["worker"] != worker:
-                return at
-        return None
+    async def busiest(self) -> Worker:
+        owners = self.consumer.owners(1.0)
+        counts = defaultdict(int)
+        for w in owners.values():
+            counts[w] += 1
+        wid = max(counts, key=lambda k: counts[k])
+        worker = self.worker_of(wid)
+        assert worker is not None
+        return worker
 
-    def stale_publishes(self) -> int:
-        top: dict[str, int] = {}
-        stale = 0
-        for _, m in self.messages:
-            if m["lease"] < top.get(m["source"], 0):
-                stale += 1
-            top[m["source"]] = max(top.get(m["source"], 0), m["lease"])
-        return stale
+    async def leader_of_leases(self) -> str:
+        js = self.nc.jetstream()
+        info = await js.stream_info(f"KV_vidpipe_fleet_{FLEET}_leases")
+        return str(info.cluster.leader)
 
-    def double_owned(self) -> int:
-        spans: dict[str, dict[int, list[float]]] = defaultdict(dict)
-        for _, m in self.messages:
-            span = spans[m["source"]].setdefault(m["lease"], [m["publish_ts"], m["publish_ts"]])
-            span[0] = min(span[0], m["publish_ts"])
-            span[1] = max(span[1], m["publish_ts"])
-        overlaps = 0
-        for leases in spans.values():
-            ordered = [leases[k] for k in sorted(leases)]
-            overlaps += sum(1 for old, new in itertools.pairwise(ordered) if old[1] > new[0])
-        return overlaps
-
-
-def pid_of(worker_id: str) -> int:
-    """Worker ids default to ``<hostname>-<pid>``."""
-    return int(worker_id.rsplit("-", 1)[1])
-
-
-def spawn(config: Path, url: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "run", str(config), "--fleet", "bench", "--nats", url,
-         "--log-level", "warning"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    async def stop(self) -> None:
+        for w in self.workers:
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGTERM)
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+            for p in w.proxies:
+                await p.stop()
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+        self.cluster.stop()
 
 
-async def run(args: argparse.Namespace) -> int:
-    with (
-        tempfile.TemporaryDirectory(prefix="vidpipe-fleet-bench-") as tmpdir,
-        EmbeddedNats(store_dir=str(Path(tmpdir) / "js")) as server,
-    ):
-        tmp = Path(tmpdir)
-        bench = Bench(args, server.url, tmp)
-        nc = await nats.connect(server.url)
+async def scenario(name: str, run: Run) -> dict[str, Any]:
+    ttl = run.ttl
+    extra: dict[str, Any] = {}
+    await run.start()
+    await run.settle(run.sources, timeout=30 + 4 * ttl)
+    t0 = time.monotonic()
+    observe = 2 * ttl + 10
+    if name in ("leader_kill", "nonleader_kill"):
+        leader = await run.leader_of_leases()
+        node = (
+            run.cluster.by_name(leader)
+            if name == "leader_kill"
+            else next(n for n in run.cluster.nodes if n.name != leader)
+        )
+        extra["node"] = node.name
+        node.kill()
+        await asyncio.sleep(10)
+        node.start()
+    elif name in ("partition", "cut", "stall", "slow", "publisher_stall"):
+        victim = await run.busiest()
+        hold = {"partition": 2 * ttl, "cut": 10.0, "stall": ttl / 2, "slow": 30.0, "publisher_stall": 2 * ttl}
+        if name == "partition":
+            victim.faults.set("stall")
+        elif name == "cut":
+            victim.faults.set("cut")
+        elif name == "stall":
+            victim.faults.set("stall")
+        elif name == "slow":
+            victim.faults.set("slow", delay=1.0)
+        else:
+            victim.faults.set("stall", publisher_only=True)
+        await asyncio.sleep(hold[name])
+        victim.faults.set("ok")
+        observe = 2 * ttl + 15  # hand-back after the heal included
+    elif name == "leases_deleted":
+        await run.nc.jetstream().delete_key_value(f"vidpipe_fleet_{FLEET}_leases")
+    elif name == "store_wiped":
+        run.cluster.stop()
+        for n in run.cluster.nodes:
+            shutil.rmtree(n.store, ignore_errors=True)
+        run.cluster.start()
+        await run.cluster.ready()
+        observe = 3 * ttl + 20
+    elif name == "churn":
+        extra = await churn(run)
+    await asyncio.sleep(observe)
+    until = time.monotonic()
+    live = run.sources if name != "churn" else extra.pop("live")
+    counts = run.consumer.counts(t0, live, until)
+    counts.update(extra)
+    counts["crashed"] = len(run.exited()) - extra.get("killed", 0)
+    return counts
 
-        async def on_msg(msg: Any) -> None:
-            bench.messages.append((time.monotonic(), json.loads(msg.data)))
 
-        await nc.subscribe("vidpipe.bench.*.detections", cb=on_msg)
-        await nc.flush()
-        procs: dict[int, subprocess.Popen[bytes]] = {}
-        try:
-            for _ in range(args.workers):
-                proc = spawn(bench.config, server.url)
-                procs[proc.pid] = proc
-            owners = await bench.settle(args.workers)
-            failovers: list[float] = []
-            for i in range(args.kills):
-                victim = sorted(set(owners.values()))[i % len(set(owners.values()))]
-                lost = [s for s, w in owners.items() if w == victim]
-                t_kill = time.monotonic()
-                procs.pop(pid_of(victim)).kill()
-                deadline = t_kill + args.ttl + 15
-                resumed: dict[str, float] = {}
-                while len(resumed) < len(lost) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
-                    for s in lost:
-                        at = bench.first_from_other(s, victim, t_kill)
-                        if at is not None:
-                            resumed[s] = at - t_kill
-                if len(resumed) < len(lost):
-                    raise RuntimeError(f"kill {i + 1}: {set(lost) - set(resumed)} never resumed")
-                failovers += resumed.values()
-                print(
-                    f"kill {i + 1}: {len(lost)} source(s), failover max {max(resumed.values()):.2f}s",
-                    flush=True,
-                )
-                proc = spawn(bench.config, server.url)
-                procs[proc.pid] = proc
-                owners = await bench.settle(args.workers)
-        finally:
-            for proc in procs.values():
-                proc.send_signal(signal.SIGTERM)
-            for proc in procs.values():
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-            await nc.close()
-    p50 = percentile(failovers, 50)
-    p99 = percentile(failovers, 99)
-    print(
-        f"{utc_now()} {cpu_name()}, {os.cpu_count()} CPU(s), {describe_load()}; "
-        f"{args.workers} workers, {args.sources} sources at {args.fps:g} fps, lease_ttl {args.ttl:g}s"
+async def churn(run: Run) -> dict[str, Any]:
+    """Adds, removes, an update, a join, a drain and a kill, within about 40 s."""
+    nc = await nats.connect(servers=run.cluster.urls)
+    js = nc.jetstream()
+    desired = DesiredSources(await open_bucket(js, FLEET, "sources"))
+    ttl = run.ttl
+    added = ["new1", "new2"]
+    removed = run.sources[:2]
+    updated = run.sources[2]
+    for sid in added:
+        await desired.add(SourceConfig(url=run.url_for(sid), id=sid))
+    await asyncio.sleep(2)
+    t_removed = time.monotonic()
+    for sid in removed:
+        await desired.remove(sid)
+    await desired.remove(updated)
+    t_update = time.monotonic()
+    await desired.add(SourceConfig(url=run.url_for(updated, width=96), id=updated))
+    await run.start_worker()
+    await asyncio.sleep(ttl)
+    drained = await run.busiest()
+    drained.proc.send_signal(signal.SIGTERM)
+    await asyncio.sleep(ttl)
+    killed = await run.busiest()
+    killed.proc.kill()
+    await asyncio.sleep(2 * ttl + 5)
+    await nc.close()
+    # A removed source publishing after its removal plus one TTL came back.
+    resurrected = sorted(
+        {m["source"] for at, m, _ in run.consumer.messages if m["source"] in removed and at > t_removed + ttl}
     )
-    print(
-        f"failovers: {len(failovers)} source moves over {args.kills} kills; "
-        f"p50 {p50:.2f}s, p99 {p99:.2f}s, max {max(failovers):.2f}s"
+    first_new = next(
+        (at for at, m, ok in run.consumer.messages if m["source"] == updated and m["width"] == 96 and ok),
+        None,
     )
-    print(f"messages: {len(bench.messages)}")
+    live = [s for s in run.sources if s not in removed] + added
+    return {
+        "live": live,
+        "resurrected": len(resurrected),
+        "update_s": round(first_new - t_update, 2) if first_new is not None else None,
+        "killed": 1,
+    }
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    names = SCENARIOS if args.scenarios == "all" else tuple(args.scenarios.split(","))
     print(
-        f"failover_p99_s={p99:.2f} stale_publishes={bench.stale_publishes()} "
-        f"double_owned={bench.double_owned()}"
+        f"{utc_now()} {cpu_name()}, {os.cpu_count()} CPU(s), {describe_load()}; 3-node JetStream cluster, "
+        f"{args.workers} workers, {args.sources} sources at {args.fps:g} fps, lease_ttl {args.ttl:g}s",
+        flush=True,
     )
-    return 0
+    failed = 0
+    for name in names:
+        with tempfile.TemporaryDirectory(prefix="vidpipe-fleet-bench-") as tmpdir:
+            run = Run(args, Path(tmpdir))
+            try:
+                counts = await scenario(name, run)
+            except Exception as exc:
+                print(f"scenario={name} error={type(exc).__name__}: {exc}", flush=True)
+                failed += 1
+                continue
+            finally:
+                await run.stop()
+                if args.keep_logs:
+                    for log in Path(tmpdir).glob("worker-*.log"):
+                        shutil.copy(log, Path(args.keep_logs) / f"{name}-{log.name}")
+        limit = args.ttl + 3
+        single = name not in ("store_wiped", "churn")
+        ok = counts["double"] == 0 and counts["stale"] == 0 and counts["crashed"] == 0
+        ok = ok and (not single or counts["dark_s"] <= limit)
+        if name == "churn":
+            ok = ok and counts["resurrected"] == 0 and (counts["update_s"] or 1e9) <= args.ttl
+        failed += not ok
+        fields = " ".join(f"{k}={v}" for k, v in counts.items())
+        print(f"scenario={name} {fields} target={'met' if ok else 'MISSED'}", flush=True)
+    return 1 if failed else 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--scenarios", default="all", help="comma-separated: " + ",".join(SCENARIOS))
     parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--sources", type=int, default=6)
-    parser.add_argument("--ttl", type=float, default=3.0, help="fleet.lease_ttl, seconds")
-    parser.add_argument("--fps", type=float, default=20.0)
-    return asyncio.run(run(parser.parse_args()))
+    parser.add_argument("--sources", type=int, default=9)
+    parser.add_argument("--ttl", type=float, default=12.0, help="fleet.lease_ttl, seconds")
+    parser.add_argument("--fps", type=float, default=10.0)
+    parser.add_argument("--keep-logs", metavar="DIR", help="copy each worker's log here")
+    parser.add_argument("--log-level", default="warning", help="the workers' --log-level")
+    return asyncio.run(main_async(parser.parse_args()))
 
 
 if __name__ == "__main__":

@@ -91,6 +91,10 @@ class ConfigErrors(ConfigError):
         return "\n".join(shown)
 
 
+# Unknown keys of one mapping reported one by one (with a did-you-mean); the rest are counted.
+MAX_UNKNOWN_REPORTED = 5
+
+
 def raise_errors(errors: list[ConfigError]) -> None:
     """Raise nothing for no errors, the error itself for one, :class:`ConfigErrors` for more."""
     flat = [e for err in errors for e in err.errors]

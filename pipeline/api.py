@@ -73,6 +73,7 @@ from inference.errors import VidpipeError
 from inference.model import ModelState
 from inference.schema import ConfigError
 from pipeline.config import HttpConfig, SourceConfig, SourcePolicy, SourceRefused, parse_source
+from pipeline.fleet.desired import check_source
 from pipeline.fleet.worker import FleetWorker
 from pipeline.frames import Frame
 from pipeline.health import readiness_problems
@@ -458,6 +459,9 @@ class ApiServer:
     # -- health and metrics ------------------------------------------------------------------
 
     async def healthz(self, request: web.Request) -> web.Response:
+        problem = self.fleet.health_problem() if self.fleet is not None else None
+        if problem is not None:
+            return web.json_response({"status": "failing", "reason": problem}, status=503)
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
@@ -497,7 +501,7 @@ class ApiServer:
         sources = self.runtime.sources
         taken: Collection[str] = sources
         if self.fleet is not None and not (isinstance(data, dict) and data.get("id") is not None):
-            taken = [c.source_id for c in self.fleet.desired_configs()]
+            taken = self.fleet.desired_ids()  # a live view of the keys: no per-request decode
         try:
             config = parse_source(data, base_dir=base_dir, taken_ids=taken, policy=policy, file="request")
         except ConfigError as exc:
@@ -537,7 +541,15 @@ class ApiServer:
     async def _add_desired(self, config: SourceConfig) -> web.Response:
         """Add to the fleet's desired sources; the worker placement picks starts it (202)."""
         assert self.fleet is not None and self.fleet.desired is not None
+        taken = self.fleet.desired_ids()  # a live view of the keys: no per-request copy or decode
         sid = config.source_id
+        if len(taken) >= self.fleet.max_desired and sid not in taken:
+            full = f"fleet {self.fleet.name} holds {len(taken)} sources (fleet.max_desired)"
+            return _error(429, f"{full}; remove one first")
+        try:
+            check_source(config)
+        except SourceError as exc:
+            return _error(400, f"sources.url: {exc}")
         if not await self.fleet.desired.add(config):
             return _error(
                 409, f"sources.id: source {sid!r} already exists in fleet {self.fleet.name}; DELETE it first"

@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--nats",
         metavar="URL",
-        help="NATS server (default: nats.url, else an embedded one on 127.0.0.1:4222 or a free port)",
+        help="NATS server, or several seed URLs of one cluster as a,b,c "
+        "(default: nats.url or nats.servers, else an embedded one on 127.0.0.1:4222 or a free port)",
     )
     run.add_argument(
         "--nats-port",
@@ -517,7 +518,7 @@ async def cmd_subscribe(args: argparse.Namespace) -> int:
     import nats
 
     try:
-        nc = await nats.connect(args.nats, connect_timeout=5, max_reconnect_attempts=3)
+        nc = await nats.connect(servers=args.nats.split(","), connect_timeout=5, max_reconnect_attempts=3)
     except Exception as exc:
         print(f"vidpipe: cannot connect to NATS at {redact_url(args.nats)}: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
@@ -604,7 +605,7 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     from pipeline.summary import Summary
 
     embedded: EmbeddedNats | None = None
-    nats_url = args.nats or cfg.nats.url
+    nats_url = args.nats or cfg.nats.url or (",".join(cfg.nats.servers) or None)
     if nats_url is None:
         port = args.nats_port or cfg.nats.port
         embedded = EmbeddedNats(port, prefer_default_port=True).start()
@@ -843,7 +844,7 @@ async def cmd_fleet(args: argparse.Namespace) -> int:
     if problem:
         raise ConfigError("--fleet", None, "", problem)
     try:
-        nc = await nats.connect(args.nats, connect_timeout=5, max_reconnect_attempts=3)
+        nc = await nats.connect(servers=args.nats.split(","), connect_timeout=5, max_reconnect_attempts=3)
     except Exception as exc:
         print(f"vidpipe: cannot connect to NATS at {redact_url(args.nats)}: {exc}", file=sys.stderr)
         return EXIT_RUNTIME

@@ -150,9 +150,14 @@ class SourceConfig:
 
 @dataclass(frozen=True)
 class NatsConfig:
-    """Where detections go. No ``url`` starts an embedded nats-server on loopback."""
+    """Where detections go. No ``url`` (and no ``servers``) starts an embedded nats-server on loopback.
+
+    ``servers`` lists several seed URLs of one cluster (the client tries each and
+    learns the rest from the server): ``servers: [nats://n1:4222, nats://n2:4222]``.
+    """
 
     url: str | None = None
+    servers: list[str] = field(default_factory=list)
     publish: Literal["core", "jetstream"] = "core"
     subject_prefix: str = field(default="vidpipe", metadata=spec(check=check_name))
     outbox_size: int = field(default=1000, metadata=spec(ge=1))
@@ -268,20 +273,24 @@ class FleetConfig:
 
         fleet:
           name: cameras          # workers with the same name and NATS server share the sources
-          lease_ttl: 6           # seconds; a dead worker's sources move after about this long
+          lease_ttl: 12          # seconds; a dead worker's sources move after about this long
           max_sources: 16        # sources this worker runs at most; default runtime.max_sources
           worker_id: cam-host-1  # default: <hostname>-<pid>
           replicas: 3            # copies of the fleet's buckets (a 3-node JetStream cluster)
+          max_desired: 4096      # sources the fleet's desired set holds at most
     """
 
     name: str = field(metadata=spec(check=check_name, help=NAME_HELP))
     lease_ttl: float = field(
-        default=6.0, metadata=spec(ge=1, le=300, help="seconds a lease lives without renewal")
+        default=12.0, metadata=spec(ge=1, le=300, help="seconds a lease lives without renewal")
     )
     max_sources: int | None = field(default=None, metadata=spec(ge=1, le=4096))
     worker_id: str | None = field(default=None, metadata=spec(check=_check_worker_id))
     replicas: int = field(
         default=1, metadata=spec(ge=1, le=5, help="copies of the fleet's KV buckets in a JetStream cluster")
+    )
+    max_desired: int = field(
+        default=4096, metadata=spec(ge=1, le=65536, help="sources the fleet's desired set holds at most")
     )
 
 

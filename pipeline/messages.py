@@ -22,12 +22,13 @@ def subject_for(prefix: str, pipeline: str, source: str) -> str:
 
 
 def build_message(
-    pipeline: str, frame: Frame, publish_ts: float, owner: tuple[str, int] | None = None
+    pipeline: str, frame: Frame, publish_ts: float, owner: tuple[str, int, int] | None = None
 ) -> dict[str, Any]:
     """The payload for one processed frame.
 
-    ``owner`` is ``(worker, lease)`` in a fleet: the worker that published it and the
-    revision of the lease it held (docs/fleet.md); a newer owner has a larger lease.
+    ``owner`` is ``(worker, epoch, lease)`` in a fleet: the worker that published it and
+    the fence of the lease it held (docs/fleet.md); a newer owner has a larger
+    ``(epoch, lease)`` pair.
     """
     message: dict[str, Any] = {
         "schema": SCHEMA_ID,
@@ -42,7 +43,7 @@ def build_message(
         "objects": [obj.to_message() for obj in frame.objects],
     }
     if owner is not None:
-        message["worker"], message["lease"] = owner
+        message["worker"], message["epoch"], message["lease"] = owner
     return message
 
 

@@ -24,6 +24,10 @@ each batch goes over the wire as uint8, a quarter of the bytes.
 A server that cannot be reached, a batch that passes ``timeout_ms`` and an error
 the server answers with each fail that batch's requests with a
 :class:`TritonError` subclass naming the server, the model and the reason.
+
+While the server is away the gRPC channel tries to reconnect with a backoff that
+starts at 250 ms and is bounded at 2 s (gRPC's own grows to 120 s, so after a long
+outage batches would resume up to two minutes after the server is back).
 """
 
 from __future__ import annotations
@@ -54,6 +58,17 @@ _DTYPES = {
     "BYTES": "str",
 }
 _WIRE = {numpy: wire for wire, numpy in _DTYPES.items()}
+
+# The channel's options. Passing any replaces the client's defaults, so its unlimited
+# message sizes are restated; the reconnect backoff is bounded (module docstring).
+_LARGEST_MESSAGE = 2**31 - 1
+CHANNEL_ARGS = [
+    ("grpc.max_send_message_length", _LARGEST_MESSAGE),
+    ("grpc.max_receive_message_length", _LARGEST_MESSAGE),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 
 
 class TritonError(BackendError):
@@ -157,7 +172,7 @@ class TritonBackend(Backend):
         self.timeout_s = opts.timeout_ms / 1000.0
         self._exception: type[Exception] = grpcclient.InferenceServerException
         self._grpc = grpcclient
-        self._client = grpcclient.InferenceServerClient(url=address)
+        self._client = grpcclient.InferenceServerClient(url=address, channel_args=CHANNEL_ARGS)
         try:
             self._load(config, address)
         except BaseException:

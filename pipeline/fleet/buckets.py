@@ -8,6 +8,10 @@ For a fleet named ``cameras``:
 ``vidpipe_fleet_cameras_workers``  heartbeats: worker id -> capacity, load, version
 =================================  ==========================================
 
+Keys that start with ``=`` are the fleet's own bookkeeping (``=epoch`` in the
+leases bucket, ``=seeded`` in the sources bucket), never a source id or worker
+id; a view keeps them apart in ``meta``.
+
 A :class:`BucketView` keeps every key's latest value with the local monotonic
 time its revision was first seen. Lease and heartbeat expiry is judged on that
 clock alone ("this revision has not changed for ``lease_ttl``"), never by
@@ -20,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
@@ -28,6 +33,9 @@ from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 log = logging.getLogger("vidpipe.fleet")
+
+# The first character of the fleet's bookkeeping keys; not allowed in source or worker ids.
+META_PREFIX = "="
 
 
 def bucket_name(fleet: str, kind: str) -> str:
@@ -38,7 +46,10 @@ def bucket_name(fleet: str, kind: str) -> str:
 async def open_bucket(
     js: JetStreamContext, fleet: str, kind: str, *, ttl: float | None = None, replicas: int = 1
 ) -> KeyValue:
-    """The bucket, created when missing. An existing bucket keeps its own settings."""
+    """The bucket, created when missing (history 1: one value per key, no old revisions kept).
+
+    An existing bucket keeps its own settings.
+    """
     name = bucket_name(fleet, kind)
     try:
         return await js.key_value(name)
@@ -68,6 +79,9 @@ class BucketView:
         self.kv = kv
         self.name = name
         self.entries: dict[str, Seen] = {}
+        self.meta: dict[str, Seen] = {}  # the ``=`` keys
+        # Grows whenever a key appears or goes: what was computed from the key set is stale.
+        self.version = 0
         # When each key was last seen deleted (a released lease, a departed worker).
         self.deleted: dict[str, float] = {}
         self.ready = asyncio.Event()
@@ -91,17 +105,26 @@ class BucketView:
     def note(self, key: str, value: bytes | None, revision: int, *, deleted: bool = False) -> None:
         """Record what the watcher (or a direct read) says about ``key``."""
         now = time.monotonic()
+        if key.startswith(META_PREFIX):
+            if deleted or value is None:
+                self.meta.pop(key, None)
+            elif key not in self.meta or self.meta[key].revision < revision:
+                self.meta[key] = Seen(value=value, revision=revision, seen=now, created=now)
+            return
         old = self.entries.get(key)
         if old is not None and revision < old.revision:
             return  # an older answer than the one kept
         if deleted or value is None:
             if old is not None or key not in self.deleted:
                 self.deleted[key] = now
-            self.entries.pop(key, None)
+            if self.entries.pop(key, None) is not None:
+                self.version += 1
             return
         if old is not None and old.revision == revision:
             return
         created = old.created if old is not None else now
+        if old is None:
+            self.version += 1
         self.entries[key] = Seen(value=value, revision=revision, seen=now, created=created)
         self.deleted.pop(key, None)
 
@@ -109,6 +132,17 @@ class BucketView:
         """Seconds since the key's current revision was first seen here; None when absent."""
         entry = self.entries.get(key)
         return None if entry is None else now - entry.seen
+
+    async def restart(self, kv: KeyValue) -> None:
+        """Watch ``kv`` (a re-created bucket) from scratch; what the old one held is forgotten."""
+        await self.stop()
+        self.kv = kv
+        self.entries.clear()
+        self.version += 1
+        self.meta.clear()
+        self.deleted.clear()
+        self.ready = asyncio.Event()
+        await self.start()
 
     async def stop(self) -> None:
         if self._watcher is not None:
@@ -118,3 +152,35 @@ class BucketView:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+
+
+class BadEntries:
+    """Stored values that do not parse: each skipped, counted once per revision, logged once per key.
+
+    The buckets are shared with every client of the NATS server, so a value is input
+    to check like a request body: one bad heartbeat or lease never stops placement.
+    """
+
+    def __init__(self, fleet: str, count: Callable[[str], None]) -> None:
+        self.fleet = fleet
+        self._count = count
+        self._seen: dict[tuple[str, str], int] = {}  # (bucket, key) -> revision last counted
+
+    def bad(self, bucket: str, key: str, revision: int, problem: object) -> None:
+        last = self._seen.get((bucket, key))
+        if last == revision:
+            return
+        self._count(bucket)
+        if last is None:
+            log.warning(
+                "fleet %s: skipping %s entry %r (revision %d): %s; fix or delete the key",
+                self.fleet,
+                bucket,
+                key[:80],
+                revision,
+                str(problem)[:200],
+            )
+        self._seen[(bucket, key)] = revision
+
+    def good(self, bucket: str, key: str) -> None:
+        self._seen.pop((bucket, key), None)

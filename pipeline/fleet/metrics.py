@@ -3,8 +3,9 @@
 ``reason`` label values are fixed sets: takeovers ``new`` (a source never run
 before, or freshly added), ``released`` (handed over by a drain or a rebalance)
 and ``expired`` (its holder stopped renewing); releases ``rebalance``,
-``removed``, ``drain``; losses ``taken`` (another worker wrote the lease) and
-``deadline`` (no renewal in time).
+``removed``, ``drain``; losses ``taken`` (another worker wrote the lease),
+``deadline`` (no renewal in time) and ``publish`` (the publishing connection
+could not send in time). ``bucket`` is sources, leases or workers.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 TAKEOVER_REASONS = ("new", "released", "expired")
 RELEASE_REASONS = ("rebalance", "removed", "drain")
-LOSS_REASONS = ("taken", "deadline")
+LOSS_REASONS = ("taken", "deadline", "publish")
+BUCKETS = ("sources", "leases", "workers")
 
 RENEW_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -70,4 +72,26 @@ class FleetMetrics:
             self.releases.labels(fleet, reason)
         for reason in LOSS_REASONS:
             self.losses.labels(fleet, reason)
+        self.bad_entries = Counter(
+            "vidpipe_fleet_bad_entries",
+            "Stored values that did not parse and were skipped, by bucket (once per revision)",
+            ["fleet", "bucket"],
+            registry=r,
+        )
+        self.buckets_recreated = Counter(
+            "vidpipe_fleet_buckets_recreated",
+            "Fleet buckets this worker found missing or replaced and opened again, by bucket",
+            ["fleet", "bucket"],
+            registry=r,
+        )
+        self.restarts = Counter(
+            "vidpipe_fleet_source_restarts",
+            "Owned sources restarted because their desired entry changed",
+            ["fleet"],
+            registry=r,
+        )
         self.fenced.labels(fleet)
+        self.restarts.labels(fleet)
+        for bucket in BUCKETS:
+            self.bad_entries.labels(fleet, bucket)
+            self.buckets_recreated.labels(fleet, bucket)

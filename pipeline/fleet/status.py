@@ -8,15 +8,89 @@ when its last heartbeat (the worker's own clock) is younger than its
 from __future__ import annotations
 
 import json
+import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
-from pipeline.fleet.buckets import bucket_name
+from pipeline.fleet.buckets import META_PREFIX, bucket_name
 from pipeline.fleet.leases import parse_lease
+
+
+def _number(data: dict[str, Any], key: str, default: float) -> float:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number, got {str(value)[:40]!r}")
+    return float(value)
+
+
+def _count(data: dict[str, Any], key: str) -> int:
+    value = data.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1_000_000:
+        raise ValueError(f"{key} must be an integer 0-1000000, got {str(value)[:40]!r}")
+    return value
+
+
+@dataclass
+class WorkerInfo:
+    """A worker as its heartbeat describes it."""
+
+    id: str
+    capacity: int
+    load: int
+    version: str
+    ts: float  # the worker's own unix time at the heartbeat
+    lease_ttl: float = 0.0
+
+    @classmethod
+    def parse(cls, key: str, value: bytes) -> WorkerInfo:
+        """ValueError, naming the field, for anything but a heartbeat (the bucket is shared)."""
+        data: Any = json.loads(value)
+        if not isinstance(data, dict):
+            raise ValueError("expected a JSON object")
+        version = data.get("version", "")
+        if not isinstance(version, str):
+            raise ValueError("version must be a string")
+        return cls(
+            id=key,
+            capacity=_count(data, "capacity"),
+            load=_count(data, "load"),
+            version=version[:64],
+            ts=_number(data, "ts", 0.0),
+            lease_ttl=_number(data, "lease_ttl", 0.0),
+        )
+
+
+def worker_json(info: WorkerInfo, alive: bool) -> dict[str, Any]:
+    return {
+        "id": info.id,
+        "alive": alive,
+        "load": info.load,
+        "capacity": info.capacity,
+        "version": info.version,
+    }
+
+
+def source_json(
+    sid: str,
+    owner: str | None,
+    since: float | None,
+    epoch: int | None,
+    lease: int | None,
+    placed_on: str | None,
+) -> dict[str, Any]:
+    return {
+        "id": sid,
+        "owner": owner,
+        "owned_since": since,
+        "epoch": epoch,
+        "lease": lease,
+        "placed_on": placed_on,
+    }
 
 
 async def _items(kv: KeyValue) -> dict[str, bytes]:
@@ -26,6 +100,8 @@ async def _items(kv: KeyValue) -> dict[str, bytes]:
         return {}
     out: dict[str, bytes] = {}
     for key in sorted(keys):
+        if key.startswith(META_PREFIX):
+            continue
         try:
             entry = await kv.get(key)
         except (KeyNotFoundError, KeyDeletedError):
@@ -36,7 +112,11 @@ async def _items(kv: KeyValue) -> dict[str, bytes]:
 
 
 async def read_status(js: JetStreamContext, fleet: str) -> dict[str, Any]:
-    """``{"fleet", "workers": [...], "sources": [...]}``, the shape ``/v1/fleet`` answers."""
+    """``{"fleet", "workers": [...], "sources": [...]}``, the shape ``/v1/fleet`` answers.
+
+    An entry that does not parse is left out of ``workers``, and a lease that does not
+    parse (or a claim not yet confirmed) shows no owner; ``skipped`` counts them.
+    """
     buckets: dict[str, dict[str, bytes]] = {}
     for kind in ("sources", "leases", "workers"):
         try:
@@ -46,27 +126,30 @@ async def read_status(js: JetStreamContext, fleet: str) -> dict[str, Any]:
             continue
         buckets[kind] = await _items(kv)
     now = time.time()
+    skipped = 0
     workers = []
     for wid, value in buckets["workers"].items():
-        data = json.loads(value)
-        alive = now - float(data.get("ts", 0.0)) < float(data.get("lease_ttl", 8.0))
-        workers.append(
-            {
-                "id": wid,
-                "alive": alive,
-                "load": int(data.get("load", 0)),
-                "capacity": int(data.get("capacity", 0)),
-                "version": str(data.get("version", "")),
-            }
-        )
+        try:
+            info = WorkerInfo.parse(wid, value)
+        except ValueError:
+            skipped += 1
+            continue
+        alive = now - info.ts < (info.lease_ttl or 12.0)
+        workers.append(worker_json(info, alive))
     sources = []
     for sid in buckets["sources"]:
-        lease = buckets["leases"].get(sid)
-        owner, since, number = parse_lease(lease) if lease is not None else ("", 0.0, 0)
-        sources.append(
-            {"id": sid, "owner": owner or None, "owned_since": since or None, "lease": number or None}
-        )
-    return {"fleet": fleet, "workers": workers, "sources": sources}
+        owner, since, epoch, number = None, None, None, None
+        held = buckets["leases"].get(sid)
+        if held is not None:
+            try:
+                stored = parse_lease(held)
+            except ValueError:
+                skipped += 1
+            else:
+                if stored.number > 0:  # a claim not yet confirmed is no owner
+                    owner, since, epoch, number = stored.worker, stored.since, stored.epoch, stored.number
+        sources.append(source_json(sid, owner, since, epoch, number, None))
+    return {"fleet": fleet, "workers": workers, "sources": sources, "skipped": skipped}
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -75,10 +158,13 @@ def format_status(status: dict[str, Any]) -> str:
     for w in status["workers"]:
         load = f"{w['load']}/{w['capacity']}"
         lines.append(f"{w['id']:<32} {'yes' if w['alive'] else 'no':<6} {load:>9}  {w['version']}")
-    lines += ["", f"{'SOURCE':<24} {'OWNER':<32} {'LEASE':>8}  OWNED SINCE"]
+    lines += ["", f"{'SOURCE':<24} {'OWNER':<32} {'FENCE':>16}  OWNED SINCE"]
     for s in status["sources"]:
         since = (
             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s["owned_since"])) if s["owned_since"] else "-"
         )
-        lines.append(f"{s['id']:<24} {s['owner'] or '-':<32} {s['lease'] or '-':>8}  {since}")
+        fence = f"{s['epoch']}/{s['lease']}" if s["lease"] else "-"
+        lines.append(f"{s['id']:<24} {s['owner'] or '-':<32} {fence:>16}  {since}")
+    if status.get("skipped"):
+        lines += ["", f"{status['skipped']} stored entr(y/ies) did not parse and were skipped"]
     return "\n".join(lines)

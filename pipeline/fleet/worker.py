@@ -2,21 +2,31 @@
 
 ::
 
-    vidpipe run pipeline.yaml --fleet cameras --nats nats://nats:4222
+    vidpipe run pipeline.yaml --fleet cameras --nats nats://n1:4222,nats://n2:4222,nats://n3:4222
 
 Three loops. The **watchers** keep local views of the three buckets. The
-**renewer** (every ``lease_ttl / 4``) writes this worker's heartbeat and renews
-each lease it holds; a lease it cannot renew in time is fenced (nothing more is
-published for it) and its source stopped. The **placer** (every
-``lease_ttl / 8``) computes the placement from the live workers and acts on it:
+**renewer** (every ``lease_ttl / 4``) writes this worker's heartbeat, renews
+each lease it holds, checks that its publishing connection still answers and
+that the buckets still exist; a lease it cannot renew in time is fenced
+(nothing more is published for it) and its source stopped. The **placer**
+(every ``lease_ttl / 8``) computes the placement from the live workers and acts
+on it, once the set of live workers it sees (a heartbeat within three quarters
+of ``lease_ttl``) has held still for ``lease_ttl / 8`` (a worker that briefly
+sees no peers does not take every source):
 
 * a desired source with no lease is claimed by the worker placement picks, at
   once; by any other worker only after it stayed free for ``lease_ttl``;
-* a lease whose revision has not changed for ``lease_ttl`` is taken over (CAS)
-  by the worker placement picks, or by anyone after twice that;
+* a lease that has not been renewed for ``lease_ttl`` is taken over (CAS) by the
+  worker placement picks, or by anyone after twice that. A claim that was never
+  confirmed by its holder's renewal does not restart that clock when the same
+  worker writes it again;
 * a source placement moves elsewhere is released by its holder only to a
-  worker seen alive for a heartbeat or more, which then claims it: one move;
-* a source no longer desired is stopped and released.
+  worker seen alive, without a break, for ``lease_ttl``; it then claims it: one move;
+* a source no longer desired is stopped and released; one whose desired entry
+  changed is restarted with the new settings;
+* a worker whose publishing connection does not answer a round trip within
+  ``lease_ttl / 4`` deletes its heartbeat and releases its sources; past the
+  lease's bound it publishes nothing more in any case.
 
 A drain (SIGTERM) deletes the heartbeat first, so the others stop placing
 sources here, then stops each source (its frames in flight are published) and
@@ -29,28 +39,36 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import time
-from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
 import nats
 from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from pipeline.config import FleetConfig, SourceConfig, SourcePolicy
-from pipeline.fleet.buckets import BucketView, open_bucket
-from pipeline.fleet.desired import DesiredSources, decode_source
-from pipeline.fleet.leases import Lease, LeaseTable, parse_lease
+from pipeline.fleet.buckets import BadEntries, BucketView, bucket_name, open_bucket
+from pipeline.fleet.desired import DesiredCache, DesiredSources
+from pipeline.fleet.leases import EPOCH_KEY, Lease, LeaseTable, StoredLease, parse_epoch, parse_lease
 from pipeline.fleet.metrics import FleetMetrics
 from pipeline.fleet.placement import place
+from pipeline.fleet.status import WorkerInfo, source_json, worker_json
 from pipeline.ratelimit import RateLimitedLog
 from pipeline.redact import redact_url
 from pipeline.runtime import Runtime
 
 log = logging.getLogger("vidpipe.fleet")
+
+# How long a fresh JetStream cluster may take to answer for a bucket (a meta leader is elected).
+OPEN_PATIENCE = 30.0
+# Tombstones of removed sources and released leases older than this are purged.
+TOMBSTONE_AGE = 300.0
 
 
 def default_worker_id() -> str:
@@ -66,26 +84,16 @@ def vidpipe_version() -> str:
         return "unknown"
 
 
-@dataclass
-class WorkerInfo:
-    """A worker as its heartbeat describes it."""
+def nats_servers(url: str) -> list[str]:
+    """``a,b,c`` (the ``--nats`` form) as a list of seed URLs."""
+    return [u.strip() for u in url.split(",") if u.strip()]
 
-    id: str
-    capacity: int
-    load: int
-    version: str
-    ts: float  # the worker's own unix time at the heartbeat
 
-    @classmethod
-    def parse(cls, key: str, value: bytes) -> WorkerInfo:
-        data = json.loads(value)
-        return cls(
-            id=key,
-            capacity=int(data.get("capacity", 0)),
-            load=int(data.get("load", 0)),
-            version=str(data.get("version", "")),
-            ts=float(data.get("ts", 0.0)),
-        )
+def parse_servers_or_fail(url: str) -> list[str]:
+    servers = nats_servers(url)
+    if not servers:
+        raise RuntimeError("fleet: no NATS URL; pass --nats URL[,URL...] or set nats.servers")
+    return servers
 
 
 class FleetWorker:
@@ -100,85 +108,107 @@ class FleetWorker:
         self.capacity = min(
             config.max_sources or runtime.config.runtime.max_sources, runtime.config.runtime.max_sources
         )
+        self.max_desired = config.max_desired
         self.nats_url = nats_url
+        self.servers = parse_servers_or_fail(nats_url)
         self.version = vidpipe_version()
         self.metrics = FleetMetrics(runtime.metrics.registry, self.name)
         self.owned: dict[str, Lease] = {}
+        # The desired entry's revision each owned source runs with: a newer one restarts it.
+        self._running: dict[str, int] = {}
         self._busy: dict[str, asyncio.Task[None]] = {}  # one claim or release per source at a time
         self._nc: NatsClient | None = None
+        self._js: JetStreamContext | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._draining = False
         self._started = 0.0
         self._errors = RateLimitedLog(logger=log)
+        self.bad = BadEntries(self.name, lambda b: self.metrics.bad_entries.labels(self.name, b).inc())
         self.desired: DesiredSources | None = None
         self.leases: LeaseTable | None = None
+        self.decoded = DesiredCache(*self._source_policy())
         self._views: dict[str, BucketView] = {}
+        self._kvs: dict[str, KeyValue] = {}
+        self._created: dict[str, str] = {}  # each bucket's creation time: a change is a re-creation
         self._workers_kv: KeyValue | None = None
+        # The highest epoch this worker has seen: a re-created lease bucket gets a larger one.
+        self._epoch_floor = 0
         # When this worker first saw each never-leased source free.
         self._free_since: dict[str, float] = {}
         # Sources that failed to start here, and when to try again (others may meanwhile).
         self._retry_at: dict[str, float] = {}
+        # Unconfirmed claims seen in the lease bucket: source -> (worker, first seen here).
+        self._claim_clock: dict[str, tuple[str, float]] = {}
+        # The live set as last seen, since when it held still, and since when each member is live.
+        self._members: frozenset[str] = frozenset()
+        self._members_since = 0.0
+        self._alive_since: dict[str, float] = {}
+        self._placement_memo: tuple[Any, dict[str, str]] | None = None
+        # Monotonic time until which the publishing connection is known to deliver.
+        self._publish_until = math.inf
+        self._publish_stalled = False  # the last probe got no answer in time
+        self._left = False  # the heartbeat was deleted while the publishing connection is stuck
+        self._last_heartbeat = 0.0  # monotonic time of the last heartbeat that landed
+        self._last_purge = 0.0
+        # (revision, monotonic time) of a heartbeat written and not yet seen by the watcher.
+        self._own_heartbeat: tuple[int, float] | None = None
+        # No claims before this (monotonic): after a lost lease bucket, until every lease
+        # recorded in it has run out on its holder's clock, whoever the holder was.
+        self._claim_after = 0.0
 
     # -- the Fence the publisher asks ------------------------------------------------------
 
     def may_publish(self, source: str) -> bool:
         lease = self.owned.get(source)
-        if lease is not None and lease.valid():
+        now = time.monotonic()
+        if lease is not None and lease.valid(now) and now < self._publish_until:
             return True
         self.metrics.fenced.labels(self.name).inc()
         return False
 
-    def owner(self, source: str) -> tuple[str, int] | None:
+    def owner(self, source: str) -> tuple[str, int, int] | None:
         lease = self.owned.get(source)
-        return (self.id, lease.number) if lease is not None else None
+        return (self.id, lease.epoch, lease.number) if lease is not None else None
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Join: open the buckets, add the config's sources if absent, start the loops."""
+        """Join: open the buckets, seed the desired set if it never was, start the loops."""
+        shown = ",".join(redact_url(u) for u in self.servers)
         try:
             self._nc = await nats.connect(
-                self.nats_url,
+                servers=self.servers,
                 connect_timeout=2,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.25,
                 name=f"vidpipe-fleet-{self.id}",
             )
         except Exception as exc:
-            raise RuntimeError(
-                f"fleet {self.name}: cannot connect to NATS at {redact_url(self.nats_url)}: {exc}"
-            ) from None
-        js = self._nc.jetstream(timeout=max(1.0, self.ttl / 4))
-        replicas = self.config.replicas
-        try:
-            sources = await open_bucket(js, self.name, "sources", replicas=replicas)
-            leases = await open_bucket(js, self.name, "leases", replicas=replicas)
-            # Heartbeats of workers that died unannounced are dropped by the server after a while.
-            workers = await open_bucket(
-                js, self.name, "workers", ttl=max(60.0, 10 * self.ttl), replicas=replicas
-            )
-        except Exception as exc:
-            await self._nc.close()
-            raise RuntimeError(
-                f"fleet {self.name}: cannot open its JetStream KV buckets at {redact_url(self.nats_url)}: "
-                f"{type(exc).__name__}: {exc}; the server needs JetStream (nats-server -js)"
-                + (f" with {replicas} node(s) for fleet.replicas" if replicas > 1 else "")
-            ) from None
-        self.desired = DesiredSources(sources)
-        self.leases = LeaseTable(leases, self.id, self.ttl)
-        self._workers_kv = workers
-        for src in self.runtime.config.sources:
-            if await self.desired.add(src):
-                log.info("fleet %s: source %s added to the desired set", self.name, src.source_id)
-        self._views = {
-            "sources": BucketView(sources, "sources"),
-            "leases": BucketView(leases, "leases"),
-            "workers": BucketView(workers, "workers"),
-        }
-        for view in self._views.values():
-            await view.start()
+            raise RuntimeError(f"fleet {self.name}: cannot connect to NATS at {shown}: {exc}") from None
+        self._js = self._nc.jetstream(timeout=max(1.0, self.ttl / 4))
+        deadline = time.monotonic() + OPEN_PATIENCE
+        while True:
+            try:
+                await self._join()
+                break
+            except Exception as exc:
+                # A fresh cluster answers "no response from stream" until its leaders are up.
+                if time.monotonic() < deadline:
+                    for view in self._views.values():
+                        await view.stop()
+                    await asyncio.sleep(0.5)
+                    continue
+                await self._nc.close()
+                replicas = self.config.replicas
+                raise RuntimeError(
+                    f"fleet {self.name}: cannot open its JetStream KV buckets at {shown}: "
+                    f"{type(exc).__name__}: {exc}; the server needs JetStream (nats-server -js)"
+                    + (f" with {replicas} node(s) for fleet.replicas" if replicas > 1 else "")
+                ) from None
         self._started = time.monotonic()
-        await self._heartbeat()
+        await self._probe_publisher()
+        with contextlib.suppress(Exception):  # the renewer writes the next one a moment later
+            await self._heartbeat()
         self.runtime.publisher.fence = self
         self.runtime.keep_running()
         self._tasks = [
@@ -186,12 +216,47 @@ class FleetWorker:
             asyncio.create_task(self._place_loop(), name="fleet-place"),
         ]
         log.info(
-            "fleet %s: worker %s joined (capacity %d, lease_ttl %gs)",
+            "fleet %s: worker %s joined (capacity %d, lease_ttl %gs, epoch %d)",
             self.name,
             self.id,
             self.capacity,
             self.ttl,
+            self._leases().epoch,
         )
+
+    async def _join(self) -> None:
+        """Open the buckets, learn the epoch, seed the desired set, start the watchers."""
+        for kind in ("sources", "leases", "workers"):
+            await self._open(kind)
+        self.desired = DesiredSources(self._kvs["sources"], timeout=max(1.0, self.ttl / 2))
+        self.leases = LeaseTable(self._kvs["leases"], self.id, self.ttl)
+        self._workers_kv = self._kvs["workers"]
+        self._epoch_floor = await self.leases.load_epoch(self._epoch_floor)
+        await self._seed()
+        self._views = {kind: BucketView(kv, kind) for kind, kv in self._kvs.items()}
+        for view in self._views.values():
+            await view.start()
+
+    def _leases(self) -> LeaseTable:
+        assert self.leases is not None
+        return self.leases
+
+    async def _open(self, kind: str) -> KeyValue:
+        """Open (creating when missing) one bucket and remember which incarnation it is."""
+        assert self._js is not None
+        # Heartbeats of workers that died unannounced are dropped by the server after a while.
+        ttl = max(60.0, 10 * self.ttl) if kind == "workers" else None
+        kv = await open_bucket(self._js, self.name, kind, ttl=ttl, replicas=self.config.replicas)
+        info = await self._js.stream_info(f"KV_{bucket_name(self.name, kind)}")
+        self._created[kind] = str(info.created)
+        self._kvs[kind] = kv
+        return kv
+
+    async def _seed(self) -> None:
+        assert self.desired is not None
+        added = await self.desired.seed(list(self.runtime.config.sources))
+        for sid in added:
+            log.info("fleet %s: source %s added to the desired set", self.name, sid)
 
     async def stop(self) -> None:
         """Drain: leave the placement, stop each source, release its lease, close."""
@@ -219,11 +284,32 @@ class FleetWorker:
                 await self._nc.close()
         log.info("fleet %s: worker %s left (%d source(s) handed over)", self.name, self.id, len(owned))
 
+    def health_problem(self) -> str | None:
+        """Why this worker cannot take part in the fleet now (``/healthz`` fails); None when fine.
+
+        No heartbeat has landed for ``max(30 s, 5 × lease_ttl)``: the buckets are gone and
+        cannot be made again, or NATS has been out of reach that long.
+        """
+        if self._draining or not self._started:
+            return None
+        quiet = time.monotonic() - max(self._last_heartbeat, self._started)
+        limit = max(30.0, 5 * self.ttl)
+        if quiet > limit:
+            return f"fleet {self.name}: no heartbeat written for {quiet:.0f}s (limit {limit:.0f}s)"
+        return None
+
     # -- heartbeats and renewals -----------------------------------------------------------
 
     async def _heartbeat(self) -> None:
         if self._draining or self._workers_kv is None:
             return
+        if not self._publishing(time.monotonic()):
+            # Cannot publish: leave the placement at once, so the others take the sources.
+            if not self._left:
+                await asyncio.wait_for(self._workers_kv.delete(self.id), max(0.5, self.ttl / 4))
+                self._left = True
+            return
+        self._left = False
         value = json.dumps(
             {
                 "capacity": self.capacity,
@@ -234,24 +320,88 @@ class FleetWorker:
             },
             separators=(",", ":"),
         ).encode()
-        await asyncio.wait_for(self._workers_kv.put(self.id, value), max(0.5, self.ttl / 4))
+        revision = await asyncio.wait_for(self._workers_kv.put(self.id, value), max(0.5, self.ttl / 4))
+        self._last_heartbeat = time.monotonic()
+        if self._own_heartbeat is None:
+            self._own_heartbeat = (revision, self._last_heartbeat)
+
+    async def _check_views(self) -> None:
+        """Watch the buckets again when this worker's own heartbeat never showed up in its view.
+
+        A watcher that missed a reconnect would leave a frozen picture of the fleet:
+        peers that look dead and leases that look expired.
+        """
+        if self._own_heartbeat is None or not self._views:
+            return
+        revision, written = self._own_heartbeat
+        seen = self._views["workers"].entries.get(self.id)
+        if seen is not None and seen.revision >= revision:
+            self._own_heartbeat = None  # seen: check the next one
+            return
+        if time.monotonic() - written < self.ttl / 4:
+            return
+        log.warning("fleet %s: the bucket watchers fell behind; watching again", self.name)
+        self._own_heartbeat = None
+        for kind, view in self._views.items():
+            await view.restart(self._kvs[kind])
+
+    async def _probe_publisher(self) -> None:
+        """A round trip on the publishing connection; its bound fences every lease like a renewal."""
+        nc = self.runtime.publisher.nc
+        if nc is None:
+            return  # messages stay in this process: nothing can stall
+        sent = time.monotonic()
+        try:
+            await asyncio.wait_for(nc.flush(timeout=max(1, int(self.ttl / 4))), max(0.5, self.ttl / 4))
+        except Exception as exc:
+            self._publish_stalled = True
+            self._errors(
+                "publisher",
+                f"fleet {self.name}: the publishing connection did not answer within "
+                f"{max(0.5, self.ttl / 4):g}s ({type(exc).__name__}); handing its sources over",
+            )
+            return
+        self._publish_stalled = False
+        self._publish_until = sent + self.ttl * 0.75
+
+    def _publishing(self, now: float) -> bool:
+        """Whether the publishing connection answered its last probe, within the fence's bound."""
+        return now < self._publish_until and not self._publish_stalled
 
     async def _renew_loop(self) -> None:
         while True:
             await asyncio.sleep(self.ttl / 4)
+            await self._probe_publisher()
             try:
                 await self._heartbeat()
             except Exception as exc:
                 self._errors("heartbeat", f"fleet {self.name}: heartbeat failed: {type(exc).__name__}: {exc}")
+            try:
+                # Before renewing: a compare-and-swap against a lease bucket made anew can
+                # land on a key whose revision happens to match, and renew someone else's claim.
+                await self._check_buckets()
+            except Exception as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+                self._errors("buckets", f"fleet {self.name}: bucket check failed: {problem}")
+            epoch = self._leases().epoch
+            for lease in self.owned.values():
+                if lease.epoch != epoch:
+                    self._lost(lease, "taken")  # claimed in a lease bucket that is gone
             leases = [lease for lease in self.owned.values() if not lease.fenced]
             await asyncio.gather(*(self._renew(lease) for lease in leases))
             self.metrics.sources_owned.labels(self.name).set(len(self.owned))
+            try:
+                await self._leases().withdraw_unconfirmed()
+                await self._check_views()
+                await self._purge_tombstones()
+            except Exception as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+                self._errors("buckets", f"fleet {self.name}: bucket check failed: {problem}")
 
     async def _renew(self, lease: Lease) -> None:
-        assert self.leases is not None
         t0 = time.perf_counter()
         try:
-            kept = await self.leases.renew(lease)
+            kept = await self._leases().renew(lease)
         except Exception as exc:
             self._errors(
                 "renew", f"fleet {self.name}: renewing {lease.source} failed: {type(exc).__name__}: {exc}"
@@ -273,28 +423,139 @@ class FleetWorker:
 
     async def _stop_lost(self, lease: Lease) -> None:
         await self.runtime.remove_source(lease.source)
+        self._leases().abandon(lease)  # deleted if the key still names it: no one waits a TTL
+        with contextlib.suppress(Exception):  # now if NATS answers, else from the renewer
+            await self._leases().withdraw_unconfirmed()
         if self.owned.get(lease.source) is lease:
             del self.owned[lease.source]
+            self._running.pop(lease.source, None)
         self.metrics.sources_owned.labels(self.name).set(len(self.owned))
+
+    # -- lost buckets ----------------------------------------------------------------------
+
+    async def _check_buckets(self) -> None:
+        """Open again a bucket that was deleted (or deleted and made anew by someone else)."""
+        assert self._js is not None
+        for kind in ("sources", "leases", "workers"):
+            name = f"KV_{bucket_name(self.name, kind)}"
+            try:
+                info = await self._js.stream_info(name)
+                if str(info.created) == self._created.get(kind):
+                    continue
+            except NotFoundError:
+                pass
+            lost = bucket_name(self.name, kind)
+            log.warning("fleet %s: bucket %s was lost; opening it again", self.name, lost)
+            kv = await self._open(kind)
+            self.metrics.buckets_recreated.labels(self.name, kind).inc()
+            if kind == "sources":
+                self.desired = DesiredSources(kv, timeout=max(1.0, self.ttl / 2))
+                await self._seed()
+            elif kind == "leases":
+                self._leases().kv = kv
+                self._claim_clock.clear()
+                self._lost_lease_bucket()
+                self._epoch_floor = await self._leases().load_epoch(self._epoch_floor)
+            else:
+                self._workers_kv = kv
+            await self._views[kind].restart(kv)
+
+    def _lost_lease_bucket(self) -> None:
+        """Every lease recorded in a lost bucket: fence ours now, claim nothing for a TTL.
+
+        Other holders learn of the loss only at their next renewal; their deadlines
+        pass within ``lease_ttl`` of the loss, and no claim here comes before that.
+        """
+        for lease in list(self.owned.values()):
+            self._lost(lease, "taken")
+        self._claim_after = max(self._claim_after, time.monotonic() + self.ttl)
+
+    async def _purge_tombstones(self) -> None:
+        now = time.monotonic()
+        if now - self._last_purge < TOMBSTONE_AGE / 2 or self.desired is None:
+            return
+        self._last_purge = now
+        await self.desired.purge_tombstones(TOMBSTONE_AGE)
 
     # -- placement -------------------------------------------------------------------------
 
+    def _heartbeats(self) -> dict[str, tuple[WorkerInfo, float]]:
+        """Every peer heartbeat that parses, with the local time its revision was first seen."""
+        out: dict[str, tuple[WorkerInfo, float]] = {}
+        for key, seen in self._views["workers"].entries.items():
+            try:
+                info = WorkerInfo.parse(key, seen.value)
+            except ValueError as exc:
+                self.bad.bad("workers", key, seen.revision, exc)
+                continue
+            self.bad.good("workers", key)
+            out[key] = (info, seen.seen)
+        return out
+
     def alive_workers(self, now: float) -> dict[str, WorkerInfo]:
         """Workers whose heartbeat changed within ``lease_ttl`` (this one included unless draining)."""
-        out: dict[str, WorkerInfo] = {}
-        for key, seen in self._views["workers"].entries.items():
-            if now - seen.seen < self.ttl:
-                with contextlib.suppress(ValueError):
-                    out[key] = WorkerInfo.parse(key, seen.value)
-        if self._draining:
+        # Three missed heartbeats: gone from placement a quarter TTL before its leases
+        # expire, so the view has held still by the time they do.
+        window = 0.75 * self.ttl
+        out = {k: info for k, (info, seen) in self._heartbeats().items() if now - seen < window}
+        if self._draining or not self._publishing(now):
             out.pop(self.id, None)
         else:
             out[self.id] = WorkerInfo(self.id, self.capacity, len(self.owned), self.version, time.time())
         return out
 
-    def placement(self, now: float) -> dict[str, str]:
-        workers = self.alive_workers(now)
-        return place(self._views["sources"].entries, {w: info.capacity for w, info in workers.items()})
+    def desired_sources(self) -> dict[str, tuple[int, SourceConfig]]:
+        """The desired sources that decode and pass the source checks: id -> (revision, config)."""
+        out: dict[str, tuple[int, SourceConfig]] = {}
+        entries = self._views["sources"].entries
+        for sid, seen in entries.items():
+            config, problem = self.decoded.get(sid, seen.revision, seen.value)
+            if config is None:
+                self.bad.bad("sources", sid, seen.revision, problem)
+                continue
+            out[sid] = (seen.revision, config)
+        self.decoded.forget(entries)
+        return out
+
+    def desired_ids(self) -> Any:
+        """The ids in the desired set (a live view of the keys: no copy per request)."""
+        return self._views["sources"].entries.keys() if self._views else {}.keys()
+
+    def placement(self, now: float, sources: Any, workers: dict[str, WorkerInfo]) -> dict[str, str]:
+        # Placement hashes every source-worker pair: compute it again only when an input changed.
+        key = (frozenset(sources), frozenset((w, i.capacity) for w, i in workers.items()))
+        if self._placement_memo is not None and self._placement_memo[0] == key:
+            return self._placement_memo[1]
+        placed = place(sources, {w: info.capacity for w, info in workers.items()})
+        self._placement_memo = (key, placed)
+        return placed
+
+    def _note_members(self, now: float, alive: dict[str, WorkerInfo]) -> bool:
+        """Track the live set; True once it has held still for ``lease_ttl / 8``."""
+        members = frozenset(alive)
+        if members != self._members:
+            self._members, self._members_since = members, now
+        for w in list(self._alive_since):
+            if w not in members:
+                del self._alive_since[w]
+        for w in members:
+            self._alive_since.setdefault(w, now)
+        return now - self._members_since >= self.ttl / 8
+
+    def _lease_age(self, sid: str, seen_at: float, stored: StoredLease | None, now: float) -> float:
+        """How long the lease has gone without a real renewal, on this worker's clock.
+
+        A claim its holder never confirmed (lease number 0) and wrote again keeps the
+        clock of its first write: rewriting claims is not renewing.
+        """
+        if stored is None or stored.number > 0:
+            self._claim_clock.pop(sid, None)
+            return now - seen_at
+        clock = self._claim_clock.get(sid)
+        if clock is None or clock[0] != stored.worker:
+            clock = (stored.worker, seen_at)
+            self._claim_clock[sid] = clock
+        return now - clock[1]
 
     async def _place_loop(self) -> None:
         # Let peers that start together see each other before anything is claimed.
@@ -308,11 +569,13 @@ class FleetWorker:
 
     def _place_once(self) -> None:
         now = time.monotonic()
-        desired = self._views["sources"].entries
+        desired = self.desired_sources()
         leases = self._views["leases"]
-        workers = self._views["workers"]
-        placed = self.placement(now)
-        self.metrics.workers_alive.labels(self.name).set(len(self.alive_workers(now)))
+        alive = self.alive_workers(now)
+        stable = self._note_members(now, alive)
+        self.metrics.workers_alive.labels(self.name).set(len(alive))
+        self._note_epoch()
+        publishing = self._publishing(now)
         for sid, lease in list(self.owned.items()):
             if sid in self._busy:
                 continue
@@ -321,22 +584,35 @@ class FleetWorker:
                 self._spawn(sid, self._stop_lost(lease))
             elif sid not in desired:
                 self._spawn(sid, self._release(sid, "removed"))
+            elif not publishing:
+                self._spawn(sid, self._release(sid, "publish"))
+            elif desired[sid][0] != self._running.get(sid):
+                self._spawn(sid, self._restart(sid, desired[sid][0], desired[sid][1]))
+        if not stable or not publishing or self._draining or now < self._claim_after:
+            return  # act on a view of the fleet that has held still, never on a passing one
+        placed = self.placement(now, desired, alive)
         load = len(self.owned) + sum(1 for s in self._busy if s not in self.owned)
         for sid in sorted(desired):
             if sid in self._busy:
                 continue
             target = placed.get(sid)
             if sid in self.owned:
-                peer = workers.entries.get(target) if target is not None and target != self.id else None
-                # Hand over only to a worker every peer has had time to see: one move.
-                if peer is not None and now - peer.created >= self.ttl / 4 and not self.owned[sid].fenced:
+                since = self._alive_since.get(target) if target is not None and target != self.id else None
+                # Hand over only to a worker alive without a break for a while: one move, not two.
+                if since is not None and now - since >= self.ttl and not self.owned[sid].fenced:
                     self._spawn(sid, self._release(sid, "rebalance"))
                 continue
             if load >= self.capacity or self._retry_at.get(sid, 0.0) > now:
                 continue
             entry = leases.entries.get(sid)
             if entry is not None:
-                age = now - entry.seen
+                try:
+                    stored: StoredLease | None = parse_lease(entry.value)
+                    self.bad.good("leases", sid)
+                except ValueError as exc:
+                    self.bad.bad("leases", sid, entry.revision, exc)
+                    stored = None  # unreadable: it ages like any lease nobody renews
+                age = self._lease_age(sid, entry.seen, stored, now)
                 if age >= self.ttl and (target == self.id or age >= 2 * self.ttl):
                     self._spawn(sid, self._claim(sid, entry.revision, "expired"))
                     load += 1
@@ -348,6 +624,22 @@ class FleetWorker:
             if target == self.id or now - free_since >= self.ttl:
                 self._spawn(sid, self._claim(sid, None, reason))
                 load += 1
+
+    def _note_epoch(self) -> None:
+        """Follow the lease bucket's epoch (another worker may have re-created the bucket)."""
+        seen = self._views["leases"].meta.get(EPOCH_KEY)
+        if seen is None:
+            return
+        try:
+            epoch = parse_epoch(seen.value)
+        except ValueError as exc:
+            self.bad.bad("leases", EPOCH_KEY, seen.revision, exc)
+            return
+        if epoch > self._epoch_floor and self._epoch_floor:
+            self._lost_lease_bucket()  # another worker made the lease bucket again
+        if epoch >= self._epoch_floor:
+            self._epoch_floor = epoch
+            self._leases().epoch = epoch
 
     def _spawn(self, sid: str, work: Any) -> None:
         async def run() -> None:
@@ -361,34 +653,57 @@ class FleetWorker:
         self._busy[sid] = asyncio.create_task(run(), name=f"fleet-{sid}")
 
     async def _claim(self, sid: str, last: int | None, reason: str) -> None:
-        assert self.leases is not None
-        view = self._views["sources"].entries.get(sid)
-        if view is None:
+        leases = self._leases()
+        seen = self._views["sources"].entries.get(sid)
+        if seen is None:
             return
-        lease = await self.leases.claim(sid, last)
+        config, _ = self.decoded.get(sid, seen.revision, seen.value)
+        if config is None:
+            return
+        if not leases.epoch:
+            leases.epoch = await leases.load_epoch(self._epoch_floor)
+        lease = await leases.claim(sid, last)
         if lease is None:
             # Someone else was first: read the key so the view does not wait for the watcher.
             with contextlib.suppress(Exception):
-                entry = await self.leases.kv.get(sid)
+                entry = await leases.kv.get(sid)
                 self._views["leases"].note(sid, entry.value, entry.revision or 0)
             return
         self.owned[sid] = lease
         try:
-            config = decode_source(sid, view.value, *self._source_policy())
             self.runtime.add_source(config)
         except Exception as exc:
             log.error("fleet %s: source %s cannot start here: %s; lease released", self.name, sid, exc)
             self._retry_at[sid] = time.monotonic() + 2 * self.ttl
             del self.owned[sid]
-            await self.leases.release(lease)
+            await leases.release(lease)
             return
+        self._running[sid] = seen.revision
         self.metrics.takeovers.labels(self.name, reason).inc()
         self.metrics.sources_owned.labels(self.name).set(len(self.owned))
-        log.info("fleet %s: took %s (%s, lease %d)", self.name, sid, reason, lease.number)
+        log.info(
+            "fleet %s: took %s (%s, epoch %d, lease %d)", self.name, sid, reason, lease.epoch, lease.number
+        )
+
+    async def _restart(self, sid: str, revision: int, config: SourceConfig) -> None:
+        """The desired entry of an owned source changed: run the new settings under the same lease."""
+        await self.runtime.remove_source(sid)
+        lease = self.owned.get(sid)
+        if lease is None or not lease.valid():
+            return
+        try:
+            self.runtime.add_source(config)
+        except Exception as exc:
+            log.error("fleet %s: source %s cannot start with its new settings: %s", self.name, sid, exc)
+            self._retry_at[sid] = time.monotonic() + 2 * self.ttl
+            await self._release(sid, "removed")
+            return
+        self._running[sid] = revision
+        self.metrics.restarts.labels(self.name).inc()
+        log.info("fleet %s: restarted %s with its changed settings", self.name, sid)
 
     async def _release(self, sid: str, reason: str) -> None:
         """Stop ``sid`` (its frames in flight are still published), then give the lease up."""
-        assert self.leases is not None
         lease = self.owned.get(sid)
         if lease is None:
             return
@@ -396,11 +711,20 @@ class FleetWorker:
         lease.fenced = True
         if self.owned.get(sid) is lease:
             del self.owned[sid]
+            self._running.pop(sid, None)
         with contextlib.suppress(Exception):
-            await self.leases.release(lease)
+            await self._leases().release(lease)
         self.metrics.releases.labels(self.name, reason).inc()
         self.metrics.sources_owned.labels(self.name).set(len(self.owned))
-        log.info("fleet %s: released %s (%s)", self.name, sid, reason)
+        if reason == "publish":
+            log.warning(
+                "fleet %s: released %s: the publishing connection has not answered for %.1fs",
+                self.name,
+                sid,
+                self.ttl * 0.75,
+            )
+        else:
+            log.info("fleet %s: released %s (%s)", self.name, sid, reason)
 
     def _source_policy(self) -> tuple[SourcePolicy, str]:
         """What a stored source may be here: what this worker's API would accept, and where
@@ -409,59 +733,42 @@ class FleetWorker:
         return SourcePolicy.from_http(cfg.http, cfg.base_dir), cfg.base_dir
 
     def desired_configs(self) -> list[SourceConfig]:
-        """The desired sources as this worker last saw them."""
-        out = []
-        for sid, seen in sorted(self._views["sources"].entries.items()):
-            with contextlib.suppress(Exception):
-                out.append(decode_source(sid, seen.value, *self._source_policy()))
-        return out
+        """The desired sources as this worker last saw them (decoded once per revision)."""
+        return [config for _, (_, config) in sorted(self.desired_sources().items())]
 
     # -- what /v1/fleet shows --------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         alive = self.alive_workers(now)
-        workers = []
-        for key, seen in sorted(self._views["workers"].entries.items()):
-            if key == self.id:
-                continue  # this worker's own line is current, not its last heartbeat
-            try:
-                info = WorkerInfo.parse(key, seen.value)
-            except ValueError:
-                continue
-            workers.append(worker_json(info, key in alive))
+        workers = [
+            worker_json(info, key in alive)
+            for key, (info, _) in sorted(self._heartbeats().items())
+            if key != self.id  # this worker's own line is current, not its last heartbeat
+        ]
         if self.id in alive:
             workers.append(worker_json(alive[self.id], True))
             workers.sort(key=lambda w: str(w["id"]))
-        placed = self.placement(now)
+        desired = self.desired_sources()
+        placed = self.placement(now, desired, alive)
         sources = []
-        for sid in sorted(self._views["sources"].entries):
+        for sid in sorted(desired):
+            owner, since, epoch, number = None, None, None, None
             entry = self._views["leases"].entries.get(sid)
-            owner, since, number = parse_lease(entry.value) if entry is not None else ("", 0.0, 0)
+            if entry is not None:
+                with contextlib.suppress(ValueError):
+                    stored = parse_lease(entry.value)
+                    if stored.number > 0:  # a claim not yet confirmed is no owner
+                        owner, since, epoch, number = stored.worker, stored.since, stored.epoch, stored.number
             if sid in self.owned:
                 own = self.owned[sid]
-                owner, since, number = self.id, own.since, own.number
-            sources.append(source_json(sid, owner or None, since or None, number or None, placed.get(sid)))
+                owner, since, epoch, number = self.id, own.since, own.epoch, own.number
+            sources.append(source_json(sid, owner, since, epoch, number, placed.get(sid)))
         return {
             "fleet": self.name,
             "worker": self.id,
             "lease_ttl": self.ttl,
+            "epoch": self._leases().epoch if self.leases is not None else None,
             "workers": workers,
             "sources": sources,
         }
-
-
-def worker_json(info: WorkerInfo, alive: bool) -> dict[str, Any]:
-    return {
-        "id": info.id,
-        "alive": alive,
-        "load": info.load,
-        "capacity": info.capacity,
-        "version": info.version,
-    }
-
-
-def source_json(
-    sid: str, owner: str | None, since: float | None, lease: int | None, placed_on: str | None
-) -> dict[str, Any]:
-    return {"id": sid, "owner": owner, "owned_since": since, "lease": lease, "placed_on": placed_on}

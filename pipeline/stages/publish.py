@@ -28,7 +28,8 @@ embedding program sees exactly what subscribers receive.
 
 In a fleet (docs/fleet.md) a :class:`Fence` is asked before every message,
 retries included: a worker whose lease on a source may have passed to another
-worker sends nothing more for it. Detections then carry ``worker`` and ``lease``.
+worker sends nothing more for it. Detections and events then carry ``worker``,
+``epoch`` and ``lease`` (the fence, docs/messages.md).
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ class Fence(Protocol):
         """False once this process's lease on ``source`` may have passed to another."""
         ...
 
-    def owner(self, source: str) -> tuple[str, int] | None:
-        """``(worker id, lease revision)`` to stamp on ``source``'s messages; None outside a fleet."""
+    def owner(self, source: str) -> tuple[str, int, int] | None:
+        """``(worker id, epoch, lease)`` to stamp on ``source``'s messages; None outside a fleet."""
         ...
 
 
@@ -144,7 +145,7 @@ class Publisher:
 
     async def _open(self, url: str, on_disconnect: Any, on_reconnect: Any, on_error: Any) -> NatsClient:
         return await nats.connect(
-            url,
+            servers=url.split(","),  # several seed URLs of one cluster: a,b,c
             connect_timeout=2,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.25,
@@ -207,8 +208,12 @@ class Publisher:
         each event's place in ``events`` make its de-duplication id.
         """
         subject = events_subject(self.config.subject_prefix, self.pipeline, source)
+        owner = self.fence.owner(source) if self.fence is not None else None
         for n, event in enumerate(events):
-            payload = encode(event.to_message(self.pipeline, source))
+            message = event.to_message(self.pipeline, source)
+            if owner is not None:
+                message["worker"], message["epoch"], message["lease"] = owner
+            payload = encode(message)
             msg_id = f"{self.pipeline}/{source}/{stream_id}/{key}/{n}"
             await self._send(subject, source, payload, msg_id, event.type, f"{event.type} event of {key}")
 
