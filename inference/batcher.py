@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 from inference.batch_policy import BatchPolicy, PendingQueue, Send, next_batch, split_by_level
 from inference.errors import VidpipeError
+from inference.ratelimit import RateLimitedLog
 
 # Under "vidpipe." like the pipeline's loggers: one tree to configure, "vidpipe.inference.*" here.
 log = logging.getLogger(f"vidpipe.{__name__}")
@@ -199,6 +200,7 @@ class DynamicBatcher:
         if not runners:
             raise ValueError(f"{name}: a batcher needs at least one instance")
         self.name = name
+        self._failure_log = RateLimitedLog(logger=log, level=logging.WARNING)
         self.policy = policy
         self.observer: InferenceObserver = observer or NullObserver()
         # Skipping the no-op observer keeps it off the per-request path.
@@ -461,12 +463,11 @@ class DynamicBatcher:
                 outcomes = [(r, res, None) for r, res in zip(live, results, strict=True)]
             except Exception as exc:
                 failed = True
-                log.warning(
-                    "%s: batch of %d failed on instance %d: %s",
-                    self.name,
-                    n,
-                    index,
-                    exc,
+                # Every failure is counted and fails its requests; the log says it once per
+                # kind of error per 10 s (a dead remote server fails every batch).
+                self._failure_log(
+                    type(exc).__name__,
+                    f"{self.name}: batch of {n} failed on instance {index}: {exc}",
                     extra={"model": self.name},
                 )
                 for r in live:

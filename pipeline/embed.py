@@ -44,8 +44,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from inference.ratelimit import RateLimitedLog
 from pipeline.config import PipelineConfig, load_config, parse_source
-from pipeline.ratelimit import RateLimitedLog
 from pipeline.runtime import Runtime
 from pipeline.stats import PipelineReport
 

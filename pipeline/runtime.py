@@ -27,6 +27,7 @@ from typing import Any
 from inference.batcher import InferenceObserver
 from inference.errors import VidpipeError
 from inference.model import ModelState
+from inference.ratelimit import RateLimitedLog
 from inference.repository import ModelRepository
 from pipeline.config import PipelineConfig, SourceConfig
 from pipeline.frames import Frame
@@ -34,7 +35,6 @@ from pipeline.metrics import Metrics
 from pipeline.outputs.manager import Outputs
 from pipeline.overload import OverloadMonitor
 from pipeline.queues import EndOfStream, FrameQueue, OverflowPolicy
-from pipeline.ratelimit import RateLimitedLog
 from pipeline.sources.base import Source, SourceError, SourceState
 from pipeline.sources.budget import MIB, FrameMemoryBudget
 from pipeline.sources.live import reader_threads

@@ -52,6 +52,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
+from inference.ratelimit import RateLimitedLog
 from pipeline.config import FleetConfig, SourceConfig, SourcePolicy
 from pipeline.fleet.buckets import BadEntries, BucketView, bucket_name, open_bucket
 from pipeline.fleet.desired import DesiredCache, DesiredSources
@@ -59,7 +60,6 @@ from pipeline.fleet.leases import EPOCH_KEY, Lease, LeaseTable, StoredLease, par
 from pipeline.fleet.metrics import FleetMetrics
 from pipeline.fleet.placement import place
 from pipeline.fleet.status import WorkerInfo, source_json, worker_json
-from pipeline.ratelimit import RateLimitedLog
 from pipeline.redact import redact_url
 from pipeline.runtime import Runtime
 

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+from inference.ratelimit import RateLimitedLog
 from inference.schema import spec
 from pipeline.frames import Frame
 from pipeline.names import NAME_HELP, check_name
-from pipeline.ratelimit import RateLimitedLog
 
 if TYPE_CHECKING:
     from inference.repository import ModelRepository

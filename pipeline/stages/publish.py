@@ -47,12 +47,12 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
 from inference.errors import VidpipeError
+from inference.ratelimit import RateLimitedLog
 from pipeline.config import NatsConfig
 from pipeline.events import Event, events_subject
 from pipeline.frames import Frame
 from pipeline.messages import build_message, encode, subject_for
 from pipeline.metrics import Metrics
-from pipeline.ratelimit import RateLimitedLog
 from pipeline.redact import redact_url
 
 log = logging.getLogger("vidpipe.publish")

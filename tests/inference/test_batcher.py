@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import threading
 import time
@@ -570,3 +571,21 @@ def test_without_delay_requests_spread_over_idle_instances_and_run_at_once() -> 
         b.stop()
     assert sorted(seen) == [[0], [1], [2], [3]]
     assert b.stats.batch_sizes == {1: 4}
+
+
+def test_failing_batches_are_all_counted_and_logged_once_per_interval(
+    make: Callable[..., Harness], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A dead remote server fails every batch: each request fails and is counted, the log
+    # says so once (with the model named as a field), not once per batch.
+    h = make(max_batch_size=1)
+    with caplog.at_level(logging.WARNING, logger="vidpipe.inference.batcher"):
+        for _ in range(5):
+            (fut,) = h.submit(13)
+            with pytest.raises(InferenceFailed, match="bad input 13"):
+                fut.result(timeout=WAIT)
+    lines = [r for r in caplog.records if "failed on instance" in r.getMessage()]
+    name = h.model.name
+    assert [r.getMessage() for r in lines] == [f"{name}: batch of 1 failed on instance 0: bad input 13"]
+    assert getattr(lines[0], "model", None) == name
+    assert h.stats().failed == 5
