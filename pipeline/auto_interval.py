@@ -20,11 +20,14 @@ boxes, as for a fixed ``interval``:
   grayscale copy of the frame (:func:`small_gray`) is compared with the one of
   the last frame the detector ran on; changed cells inside the tracks' boxes
   then and now are the tracks' own motion, the rest is something new;
-- ``fast``: a track moves more than :data:`FAST` of its height per frame;
+- ``fast``: a track moves more than :data:`FAST` of its size (its box's
+  shorter side) per frame;
 - ``uncertain``: a track's prediction may have drifted (frames since it was
-  last detected times how much a box of its size and speed can wander);
-- ``line``: a track's anchor is within reach of a line (its speed times two
-  frames, or a tenth of its height) of a ``zones`` stage;
+  last detected times how much a box of its size and speed can wander), or the
+  picture does not show it where it is predicted (nothing changed in the part
+  of its predicted box it was not in at the last detection: it stopped);
+- ``line``: a track's anchor is within reach of a line (its speed times 1.5
+  frames, or a tenth of its size) of a ``zones`` stage;
 - ``zone``: a track's anchor is at a zone's edge, or inside a zone and the
   detector skipped the frame before.
 
@@ -50,20 +53,22 @@ from pipeline.geometry import Anchor, Box, Point, anchor_point, distance_to_edge
 
 # Frames the detector may skip in a row whatever the scene (at 10 fps: 1.5 s).
 MAX_GAP = 15
-# Speed (fraction of the box's height per frame) above which a track is fast.
+# Speed (fraction of the box's size, its shorter side, per frame) above which a track is fast.
 FAST = 0.5
-# A track's prediction is uncertain once it may have wandered this fraction of its height.
-DRIFT = 0.15
-# How far a box of height h can wander per predicted frame: DRIFT_BASE*h + DRIFT_SPEED*speed.
+# A track's prediction is uncertain once it may have wandered this fraction of its size.
+DRIFT = 0.2
+# How far a box of size s can wander per predicted frame: DRIFT_BASE*s + DRIFT_SPEED*speed.
 DRIFT_BASE = 0.01
-DRIFT_SPEED = 0.1
+DRIFT_SPEED = 0.08
 # Motion: the small frame is about this wide; a cell changed by more than
 # MOTION_LEVEL grey levels moved; MOTION_CELLS changed cells no track explains is motion.
 SMALL_WIDTH = 96
 MOTION_LEVEL = 24
 MOTION_CELLS = 3
 # Boxes excluded from the motion mask grow by this fraction of their size (boxes are approximate).
-BOX_MARGIN = 0.15
+BOX_MARGIN = 0.25
+# A predicted box is seen when at least this share of its new cells changed.
+SEEN = 0.5
 
 REASONS = ("first", "max_gap", "new_object", "motion", "fast", "uncertain", "line", "zone")
 
@@ -103,6 +108,37 @@ def unexplained_motion(
     return int(changed.sum())
 
 
+def prediction_seen(grey: np.ndarray, reference: np.ndarray, cell: float, old: Box, new: Box) -> bool:
+    """Whether the picture changed in the part of ``new`` (the predicted box) that ``old`` did not cover.
+
+    An object that moved where its track predicts changed those cells (it
+    covers what was behind it then); one that stopped left them as they were.
+    True when that part is under :data:`MOTION_CELLS` cells: too small to tell.
+    """
+    if grey.shape != reference.shape:
+        return False
+    rows, cols = grey.shape
+
+    def cells(box: Box, touched: bool) -> tuple[int, int, int, int]:
+        # The new part counts cells mostly inside the predicted box, and leaves out every
+        # cell the old box touched: a shift under a cell tells nothing either way.
+        x1, y1, x2, y2 = (v / cell for v in box)
+        if touched:
+            return max(0, int(x1)), max(0, int(y1)), min(cols, math.ceil(x2)), min(rows, math.ceil(y2))
+        return max(0, round(x1)), max(0, round(y1)), min(cols, round(x2)), min(rows, round(y2))
+
+    c1, r1, c2, r2 = cells(new, touched=False)
+    if c2 <= c1 or r2 <= r1:
+        return True
+    fresh = np.ones((r2 - r1, c2 - c1), dtype=bool)
+    o1, q1, o2, q2 = cells(old, touched=True)
+    fresh[max(0, q1 - r1) : max(0, q2 - r1), max(0, o1 - c1) : max(0, o2 - c1)] = False
+    if fresh.sum() < MOTION_CELLS:
+        return True
+    changed = np.abs(grey[r1:r2, c1:c2] - reference[r1:r2, c1:c2]) > MOTION_LEVEL
+    return bool(changed[fresh].mean() >= SEEN)
+
+
 @dataclass(slots=True)
 class TrackState:
     """What the schedule knows of one track after the frame it was last recorded on."""
@@ -111,6 +147,8 @@ class TrackState:
     box: Box
     velocity: tuple[float, float] = (0.0, 0.0)  # px per frame, of the box's centre
     since_detection: int = 0  # frames since a detector (not the tracker) placed it
+    detected_box: Box = (0.0, 0.0, 0.0, 0.0)  # where and when a detector last placed it
+    detected_at: int = 0
 
     def ahead(self, frames: int) -> Box:
         """The box ``frames`` frames later at its velocity (what the tracker will predict)."""
@@ -123,8 +161,9 @@ class TrackState:
         return math.hypot(*self.velocity)
 
     @property
-    def height(self) -> float:
-        return max(1.0, self.box[3] - self.box[1])
+    def size(self) -> float:
+        """The box's shorter side: what bounds its overlap with itself shifted."""
+        return max(1.0, min(self.box[2] - self.box[0], self.box[3] - self.box[1]))
 
 
 @dataclass
@@ -133,7 +172,7 @@ class _SourceBoard:
     detected: int = -1  # the last frame the detector ran on
     tracks: dict[int, TrackState] = field(default_factory=dict)
     untracked: int = 0  # detections of the last frame that are no track yet
-    boxes_at_detection: list[Box] = field(default_factory=list)
+    boxes_at_detection: dict[int, Box] = field(default_factory=dict)  # track id -> box
     # Frames that entered the schedule and are not yet recorded (or given up).
     pending: dict[int, asyncio.Future[None]] = field(default_factory=dict)
 
@@ -190,20 +229,29 @@ class TrackBoard:
                 untracked += 1
                 continue
             old = board.tracks.get(obj.track_id)
-            state = TrackState(obj.track_id, obj.bbox)
-            if old is not None:
-                vx = (_cx(obj.bbox) - _cx(old.box)) / steps
-                vy = (_cy(obj.bbox) - _cy(old.box)) / steps
-                # Smoothed: one detection's jitter is not a change of speed.
-                state.velocity = (0.5 * (old.velocity[0] + vx), 0.5 * (old.velocity[1] + vy))
-                state.since_detection = 0 if not obj.predicted else old.since_detection + steps
+            state = TrackState(obj.track_id, obj.bbox, detected_box=obj.bbox, detected_at=frame.index)
+            if old is not None and obj.predicted:
+                # The tracker's prediction: it moves at the velocity measured so far.
+                state.velocity, state.since_detection = old.velocity, old.since_detection + steps
+                state.detected_box, state.detected_at = old.detected_box, old.detected_at
+            elif old is not None:
+                # Measured between two detections, however far apart; smoothed when they are
+                # neighbours, where one detection's jitter is not a change of speed.
+                gap = max(1, frame.index - old.detected_at)
+                vx = (_cx(obj.bbox) - _cx(old.detected_box)) / gap
+                vy = (_cy(obj.bbox) - _cy(old.detected_box)) / gap
+                keep = 0.5 if gap == 1 and old.since_detection == 0 else 0.0
+                state.velocity = (
+                    keep * old.velocity[0] + (1 - keep) * vx,
+                    keep * old.velocity[1] + (1 - keep) * vy,
+                )
             seen[obj.track_id] = state
         board.tracks = seen
         board.frame = frame.index
         if detected:
             board.detected = frame.index
             board.untracked = untracked
-            board.boxes_at_detection = [t.box for t in seen.values()]
+            board.boxes_at_detection = {t.track_id: t.box for t in seen.values()}
         future = board.pending.pop(frame.index, None)
         if future is not None and not future.done():
             future.set_result(None)
@@ -271,8 +319,14 @@ SKIP = Decision(False, "")
 DEFERRED = Decision(False, "deferred")
 
 
-def decide(frame: int, board: _SourceBoard, motion_cells: int, places: Places) -> Decision:
-    """Whether the detector runs on ``frame``, from the board as recorded up to the frame before."""
+def decide(
+    frame: int, board: _SourceBoard, motion_cells: int, places: Places, unseen: bool = False
+) -> Decision:
+    """Whether the detector runs on ``frame``, from the board as recorded up to the frame before.
+
+    ``motion_cells``: changed cells no track explains; ``unseen``: a track's
+    predicted box shows no change where it moved to (:func:`prediction_seen`).
+    """
     if board.detected < 0:
         return Decision(True, "first")
     gap = frame - board.detected
@@ -282,6 +336,8 @@ def decide(frame: int, board: _SourceBoard, motion_cells: int, places: Places) -
         return Decision(True, "new_object")
     if motion_cells >= MOTION_CELLS:
         return Decision(True, "motion")
+    if unseen:
+        return Decision(True, "uncertain")
     ahead = max(1, frame - board.frame)
     for track in board.tracks.values():
         reason = _track_reason(track, ahead, places, gap)
@@ -291,13 +347,13 @@ def decide(frame: int, board: _SourceBoard, motion_cells: int, places: Places) -
 
 
 def _track_reason(track: TrackState, ahead: int, places: Places, gap: int) -> str:
-    h, speed = track.height, track.speed
+    h, speed = track.size, track.speed
     if speed >= FAST * h:
         return "fast"
     if (track.since_detection + ahead) * (DRIFT_BASE * h + DRIFT_SPEED * speed) >= DRIFT * h:
         return "uncertain"
     point = anchor_point(track.ahead(ahead), places.anchor)
-    reach = max(0.1 * h, 2 * speed)
+    reach = max(0.1 * h, 1.5 * speed)
     for a, b in places.lines:
         if _segment_distance(point, a, b) <= reach:
             return "line"
@@ -332,14 +388,22 @@ class AutoSchedule:
         """
         board = self.board.board(frame.source, self.stage)
         grey, cell = small_gray(frame.image)
-        motion = 0
+        motion, stopped = 0, False
         ref = self._reference.get(frame.source)
         if ref is not None and board.detected >= 0:
             ahead = max(1, frame.index - board.frame)
-            explained = [*board.boxes_at_detection, *(t.ahead(ahead) for t in board.tracks.values())]
+            predicted = {i: t.ahead(ahead) for i, t in board.tracks.items()}
+            explained = [*board.boxes_at_detection.values(), *predicted.values()]
             motion = unexplained_motion(grey, ref[0], cell, explained)
+            for track_id, box in predicted.items():
+                old = board.boxes_at_detection.get(track_id)
+                if old is not None and not prediction_seen(grey, ref[0], cell, old, box):
+                    stopped = True
+                    break
+            else:
+                stopped = False
         places = self._scaled(frame.width, frame.height)
-        decision = decide(frame.index, board, motion, places)
+        decision = decide(frame.index, board, motion, places, stopped)
         if (
             decision.run
             and decision.reason not in ("first", "max_gap")

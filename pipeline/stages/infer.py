@@ -45,6 +45,12 @@ whose index is a multiple of N+1 and skips the N between, marking the frame
 decision depends on the index alone, so frames of one source in flight
 together decide the same way whatever order they finish in.
 
+``interval: auto`` runs the detector only when the scene needs it (motion no
+track explains, a track near a line or zone, fast or uncertain, a new object,
+a maximum gap; :mod:`pipeline.auto_interval`), deciding on the tracks as the
+track stage left them after the frame before, so a file gives the same
+decisions on every run. Under overload, live cameras share the detector evenly.
+
 ``reinfer_interval: N`` (a cascade after a track stage, so it runs in frame
 order) keeps each track's last result: between runs the object gets the
 track's attributes (``carried``) and text (``text_carried``) instead of a new
