@@ -265,6 +265,7 @@ instance_group: [{{count: {instances}, kind: KIND_CPU}}]
 
 def ultralytics_onnx(arch: str, out: Path) -> Path | None:
     """A YOLOv8 built from its architecture file and exported to ONNX at 640×384; None without ultralytics."""
+    os.environ.setdefault("YOLO_OFFLINE", "1")  # no update checks, no downloads
     try:
         from ultralytics import YOLO  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
@@ -275,6 +276,22 @@ def ultralytics_onnx(arch: str, out: Path) -> Path | None:
     target = out / path.name
     path.replace(target)
     return target
+
+
+def ms_per_frame(model_path: Path, runs: int = 20) -> float:
+    """Median milliseconds of one 640x384 frame through OpenVINO on the CPU (latency hint)."""
+    import openvino as ov
+
+    compiled = ov.Core().compile_model(str(model_path), "CPU", {"PERFORMANCE_HINT": "LATENCY"})
+    request = compiled.create_infer_request()
+    image = np.random.default_rng(0).random((1, 3, HEIGHT, WIDTH), dtype=np.float32)
+    request.infer({0: image})
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        request.infer({0: image})
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
 
 
 # -- runs -----------------------------------------------------------------------------------
@@ -445,12 +462,15 @@ async def measure(args: argparse.Namespace, frames: int, scene: Scene, nats_url:
         )
         if args.ultralytics:
             onnx_path = ultralytics_onnx(args.ultralytics, tmp)
-            print(
-                f"# ultralytics {args.ultralytics}: exported to {onnx_path.name}"
-                if onnx_path
-                else "# ultralytics is not installed (pip install -e '.[bench]' plus ultralytics): "
-                "the cost-padded lane detector stands in"
-            )
+            if onnx_path is None:
+                print("# ultralytics is not installed (pip install -e '.[bench]'): the padded lanes stand in")
+            else:
+                yolo_ms = ms_per_frame(onnx_path)
+                lanes_ms = ms_per_frame(repo / "walkers" / "model.onnx")
+                print(
+                    f"# {args.ultralytics} exported ({onnx_path.name}): {yolo_ms:.1f} ms a frame alone "
+                    f"on OpenVINO; the lane detector with {args.gflops:g} GFLOPs: {lanes_ms:.1f} ms"
+                )
         acc = await accuracy(clip, repo, tmp, args.fps, nats_url)
         every = acc["every frame"]
         ref_count = every.crossings.get("cam0", 0)
