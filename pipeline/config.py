@@ -171,8 +171,11 @@ class NatsConfig:
 class RuntimeConfig:
     """Flow limits."""
 
-    max_in_flight: int = field(
-        default=4, metadata=spec(ge=1, le=256, help="frames of one source processed at once")
+    max_in_flight: int | None = field(
+        default=None,
+        metadata=spec(
+            ge=1, le=256, help="frames of one source processed at once; unset: from instances and sources"
+        ),
     )
     drain_timeout: float = field(default=10.0, metadata=spec(gt=0))
     max_sources: int = field(default=64, metadata=spec(ge=1, le=4096, help="sources running at once"))

@@ -136,6 +136,16 @@ class Metrics:
             ["pipeline", "source", "stage", "reason"],
             registry=r,
         )
+        self.detector_frames = Counter(
+            "vidpipe_detector_frames_total",
+            "Frames of an interval: auto detector by decision: the reason it ran, predicted, or deferred",
+            ["pipeline", "source", "stage", "decision"],
+            registry=r,
+        )
+        self.detector_min_gap = Gauge(
+            "vidpipe_detector_min_gap", "Frames each camera waits between auto detections (overload share)",
+            ["pipeline", "stage"], registry=r,
+        )  # fmt: skip
         self.objects = Counter(
             "vidpipe_objects_total",
             "Objects in published frames, by label (an object counts once per frame it is in)",
@@ -189,6 +199,7 @@ class Metrics:
             (self.recording_dropped, ("pipeline", "source")),
             (self.publish_errors, ("pipeline", "source", "reason")),
             (self.objects_skipped, ("pipeline", "source", "stage", "reason")),
+            (self.detector_frames, ("pipeline", "source", "stage", "decision")),
             (self.objects, ("pipeline", "source", "label")),
             (self.zone_objects, ("pipeline", "source", "zone")),
             (self.line_crossings, ("pipeline", "source", "line", "direction", "label")),

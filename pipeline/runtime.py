@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from inference.batcher import InferenceObserver
+from inference.config import ModelConfig
 from inference.errors import VidpipeError
 from inference.model import ModelState
 from inference.ratelimit import RateLimitedLog
@@ -104,6 +105,32 @@ def check_device(config: PipelineConfig) -> None:
     log.info("runtime.device auto: using the CPU (%s)", reason)
 
 
+def derive_max_in_flight(config: PipelineConfig, models: dict[str, ModelConfig], sources: int) -> int:
+    """Frames of one source in the graph at once: ``runtime.max_in_flight``, or derived from the models.
+
+    Unset, it is what the detector's instances can work on at once (the instance
+    count times the largest preferred batch size, 1 without one; for the model
+    of the whole-frame stage that can take the most) shared over ``sources``,
+    rounded down and at least 1. More frames in flight than instances at work
+    only wait in the batcher's queue: latency without throughput.
+    """
+    if config.runtime.max_in_flight is not None:
+        return config.runtime.max_in_flight
+    whole_frame = [m for s in config.stages if getattr(s, "on", None) is None for m in s.models()]
+    names = [m for m in whole_frame or config.models_used() if m in models]
+    if not names:
+        return 1
+    work = max(_frames_at_work(models[name]) for name in names)
+    return max(1, min(256, work // max(1, sources)))
+
+
+def _frames_at_work(model: ModelConfig) -> int:
+    """Frames a model's instances work on at once: one batch each, of the preferred size."""
+    # A model without a batch dimension (max_batch_size 0) takes one frame per call.
+    batch = max(model.dynamic_batching.preferred_batch_size, default=1) if model.max_batch_size else 1
+    return model.instance_count * batch
+
+
 class _Observers:
     """Hands the batchers' events to several observers (the metrics and the stats recorder)."""
 
@@ -147,6 +174,8 @@ class SourceRun:
     latencies: LatencyWindow = field(default_factory=LatencyWindow)
     # Time per stage of the published frames (what the overload monitor reads).
     stage_clock: StageClock = field(default_factory=StageClock)
+    # Frames of this source in the graph at once (runtime.max_in_flight, or derived at its start).
+    max_in_flight: int = 1
 
     @property
     def decoded(self) -> int:
@@ -345,6 +374,13 @@ class Runtime:
 
     # -- sources ---------------------------------------------------------------------------
 
+    def max_in_flight(self, sources: int) -> int:
+        """Frames in flight for a source started when ``sources`` run (the config's count at least)."""
+        models = {}
+        if self.models is not None:  # loaded before any source starts
+            models = {n: self.models.get(n).config for n in self.config.models_used()}
+        return derive_max_in_flight(self.config, models, max(sources, len(self.config.sources)))
+
     def add_source(self, config: SourceConfig) -> SourceRun:
         """Start a source; raises ValueError if its id is taken, SourceLimitError when full.
 
@@ -374,9 +410,10 @@ class Runtime:
         source.on_drop = self._on_source_drop
         # Every frame of this source is in its queue, in flight, being decoded, or the
         # latest one kept for the snapshot; more buffers than that would never be used.
-        source.frame_pool_size = config.queue_size + self.config.runtime.max_in_flight + 4
+        in_flight = self.max_in_flight(len(self.sources) + 1)
+        source.frame_pool_size = config.queue_size + in_flight + 4
         source.frame_memory = self.frame_memory
-        run = SourceRun(config=config, source=source, queue=queue)
+        run = SourceRun(config=config, source=source, queue=queue, max_in_flight=in_flight)
         self.sources[sid] = run
         self.outputs.add_source(source)
         self.metrics.source_up.labels(pipeline, sid).set(0)
@@ -483,7 +520,7 @@ class Runtime:
         # frame is published or dropped: exactly max_in_flight frames are in the graph at
         # most, and a live source's waiting frames stay in its drop-oldest queue, so the
         # graph always takes the freshest one.
-        slots = asyncio.Semaphore(self.config.runtime.max_in_flight)
+        slots = asyncio.Semaphore(run.max_in_flight)
         in_flight: asyncio.Queue[asyncio.Task[Frame | None] | None] = asyncio.Queue()
         publisher = run.publisher = asyncio.create_task(
             self._publish_in_order(run, in_flight, slots), name=f"publish-{sid}"
@@ -672,4 +709,11 @@ class Runtime:
         )
 
 
-__all__ = ["PipelineStartError", "Runtime", "SourceError", "SourceLimitError", "SourceRun"]
+__all__ = [
+    "PipelineStartError",
+    "Runtime",
+    "SourceError",
+    "SourceLimitError",
+    "SourceRun",
+    "derive_max_in_flight",
+]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from inference.ratelimit import RateLimitedLog
 from inference.schema import spec
+from pipeline.auto_interval import TrackBoard
 from pipeline.frames import Frame
 from pipeline.names import NAME_HELP, check_name
 
@@ -79,6 +80,8 @@ class StageContext:
     metrics: Metrics
     # Rate-limited ERROR lines shared by the runtime and the stages (one per kind per interval).
     errors: RateLimitedLog = field(default_factory=RateLimitedLog)
+    # Tracks after each frame, written by the track stage, read by interval: auto detectors.
+    tracks: TrackBoard = field(default_factory=TrackBoard)
 
 
 class Stage(ABC):

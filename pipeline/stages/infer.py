@@ -45,6 +45,12 @@ whose index is a multiple of N+1 and skips the N between, marking the frame
 decision depends on the index alone, so frames of one source in flight
 together decide the same way whatever order they finish in.
 
+``interval: auto`` runs the detector only when the scene needs it (motion no
+track explains, a track near a line or zone, fast or uncertain, a new object,
+a maximum gap; :mod:`pipeline.auto_interval`), deciding on the tracks as the
+track stage left them after the frame before, so a file gives the same
+decisions on every run. Under overload, live cameras share the detector evenly.
+
 ``reinfer_interval: N`` (a cascade after a track stage, so it runs in frame
 order) keeps each track's last result: between runs the object gets the
 track's attributes (``carried``) and text (``text_carried``) instead of a new
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -64,9 +71,11 @@ import numpy as np
 from inference.batcher import SHUTDOWN, InferenceRejected
 from inference.results import Classification, Detection, Recognition
 from inference.schema import spec
+from pipeline.auto_interval import AutoSchedule, FairShare, Places
 from pipeline.crops import Crop, cut_box, cut_polygon, map_box, map_points, rotate
 from pipeline.frames import Attribute, DetectedObject, Frame
 from pipeline.stages.base import Stage, StageContext, StageOptions
+from pipeline.stages.zones import ZonesOptions
 from pipeline.tracking.assignment import iou_matrix
 
 if TYPE_CHECKING:
@@ -76,6 +85,8 @@ log = logging.getLogger("vidpipe.infer")
 
 # Why an object of a cascade got no result (the `reason` of vidpipe_objects_skipped_total).
 SKIP_REASONS = ("max_objects", "min_size", "rejected", "failed")
+# interval: auto: how long a frame waits for the one before it to be tracked before deciding anyway.
+PREVIOUS_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -98,8 +109,12 @@ class InferOptions(StageOptions):
     )
     priority: int | None = field(default=None, metadata=spec(ge=1))
     timeout_ms: float | None = field(default=None, metadata=spec(gt=0))
-    interval: int = field(
-        default=0, metadata=spec(ge=0, help="whole-frame detectors: run on one frame, skip this many")
+    interval: int | Literal["auto"] = field(
+        default=0,
+        metadata=spec(
+            ge=0,
+            help="whole-frame detectors: run on one frame, skip this many; auto: when the scene needs it",
+        ),
     )
     reinfer_interval: int = field(
         default=0, metadata=spec(ge=0, help="cascades after a track stage: re-run on a track every N frames")
@@ -162,6 +177,23 @@ class InferStage(Stage):
         self._upright_model = self._upright_by_model()
         # reinfer_interval: per source, per track id, the last run's result.
         self._last_runs: dict[str, dict[int, _LastRun]] = {}
+        self._auto = self._auto_schedule() if options.interval == "auto" else None
+        self._share = FairShare()
+        # interval: auto shares detections out under overload on live sources only: a file
+        # waits for the graph instead of dropping frames, and its decisions never depend on timing.
+        self._files = {s.source_id for s in context.config.sources if not s.live}
+
+    def _auto_schedule(self) -> AutoSchedule:
+        stages = self.context.config.stages
+        later = stages[next(i for i, s in enumerate(stages) if s.name == self.name) + 1 :]
+        # Without a track stage nobody records the frames: the stage marks its own.
+        self._tracked = any(s.type == "track" for s in later)
+        places = [
+            Places.of([ln.points for ln in s.lines], [z.polygon for z in s.zones], s.anchor, s.normalized)
+            for s in later
+            if isinstance(s, ZonesOptions)
+        ]
+        return AutoSchedule(self.name, self.context.tracks, places)
 
     def _upright_by_model(self) -> str | None:
         if self.opts.upright_by is None:
@@ -190,8 +222,12 @@ class InferStage(Stage):
 
     async def process(self, frame: Frame) -> None:
         kwargs = self._request_options()
+        if self._auto is not None:
+            await self._auto_process(frame, kwargs)
+            return
         if self.opts.on is None:
-            if self.opts.interval and frame.index % (self.opts.interval + 1):
+            interval = self.opts.interval
+            if isinstance(interval, int) and interval and frame.index % (interval + 1):
                 frame.skipped.add(self.name)
                 return
             result = await self._infer(frame.image, kwargs)
@@ -218,6 +254,59 @@ class InferStage(Stage):
             self._attach(frame, obj, result, crop)
             if self.opts.reinfer_interval and obj.track_id is not None:
                 self._remember(frame, obj, result)
+
+    async def _auto_process(self, frame: Frame, kwargs: dict[str, Any]) -> None:
+        """``interval: auto``: decide on the tracks up to the frame before, then detect or let them stand."""
+        assert self._auto is not None
+        board = self.context.tracks
+        previous = board.enter(frame.source, self.name, frame.index)
+        try:
+            if previous is not None:
+                await self._wait_previous(frame, previous)
+            decision = self._auto.decide(frame, self._min_gap(frame))
+            pipeline = self.context.config.pipeline
+            label = decision.reason if decision.run else decision.reason or "predicted"
+            self.context.metrics.detector_frames.labels(pipeline, frame.source, self.name, label).inc()
+            if not decision.run:
+                frame.skipped.add(self.name)
+            else:
+                result = await self._infer(frame.image, kwargs)
+                self._attach_detections(frame, result, None)
+        except BaseException:
+            board.give_up(frame.source, self.name, frame.index)
+            raise
+        if not self._tracked:
+            board.mark(frame, self.name)
+
+    async def _wait_previous(self, frame: Frame, previous: asyncio.Future[None]) -> None:
+        """Until the frame before is tracked; a frame dropped on its way there is given up on."""
+        try:
+            await asyncio.wait_for(asyncio.shield(previous), timeout=PREVIOUS_TIMEOUT)
+        except TimeoutError:
+            self.context.errors(
+                f"{self.name}:auto:previous",
+                f"stage {self.name}: the frame before {frame.index} of {frame.source} did not reach the "
+                f"track stage in {PREVIOUS_TIMEOUT:.0f} s (dropped on its way?); deciding without it",
+            )
+
+    def _min_gap(self, frame: Frame) -> int:
+        """The overload share: frames every live camera waits between detections (0: none)."""
+        if frame.source in self._files:
+            return 0
+        changed = self._share.observe(time.time() - frame.capture_ts, time.monotonic())
+        if changed is not None:
+            pipeline = self.context.config.pipeline
+            self.context.metrics.detector_min_gap.labels(pipeline, self.name).set(changed)
+            if changed == 1 and self._share.rising:
+                log.warning(
+                    "stage %s: live frames arrive over %.1f s old: the detector falls behind; every "
+                    "camera now waits at least %d frame(s) between detections, raised evenly before "
+                    "frames are dropped (vidpipe_detector_min_gap)",
+                    self.name, self._share.behind, changed,
+                )  # fmt: skip
+            elif changed == 0:
+                log.info("stage %s: the detector keeps up again; no wait between detections", self.name)
+        return self._share.min_gap
 
     def _carry_or_run(self, frame: Frame, parents: list[DetectedObject]) -> list[DetectedObject]:
         """The parents to run the model on; the others get their track's last result, flagged carried."""
@@ -398,6 +487,9 @@ class InferStage(Stage):
     def forget_source(self, source: str) -> None:
         self._warned_max_objects.discard(source)
         self._last_runs.pop(source, None)
+        if self._auto is not None:
+            self._auto.forget_source(source)
+            self.context.tracks.forget_source(source)
 
 
 @dataclass(slots=True)

@@ -148,6 +148,7 @@ class TrackStage(Stage):
             )
             for obj, track_id in zip(objects, ids, strict=True):
                 obj.track_id = track_id
+        self.context.tracks.record(frame)  # what an interval: auto detector decides the next frame on
 
     def _predicted(self, frame: Frame, state: _SourceTracks, stage: str, tracker: Tracker) -> None:
         for tb in tracker.predict():

@@ -458,7 +458,7 @@ async def test_a_whole_file_logs_no_warning(tmp_path: Path, caplog: pytest.LogCa
 async def test_frame_pools_over_the_budget_fail_the_source_naming_the_key(
     tmp_path: Path, nats_server: EmbeddedNats
 ) -> None:
-    text = API_CONFIG.format(nats=nats_server.url) + "runtime: {frame_memory_mb: 40}\n"
+    text = API_CONFIG.format(nats=nats_server.url) + "runtime: {frame_memory_mb: 40, max_in_flight: 4}\n"
     stack = await Stack.start(tmp_path, text, nats_server.url)
     try:
         # 8 queued + 4 in flight + 4 = 16 frames of 640x360x3: about 11 MB each pool.
@@ -482,7 +482,7 @@ async def test_frame_pools_over_the_budget_fail_the_source_naming_the_key(
 
 
 async def test_removed_sources_give_their_frame_pools_back(tmp_path: Path, nats_server: EmbeddedNats) -> None:
-    text = API_CONFIG.format(nats=nats_server.url) + "runtime: {frame_memory_mb: 40}\n"
+    text = API_CONFIG.format(nats=nats_server.url) + "runtime: {frame_memory_mb: 40, max_in_flight: 4}\n"
     stack = await Stack.start(tmp_path, text, nats_server.url)
     try:
         budget = stack.runtime.frame_memory

@@ -350,7 +350,9 @@ async def test_removing_a_wedged_source_gives_up_after_the_drain_timeout(
     tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats
 ) -> None:
     path = config_file(tmp_path, sample_models, "  - {id: stuck, url: 'test://?fps=30'}")
-    path.write_text(path.read_text() + "  - {name: hang, type: hang}\nruntime: {drain_timeout: 0.5}\n")
+    path.write_text(
+        path.read_text() + "  - {name: hang, type: hang}\nruntime: {drain_timeout: 0.5, max_in_flight: 4}\n"
+    )
     with stage_kinds(Hang):
         runtime = Runtime(load_config(path), nats_url=nats_server.url)
         await runtime.start()

@@ -1,0 +1,268 @@
+"""``interval: auto``: the detector's schedule on synthetic motion, and the overload share.
+
+Frames are rendered with numpy (bright squares on a grey floor); the "detector"
+answers each frame's true boxes, the real track stage follows them and records
+the board, and :class:`AutoSchedule` decides on the next frame as the infer
+stage does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+from pipeline.auto_interval import MAX_GAP, AutoSchedule, FairShare, Places, small_gray, unexplained_motion
+from pipeline.config import load_config
+from pipeline.frames import DetectedObject, Frame
+from pipeline.metrics import Metrics
+from pipeline.runtime import Runtime
+from pipeline.stages.base import StageContext
+from pipeline.stages.track import TrackOptions, TrackStage
+from pipeline.stages.zones import ZonesOptions
+
+W, H = 320, 240
+Box = tuple[float, float, float, float]
+Scene = Callable[[int], list[Box]]
+
+
+def render(boxes: list[Box]) -> np.ndarray:
+    image = np.full((H, W, 3), 60, dtype=np.uint8)
+    image[::16, :] = 90  # a tiled floor: texture that does not move
+    for x1, y1, x2, y2 in boxes:
+        image[max(0, int(y1)) : int(y2), max(0, int(x1)) : int(x2)] = 240
+    return image
+
+
+async def schedule(
+    tmp_path: Path, sample_models: Path, scene: Scene, frames: int, lines: str = "", min_gap: int = 0
+) -> tuple[list[tuple[int, str]], list[list[int | None]]]:
+    """Decisions ``(frame, reason)`` where the detector ran, and the track ids published per frame."""
+    zones = f"  - {{name: gate, type: zones, lines: [{lines}]}}\n" if lines else ""
+    path = tmp_path / "auto.yaml"
+    path.write_text(
+        f"pipeline: auto\nmodels: {sample_models}\nstages:\n"
+        "  - {name: det, type: infer, model: squares, interval: auto}\n"
+        "  - {name: track, type: track}\n" + zones
+    )
+    config = load_config(path)
+    context = StageContext(config=config, models=None, metrics=Metrics())
+    track = TrackStage(TrackOptions(name="track", type="track"), context)
+    places = [
+        Places.of([ln.points for ln in s.lines], [], s.anchor)
+        for s in config.stages
+        if isinstance(s, ZonesOptions)
+    ]
+    auto = AutoSchedule("det", context.tracks, places)
+    runs: list[tuple[int, str]] = []
+    ids: list[list[int | None]] = []
+    for index in range(frames):
+        truth = scene(index)
+        frame = Frame("cam", index, index / 10, 0.0, render(truth))
+        context.tracks.enter("cam", "det", index)
+        decision = auto.decide(frame, min_gap)
+        if decision.run:
+            runs.append((index, decision.reason))
+            frame.objects = [
+                DetectedObject(id=i + 1, label="square", class_id=0, score=0.9, bbox=box, stage="det")
+                for i, box in enumerate(truth)
+            ]
+        else:
+            frame.skipped.add("det")
+        await track.process(frame)
+        ids.append([o.track_id for o in frame.objects])
+    return runs, ids
+
+
+def square(x: float, y: float, side: float = 30) -> Box:
+    return (x, y, x + side, y + side)
+
+
+async def test_a_still_empty_scene_runs_the_detector_only_at_the_start_and_each_max_gap(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    runs, _ = await schedule(tmp_path, sample_models, lambda i: [], 40)
+    assert runs == [(0, "first"), (MAX_GAP, "max_gap"), (2 * MAX_GAP, "max_gap")]
+
+
+async def test_a_still_object_is_left_to_its_track_until_the_max_gap(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    runs, ids = await schedule(tmp_path, sample_models, lambda i: [square(100, 100)], 40)
+    # ByteTrack confirms the stream's first detections at once; after that nothing moves.
+    assert runs == [(0, "first"), (MAX_GAP, "max_gap"), (2 * MAX_GAP, "max_gap")]
+    assert all(frame_ids == [1] for frame_ids in ids)
+
+
+async def test_a_moving_square_is_detected_as_often_as_its_prediction_needs_and_keeps_its_id(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    # 3 px a frame to the right, then it turns down at frame 30: the prediction goes
+    # wrong, the motion outside the predicted box is seen, and the detector runs.
+    def scene(i: int) -> list[Box]:
+        x = 20 + 3 * min(i, 30)
+        y = 60 + 3 * max(0, i - 30)
+        return [square(x, y)]
+
+    runs, ids = await schedule(tmp_path, sample_models, scene, 60)
+    assert len(runs) <= 60 // 3
+    assert {frame_ids[0] for frame_ids in ids[1:]} == {1}  # one id the whole way
+    frames = [i for i, _ in runs]
+    # Right after the turn the motion the tracker cannot explain brings the detector back.
+    assert any(31 <= i <= 34 for i in frames)
+    gaps = np.diff(frames)
+    assert gaps.max() < MAX_GAP
+
+
+async def test_a_new_object_is_motion_the_tracker_cannot_explain(tmp_path: Path, sample_models: Path) -> None:
+    def scene(i: int) -> list[Box]:
+        return [square(40, 40)] + ([square(200, 150)] if i >= 6 else [])
+
+    runs, ids = await schedule(tmp_path, sample_models, scene, 12)
+    # A new track needs a second hit to be confirmed: the frame after it appeared.
+    assert runs == [(0, "first"), (6, "motion"), (7, "new_object")]
+    assert ids[7] == [1, 2]
+
+
+async def test_a_track_approaching_a_line_is_detected_on_every_frame_near_it(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    # A square walking down at 4 px a frame towards a line across the floor at y=160;
+    # its anchor (bottom centre) starts at y=50 and crosses the line at frame 27.
+    def scene(i: int) -> list[Box]:
+        return [square(140, 20 + 4 * i)]
+
+    runs, ids = await schedule(
+        tmp_path, sample_models, scene, 40, lines="{name: l, points: [[0, 160], [320, 160]]}"
+    )
+    near = [i for i in range(40) if abs(50 + 4 * i - 160) <= 4]  # within a frame's step of the line
+    line_runs = [i for i, reason in runs if reason == "line"]
+    assert set(near) - {i for i, _ in runs} == set()
+    assert line_runs and set(line_runs) <= set(near) | {n + 1 for n in near}
+    assert {frame_ids[0] for frame_ids in ids[1:]} == {1}
+    assert len(runs) <= 40 // 3
+
+
+async def test_the_overload_share_defers_every_reason_but_the_start_and_the_max_gap(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    def scene(i: int) -> list[Box]:
+        return [square(40, 40)] + ([square(200, 150)] if i >= 6 else [])
+
+    runs, _ = await schedule(tmp_path, sample_models, scene, 20, min_gap=8)
+    # The new square (6) and its second hit wait for the gap of 8 frames each.
+    assert runs == [(0, "first"), (8, "motion"), (16, "new_object")]
+
+
+def test_unexplained_motion_counts_changed_cells_outside_the_explained_boxes() -> None:
+    before, cell = small_gray(render([square(40, 40)]))
+    after, _ = small_gray(render([square(46, 40), square(200, 150)]))
+    assert cell == 2.0  # 320 px wide: every pixel, 2x2 cells averaged
+    # Both squares changed; the first is explained by its track's boxes then and now.
+    assert unexplained_motion(after, before, cell, []) > 0
+    explained = unexplained_motion(after, before, cell, [square(40, 40), square(46, 40)])
+    assert explained == 15 * 15  # the new 30 px square is 15x15 cells
+    assert unexplained_motion(before, before, cell, []) == 0
+
+
+@pytest.mark.parametrize(
+    ("ages", "gaps"),
+    [
+        # Behind (over 0.5 s) for three periods: the gap grows one frame a period, then
+        # fresh frames (under 0.1 s) bring it back one a period.
+        ([0.9, 0.9, 0.9, 0.9, 0.05, 0.05, 0.05, 0.05], [None, 1, 2, 3, 2, 1, 0, None]),
+        # Between the two bounds nothing changes.
+        ([0.2, 0.9, 0.3, 0.3], [None, 1, None, None]),
+    ],
+)
+def test_the_fair_share_raises_one_gap_for_every_camera_while_frames_arrive_late(
+    ages: list[float], gaps: list[int | None]
+) -> None:
+    share = FairShare(behind=0.5, period=1.0)
+    assert [share.observe(age, now=float(t)) for t, age in enumerate(ages)] == gaps
+
+
+PIPELINE = """\
+pipeline: auto
+models: {models}
+sources:
+  - {{id: clip, url: "{clip}"}}
+stages:
+  - {{name: objects, type: infer, model: squares, interval: auto}}
+  - {{name: track, type: track}}
+runtime: {{max_in_flight: {in_flight}}}
+"""
+
+
+async def run_clip(
+    tmp_path: Path, sample_models: Path, clip: Path, in_flight: int
+) -> tuple[list[Frame], int]:
+    """Every published frame of ``clip`` through squares (auto) -> track, and the detector's requests."""
+    path = tmp_path / f"auto-{in_flight}.yaml"
+    path.write_text(PIPELINE.format(models=sample_models, clip=clip, in_flight=in_flight))
+    published: list[Frame] = []
+    runtime = Runtime(load_config(path), nats_url=None, on_published=published.append)
+    await runtime.start()
+    await runtime.wait(120)
+    assert runtime.models is not None
+    requests = runtime.models.get("squares").stats.batched_requests
+    counted = runtime.metrics.render().decode()
+    await runtime.stop()
+    runs = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in counted.splitlines()
+        if line.startswith("vidpipe_detector_frames_total{") and 'decision="predicted"' not in line
+    )
+    assert runs == requests  # every frame the stage ran on is one request, nothing else
+    return published, requests
+
+
+async def test_a_pipeline_with_interval_auto_detects_the_same_frames_whatever_is_in_flight(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    clip = encode(tmp_path / "square.mp4", 90, lambda i: [bouncing(i)])
+    one, requests_one = await run_clip(tmp_path, sample_models, clip, 1)
+    four, requests_four = await run_clip(tmp_path, sample_models, clip, 4)
+    assert [f.index for f in one] == [f.index for f in four] == list(range(90))
+    detected = [[not o.predicted for o in f.objects] for f in one]
+    assert detected == [[not o.predicted for o in f.objects] for f in four]
+    assert requests_one == requests_four == sum(1 for d in detected if d == [True])
+    assert requests_one <= 90 // 3
+    # One square, one track, on every frame; predicted boxes stay on the true square
+    # (least just after it turns, while the track's velocity turns with it).
+    assert all([o.track_id for o in f.objects] == [1] for f in one)
+    for f in one:
+        truth = bouncing(f.index)
+        assert _iou(f.objects[0].bbox, truth) >= 0.4, (f.index, f.objects[0].bbox, truth)
+
+
+def bouncing(i: int) -> Box:
+    """A 36 px square crossing the floor at 5 px a frame, turning back at the edges (every 56 frames)."""
+    span = W - 36 - 20
+    t = (5 * i) % (2 * span)
+    x = 10 + (t if t < span else 2 * span - t)
+    return square(x, 180, 36)
+
+
+def encode(path: Path, frames: int, scene: Scene, fps: int = 30) -> Path:
+    """The rendered scene as an H.264 file."""
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = W, H, "yuv420p"
+        stream.options = {"crf": "18", "preset": "veryfast"}
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(render(scene(i)), format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return path
+
+
+def _iou(a: Box, b: Box) -> float:
+    w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = w * h
+    return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)

@@ -1,0 +1,144 @@
+"""``runtime.max_in_flight``: derived from the models' instances and the sources unless set."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from inference.config import DynamicBatching, InstanceGroup, ModelConfig
+from inference.repository import read_source
+from pipeline.config import PipelineConfig, load_config
+from pipeline.frames import Frame
+from pipeline.runtime import Runtime, derive_max_in_flight
+from pipeline.stages.base import Stage, StageContext, StageOptions
+from samples.make_clip import write_clip
+from tests.pipeline.stack import stage_kinds
+
+PIPELINE = """\
+pipeline: flight
+models: {models}
+sources:
+{sources}
+stages:
+  - {{name: objects, type: infer, model: squares}}
+  - {{name: probe, type: flight_probe}}
+{runtime}"""
+
+
+def squares(sample_models: Path, count: int, preferred: list[int], max_batch: int = 8) -> ModelConfig:
+    cfg = read_source(sample_models, "squares").config
+    return replace(
+        cfg,
+        max_batch_size=max_batch,
+        instance_group=[InstanceGroup(count=count)],
+        dynamic_batching=DynamicBatching(preferred_batch_size=preferred),
+    )
+
+
+def pipeline(tmp_path: Path, sample_models: Path, runtime: str = "", sources: int = 1) -> PipelineConfig:
+    lines = "".join(f"  - {{id: s{i}, url: 'test://?frames=1'}}\n" for i in range(sources))
+    path = tmp_path / "p.yaml"
+    path.write_text(PIPELINE.format(models=sample_models, sources=lines, runtime=runtime))
+    with stage_kinds(FlightProbe):
+        return load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("count", "preferred", "max_batch", "sources", "expected"),
+    [
+        (1, [], 8, 1, 1),  # one instance, single requests: one frame at work
+        (2, [], 8, 1, 2),  # two instances
+        (2, [], 8, 4, 1),  # fewer instances than sources: one each, never zero
+        (1, [4, 8], 8, 1, 8),  # an instance takes batches of up to eight
+        (1, [4, 8], 8, 3, 2),  # eight shared by three sources, rounded down
+        (2, [], 0, 1, 2),  # no batch dimension: one frame per instance
+        (4, [2], 8, 3, 2),
+    ],
+)
+def test_max_in_flight_unset_is_the_frames_the_instances_work_on_shared_over_sources(
+    tmp_path: Path,
+    sample_models: Path,
+    count: int,
+    preferred: list[int],
+    max_batch: int,
+    sources: int,
+    expected: int,
+) -> None:
+    cfg = pipeline(tmp_path, sample_models)
+    assert cfg.runtime.max_in_flight is None
+    model = squares(sample_models, count, preferred, max_batch)
+    assert derive_max_in_flight(cfg, {"squares": model}, sources) == expected
+
+
+def test_an_explicit_max_in_flight_wins_over_the_derived_one(tmp_path: Path, sample_models: Path) -> None:
+    cfg = pipeline(tmp_path, sample_models, "runtime: {max_in_flight: 3}\n")
+    assert derive_max_in_flight(cfg, {"squares": squares(sample_models, 4, [8], 8)}, 1) == 3
+    assert derive_max_in_flight(cfg, {"squares": squares(sample_models, 1, [], 8)}, 16) == 3
+
+
+def test_a_pipeline_without_models_keeps_one_frame_in_flight(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "pipeline: p\nsources: [{url: 'test://?frames=1'}]\nstages:\n  - {name: t, type: track}\n"
+    )
+    assert derive_max_in_flight(load_config(path), {}, 1) == 1
+
+
+class FlightProbe(Stage):
+    """Holds each source's frames until ``hold`` of them are inside (a seam, not a model); records the peak."""
+
+    kind = "flight_probe"
+    hold = 1
+
+    def __init__(self, options: StageOptions, context: StageContext) -> None:
+        super().__init__(options, context)
+        self.now: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.changed = asyncio.Condition()
+
+    async def process(self, frame: Frame) -> None:
+        async with self.changed:
+            self.now[frame.source] = self.now.get(frame.source, 0) + 1
+            self.peak[frame.source] = max(self.peak.get(frame.source, 0), self.now[frame.source])
+            self.changed.notify_all()
+            # The timeout only frees a last group smaller than `hold` (none with these counts).
+            await asyncio.wait_for(
+                self.changed.wait_for(lambda: self.peak[frame.source] >= self.hold), timeout=30
+            )
+            self.now[frame.source] -= 1
+
+
+@pytest.mark.parametrize(("runtime", "expected"), [("", 2), ("runtime: {max_in_flight: 3}\n", 3)])
+async def test_running_sources_hold_the_derived_or_the_explicit_frames_in_flight_exactly(
+    tmp_path: Path, sample_models: Path, runtime: str, expected: int
+) -> None:
+    # Four instances taking single frames, two sources: one frame each would leave two
+    # instances idle; the rule gives 4 // 2 = 2 per source.
+    repo = tmp_path / "models"
+    shutil.copytree(sample_models / "squares", repo / "squares")
+    conf = repo / "squares" / "config.yaml"
+    text = conf.read_text().replace("preferred_batch_size: [4, 8]", "preferred_batch_size: []")
+    conf.write_text(text.replace("instance_group: [{count: 1,", "instance_group: [{count: 4,"))
+    clip = write_clip(tmp_path / "c.mp4", frames=24, fps=30, width=160, height=120)
+    path = tmp_path / "p.yaml"
+    sources = f"  - {{id: a, url: {clip}}}\n  - {{id: b, url: {clip}}}\n"
+    path.write_text(PIPELINE.format(models=repo, sources=sources, runtime=runtime))
+    FlightProbe.hold = expected
+    published: dict[str, int] = {}
+
+    def count(frame: Frame) -> None:
+        published[frame.source] = published.get(frame.source, 0) + 1
+
+    with stage_kinds(FlightProbe):
+        rt = Runtime(load_config(path), nats_url=None, on_published=count)
+        await rt.start()
+    probe = next(s for s in rt.stages if isinstance(s, FlightProbe))
+    assert [run.max_in_flight for run in rt.sources.values()] == [expected, expected]
+    await rt.wait(60)
+    await rt.stop()
+    assert probe.peak == {"a": expected, "b": expected}
+    assert published == {"a": 24, "b": 24}
