@@ -59,13 +59,26 @@ class StageOptions:
         return []
 
 
+class SourceInfo(Protocol):
+    """What a stage reads of a source's config (``SourceConfig`` is one)."""
+
+    @property
+    def source_id(self) -> str: ...
+
+    @property
+    def live(self) -> bool | None: ...
+
+
 class GraphConfig(Protocol):
     """What a stage reads of the pipeline config (``PipelineConfig`` is one): the
-    pipeline's name and every stage's options. A protocol, so the stage contract does
-    not import the config module that imports it."""
+    pipeline's name, its sources and every stage's options. A protocol, so the stage
+    contract does not import the config module that imports it."""
 
     @property
     def pipeline(self) -> str: ...
+
+    @property
+    def sources(self) -> Sequence[SourceInfo]: ...
 
     @property
     def stages(self) -> Sequence[StageOptions]: ...
