@@ -409,7 +409,9 @@ def quantize_model(
     from inference.introspect import fill_input_shape
 
     config = fill_input_shape(config, float_path)
-    folder = source.model_dir
+    # Absolute: the INT8 model is loaded from the staging folder by path, and a relative
+    # repository would be joined onto the model folder a second time.
+    folder = Path(source.model_dir).resolve()
     version = _next_version(folder)
     staging = folder / f".{version}.int8-tmp"
     shutil.rmtree(staging, ignore_errors=True)

@@ -527,6 +527,8 @@ async def cmd_subscribe(args: argparse.Namespace) -> int:
 
     async def on_msg(msg: Any) -> None:
         nonlocal received
+        if args.count is not None and received >= args.count:
+            return  # already delivered before the connection closes: --count means exactly N
         try:
             line = json.dumps(json.loads(msg.data), ensure_ascii=False, separators=(",", ":"))
         except ValueError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -122,8 +123,9 @@ def test_quantize_writes_the_int8_detector_as_the_next_version_and_keeps_the_flo
     clip = plate_clip(tmp_path)
     float_file = repo / "ppocr_det" / "1" / "model.onnx"
     before = digest(float_file)
+    # --repo relative to the working directory, as a user types it.
     proc = run_cli(
-        "models", "quantize", "ppocr_det", "--repo", str(repo), "--from", str(clip),
+        "models", "quantize", "ppocr_det", "--repo", os.path.relpath(repo, ROOT), "--from", str(clip),
         "--frames", "12", "--every", "1", timeout=170,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

@@ -274,7 +274,8 @@ def test_a_killed_vidpipe_takes_its_server_along(squares_config: Path) -> None:
 def test_the_embedded_server_takes_4222_so_subscribe_needs_no_flags(squares_config: Path) -> None:
     if not port_is_free(DEFAULT_PORT):
         pytest.skip("port 4222 is taken on this machine")
-    proc = _start("run", str(squares_config), "--source", "test://?fps=10", "--duration", "20")
+    # Fast enough that more messages are on their way when the third arrives: --count is exact.
+    proc = _start("run", str(squares_config), "--source", "test://?fps=100", "--duration", "20")
     try:
         assert _embedded_url(proc) == "nats://127.0.0.1:4222"
         sub = run_cli("subscribe", "--count", "3", "--timeout", "15")
