@@ -514,11 +514,23 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def cmd_subscribe(args: argparse.Namespace) -> int:
+async def _connect_client(servers: str) -> Any:
+    """A short-lived client (subscribe, fleet): a server that cannot be reached is one clear
+    line from the caller, not nats-py's own "encountered error" lines before it."""
     import nats
 
+    async def quiet(exc: Exception) -> None:
+        log.debug("nats: %s", exc)
+
+    return await nats.connect(
+        servers=servers.split(","), connect_timeout=5, max_reconnect_attempts=3, error_cb=quiet
+    )
+
+
+async def cmd_subscribe(args: argparse.Namespace) -> int:
+
     try:
-        nc = await nats.connect(servers=args.nats.split(","), connect_timeout=5, max_reconnect_attempts=3)
+        nc = await _connect_client(args.nats)
     except Exception as exc:
         print(f"vidpipe: cannot connect to NATS at {redact_url(args.nats)}: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
@@ -834,7 +846,6 @@ async def _start_fleet(runtime: Any, cfg: PipelineConfig, nats_url: str) -> Any:
 
 
 async def cmd_fleet(args: argparse.Namespace) -> int:
-    import nats
 
     from pipeline.config import parse_source
     from pipeline.fleet.buckets import open_bucket
@@ -846,7 +857,7 @@ async def cmd_fleet(args: argparse.Namespace) -> int:
     if problem:
         raise ConfigError("--fleet", None, "", problem)
     try:
-        nc = await nats.connect(servers=args.nats.split(","), connect_timeout=5, max_reconnect_attempts=3)
+        nc = await _connect_client(args.nats)
     except Exception as exc:
         print(f"vidpipe: cannot connect to NATS at {redact_url(args.nats)}: {exc}", file=sys.stderr)
         return EXIT_RUNTIME

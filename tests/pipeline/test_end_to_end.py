@@ -171,6 +171,14 @@ def test_unreachable_nats_is_a_runtime_error_with_a_hint(squares_config: Path, t
     assert "Traceback" not in proc.stderr
 
 
+def test_subscribe_to_an_unreachable_server_says_so_in_one_line() -> None:
+    proc = run_cli("subscribe", "--nats", "nats://127.0.0.1:9", "--timeout", "3")
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        "vidpipe: cannot connect to NATS at nats://127.0.0.1:9: nats: no servers available for connection"
+    ]
+
+
 async def test_subscribe_prints_json_lines(
     squares_config: Path, tmp_path: Path, nats_server: EmbeddedNats
 ) -> None:
