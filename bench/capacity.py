@@ -166,12 +166,15 @@ def lane_detector(gflops: float = 0.0) -> Any:
     from onnx import TensorProto, helper, numpy_helper
 
     xs = np.arange(WIDTH, dtype=np.float32)
-    ys = np.arange(LANE, dtype=np.float32)
+    # Image rows per lane, [LANES, LANE]: the lane's offset is in the table, so nothing but
+    # scalars is added after a reduction. OpenVINO's CPU plugin (2026.4) computes
+    # ReduceMax(keepdims=0) + a [1, LANES] constant as if the constant ran along the batch
+    # axis, so at batch > 1 frame n got lane n's offset in every lane.
+    ys = np.arange(HEIGHT, dtype=np.float32).reshape(LANES, LANE)
     inits: dict[str, np.ndarray] = {
-        "xs1": xs + 1, "wxs": WIDTH - xs, "ys1": ys + 1, "hys": LANE - ys,
+        "xs1": xs + 1, "wxs": WIDTH - xs, "ys1": ys + 1, "hys": HEIGHT - ys,
         "thr": np.array(0.9, np.float32), "W": np.array(WIDTH, np.float32),
-        "HB": np.array(LANE, np.float32), "half": np.array(0.5, np.float32),
-        "offsets": (np.arange(LANES, dtype=np.float32) * LANE).reshape(1, LANES),
+        "H": np.array(HEIGHT, np.float32), "half": np.array(0.5, np.float32),
         "shape": np.array([0, LANES, LANE, WIDTH], np.int64), "tiny": np.array(1e-12, np.float32),
         "ax1": np.array([1], np.int64),
     }  # fmt: skip
@@ -189,12 +192,10 @@ def lane_detector(gflops: float = 0.0) -> Any:
         n("ReduceMax", ["c_start"], ["w_x1"], axes=[2], keepdims=0),
         n("Sub", ["W", "w_x1"], ["x1"]),
         n("Mul", ["rows", "ys1"], ["r_end"]),
-        n("ReduceMax", ["r_end"], ["y2l"], axes=[2], keepdims=0),
+        n("ReduceMax", ["r_end"], ["y2"], axes=[2], keepdims=0),
         n("Mul", ["rows", "hys"], ["r_start"]),
         n("ReduceMax", ["r_start"], ["h_y1"], axes=[2], keepdims=0),
-        n("Sub", ["HB", "h_y1"], ["y1l"]),
-        n("Add", ["y1l", "offsets"], ["y1"]),
-        n("Add", ["y2l", "offsets"], ["y2"]),
+        n("Sub", ["H", "h_y1"], ["y1"]),
         n("ReduceMax", ["cols"], ["score0"], axes=[2], keepdims=0),
         n("Add", ["x1", "x2"], ["xs"]),
         n("Mul", ["xs", "half"], ["cx"]),
@@ -258,8 +259,9 @@ task: {{kind: yolo, layout: yolov8, confidence: 0.5}}
 labels: [person]
 dynamic_batching: {{max_queue_delay_microseconds: 2000}}
 instance_group: [{{count: {instances}, kind: KIND_CPU}}]
-backend_options: {{precision: f32}}   # bf16 would round box corners near x=640 to 4 px
 """
+        # bf16 would round box corners near x=640 to 4 px; the option is OpenVINO's alone.
+        + ("backend_options: {precision: f32}\n" if backend == "openvino" else "")
     )
     return root
 
