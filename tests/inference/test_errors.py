@@ -194,7 +194,7 @@ def test_a_400_digit_integer_is_refused_in_a_pipeline_config(tmp_path: Path) -> 
         load_config(path)
     assert str(err.value) == (
         f"{path}:4: runtime.max_in_flight: out of range: an integer of 400 digits "
-        "(at most ±9,223,372,036,854,775,807) (hint: frames of one source processed at once)"
+        "(at most ±9,223,372,036,854,775,807) (hint: frames of one source processed at once; unset: from instances and sources)"
     )
 
 

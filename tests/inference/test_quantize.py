@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -177,8 +178,11 @@ def test_quantize_refuses_a_model_that_fails_its_check_and_writes_nothing(tmp_pa
     config_before = (repo / "ppocr_det" / "config.yaml").read_text()
     # Calibrated on black frames, the INT8 ranges cannot hold what text frames produce.
     black = [np.zeros_like(frames[0]) for _ in range(4)]
+    handlers = {h: h.level for h in logging.getLogger().handlers}
     with pytest.raises(QuantizeRefused) as refused:
         quantize_model(repo, "ppocr_det", black, held_out=frames[::3])
+    # NNCF quiets its own logger, never the application's handlers.
+    assert {h: h.level for h in logging.getLogger().handlers} == handlers
     agreement: Agreement = refused.value.agreement
     assert agreement.score < 0.95
     assert agreement.boxes_float >= 6
