@@ -36,6 +36,7 @@ Sources that have no packets (``test://``, WHIP) cannot record clips.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import logging
 import math
@@ -368,8 +369,6 @@ class ClipRecorder:
     # -- writer thread ---------------------------------------------------------------------
 
     def _write(self, clip: _Clip) -> None:
-        import av
-
         first_s = clip.packets[0][0]
         last_s = clip.packets[-1][0]
         stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime())
@@ -377,27 +376,21 @@ class ClipRecorder:
         path = self.folder / name
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            base = None
-            with av.open(str(path), "w") as out:
-                # The template, never the input stream: that one's container may be closed.
-                ostream = out.add_stream_from_template(clip.stream)
-                for _, packet in clip.packets:
-                    if base is None:
-                        base = packet.dts if packet.dts is not None else packet.pts
-                    # A copy: muxing consumes a packet's data, and the ring still holds this one.
-                    copy = av.Packet(bytes(packet))
-                    copy.pts = None if packet.pts is None else packet.pts - base
-                    copy.dts = None if packet.dts is None else packet.dts - base
-                    copy.duration = packet.duration
-                    copy.is_keyframe = packet.is_keyframe
-                    copy.time_base = packet.time_base
-                    copy.stream = ostream
-                    out.mux(copy)
+            joins = _mux(clip, str(path))
         except Exception as exc:
             self.failed += 1
-            log.error("source %s: clip %s not written: %s: %s", self.source, path, type(exc).__name__, exc)
+            log.error(
+                "source %s: clip %s not written: %s: %s (FFmpeg: %s)", self.source, path,
+                type(exc).__name__, exc, _mux_error(clip),
+            )  # fmt: skip
             path.unlink(missing_ok=True)
             return
+        if joins:
+            log.warning(
+                "source %s: clip %s: the stream's timestamps went back %d time(s) (a restarted "
+                "encoder, or lost UDP packets); the parts were joined",
+                self.source, path, joins,
+            )  # fmt: skip
         self.clips += 1
         info = ClipInfo(
             source=self.source, path=path, event=clip.event, event_pts=clip.event_pts,
@@ -407,6 +400,60 @@ class ClipRecorder:
         )  # fmt: skip
         prune_clips(self.folder, self.config.max_size_mb * 1e6, self.config.max_age_h * 3600)
         self._on_clip(info)
+
+
+def _mux(clip: _Clip, target: Any, format: str | None = None) -> int:
+    """Write ``clip``'s packets, unchanged, to ``target``. Returns how often its timestamps went back."""
+    import av
+
+    base = None
+    last_dts: int | None = None
+    joins = 0
+    with av.open(target, "w", format=format) as out:
+        # The template, never the input stream: that one's container may be closed.
+        ostream = out.add_stream_from_template(clip.stream)
+        for _, packet in clip.packets:
+            dts = packet.dts if packet.dts is not None else packet.pts
+            if base is None:
+                base = dts
+            elif dts is not None and last_dts is not None and dts - base <= last_dts:
+                # Timestamps went back (an encoder that restarted, lost or reordered UDP
+                # packets): the MP4 muxer refuses that, so what follows is joined on after
+                # the last packet, as FFmpeg does at a stream discontinuity.
+                base = dts - last_dts - (packet.duration or 1)
+                joins += 1
+            # A copy: muxing consumes a packet's data, and the ring still holds this one.
+            copy = av.Packet(bytes(packet))
+            copy.pts = None if packet.pts is None or base is None else packet.pts - base
+            copy.dts = None if packet.dts is None or base is None else packet.dts - base
+            if dts is not None and base is not None:
+                last_dts = dts - base
+            copy.duration = packet.duration
+            copy.is_keyframe = packet.is_keyframe
+            copy.time_base = packet.time_base
+            copy.stream = ostream
+            out.mux(copy)
+    return joins
+
+
+def _mux_error(clip: _Clip) -> str:
+    """FFmpeg's own words for why ``clip`` cannot be muxed (PyAV's exception has only the errno).
+
+    FFmpeg's log is off in PyAV unless asked for, so the clip is muxed again, into memory,
+    with the log on for that moment. Only a failed clip pays for this.
+    """
+    import av
+
+    level = av.logging.get_level()
+    av.logging.set_level(av.logging.ERROR)
+    try:
+        # The failure itself is already known: only its words are wanted.
+        with av.logging.Capture() as messages, contextlib.suppress(Exception):
+            _mux(clip, io.BytesIO(), format="mp4")
+    finally:
+        av.logging.set_level(level)
+    said = "; ".join(m.strip() for _, _, m in messages if m.strip())
+    return said or "no reason given"
 
 
 def prune_clips(folder: Path, max_bytes: float, max_age_s: float, now: float | None = None) -> list[Path]:

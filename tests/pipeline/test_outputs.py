@@ -32,7 +32,7 @@ from pipeline.runtime import Runtime
 from pipeline.sources.pattern import pattern_background, pattern_square_box
 from tests.conftest import ROOT, Collector
 from tests.pipeline.stack import until
-from tests.support.rtsp_server import RtspTestServer, gstreamer_available
+from tests.support.rtsp_server import RtspTestServer, free_port, gstreamer_available
 
 W, H, FPS = 320, 240, 15
 
@@ -508,3 +508,67 @@ async def test_a_live_stream_that_ends_releases_its_clip_ring(
             assert runtime.sources["cam"].source.state.value == "backoff"
         finally:
             await runtime.stop()
+
+
+async def test_clips_from_udp_mpegts_whose_timestamps_go_back_are_written_and_play(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    # An encoder pushing MPEG-TS over UDP that restarts (three pushes one after another)
+    # starts its timestamps afresh each time: a clip across a restart has timestamps that
+    # go back, which the MP4 muxer refuses ("returned 22") unless the parts are joined.
+    clip = write_pattern_clip(tmp_path / "in.mp4", frames=30, gop=FPS)
+    port = free_port()
+    config = tmp_path / "udp.yaml"
+    config.write_text(
+        f"pipeline: udpclips\nmodels: {sample_models}\n"
+        f"sources: [{{url: 'udp://0.0.0.0:{port}', id: enc}}]\n"
+        "stages: [{name: objects, type: infer, model: squares}, {name: track, type: track}]\n"
+        "outputs: [{type: clips, dir: clips/, pre_s: 1, post_s: 1, on: [detection]}]\n"
+    )
+    proc = vidpipe_run(config, "--max-frames", "50", "--no-progress")
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        # Push once the source listens: its "connecting" line comes as it opens the socket.
+        while not any("connecting" in line for line in lines):
+            line = await asyncio.to_thread(proc.stdout.readline)
+            assert line, "".join(lines)
+            lines.append(line)
+        push = ["ffmpeg", "-hide_banner", "-loglevel", "error", "-re", "-i", str(clip), "-c", "copy"]
+        for _ in range(3):
+            done = await asyncio.to_thread(
+                subprocess.run, [*push, "-f", "mpegts", f"udp://127.0.0.1:{port}"], timeout=60
+            )
+            assert done.returncode == 0
+        out = "".join(lines) + await finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "not written" not in out, out
+    assert "timestamps went back 1 time(s)" in out, out
+    written = sorted((tmp_path / "clips").iterdir())
+    assert len(written) >= 2, out
+    for path in written:
+        assert ffprobe(path)["frames"] >= FPS, path
+
+
+def test_a_clip_the_muxer_refuses_is_logged_with_ffmpegs_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    video = write_pattern_clip(tmp_path / "in.mp4", frames=30, gop=FPS)
+    config = ClipsOutputConfig(type="clips", dir="clips", pre_s=1.0, post_s=0.5, on=["detection"])
+    with ThreadPoolExecutor(1) as writer:
+        recorder = ClipRecorder(config, "cam", tmp_path / "clips", writer, lambda info: None)
+        with av.open(str(video)) as f:
+            stream = f.streams.video[0]
+            for i, packet in enumerate(f.demux(stream)):
+                if i == 3:  # shown before it is decoded: no muxer takes that
+                    assert packet.dts is not None
+                    packet.pts = packet.dts - 1
+                recorder.on_packet(packet, stream)
+        image = np.zeros((H, W, 3), np.uint8)
+        recorder.on_frame(Frame("cam", 0, 0.0, 0.0, image, objects=[obj(None)]))
+    assert recorder.failed == 1 and list((tmp_path / "clips").iterdir()) == []
+    (line,) = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]
+    assert line.endswith("returned 22 (FFmpeg: pts (3071) < dts (3072) in stream 0)"), line
