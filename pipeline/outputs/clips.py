@@ -159,6 +159,21 @@ def _seconds(packet: Any) -> float | None:
     return float(ts * packet.time_base)
 
 
+def _stamped(first: Any, after: Any, stream: Any) -> Any:
+    """A copy of ``first`` (no pts, no dts) stamped one frame before ``after``."""
+    import av
+
+    rate = stream.average_rate or stream.guessed_rate
+    step = after.duration or (int(1 / (rate * after.time_base)) if rate and after.time_base else 1)
+    at = (after.dts if after.dts is not None else after.pts) - max(step, 1)
+    copy = av.Packet(bytes(first))
+    copy.pts = copy.dts = at
+    copy.duration = step
+    copy.is_keyframe = True
+    copy.time_base = after.time_base
+    return copy
+
+
 def _template(stream: Any) -> Any:
     """A copy of ``stream``'s codec parameters that outlives the stream's container.
 
@@ -201,6 +216,9 @@ class ClipRecorder:
         # Source pts minus stream seconds, from the latest decoded frame (constant per connection).
         self._delta: float | None = None
         self._active: _Clip | None = None
+        # A keyframe that came without timestamps, and its stream: stamped by the next packet.
+        self._unstamped: tuple[Any, Any] | None = None
+        self._warned_empty_at = -math.inf
         self._known: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._warned_at = -math.inf
         self._closed = False  # the source ended: packets still on their way are not kept
@@ -224,9 +242,21 @@ class ClipRecorder:
     # -- source thread ---------------------------------------------------------------------
 
     def on_packet(self, packet: Any, stream: Any) -> None:
-        seconds = _seconds(packet)
-        if seconds is None or packet.size == 0 or self._closed:
+        if packet.size == 0 or self._closed:
             return
+        seconds = _seconds(packet)
+        if seconds is None:
+            # RTSP's first keyframe comes before the sender's clock is known: no pts, no
+            # dts. It is kept and stamped from the packet after it, or every clip of the
+            # stream's first GOP (an event in its first frames) would have nothing to start at.
+            if packet.is_keyframe:
+                self._unstamped = (packet, stream)
+            return
+        if self._unstamped is not None:
+            first, first_stream = self._unstamped
+            self._unstamped = None
+            if first_stream is stream:
+                self.on_packet(_stamped(first, packet, stream), stream)
         done: list[_Clip] = []
         with self._lock:
             if stream is not self._stream:
@@ -311,6 +341,7 @@ class ClipRecorder:
         self._stream = None
         self._template = None
         self._delta = None
+        self._unstamped = None
         return [clip] if clip is not None and clip.packets else []
 
     def stream_ended(self) -> None:
@@ -335,8 +366,18 @@ class ClipRecorder:
             at_pts, at_frame = frame.pts, frame.index
             zone = line = direction = None
         with self._lock:
-            if self._active is not None or not self._ring:
+            if self._active is not None:
                 return  # one clip at a time: this event is inside the one recording
+            if not self._ring:
+                now = time.monotonic()
+                if now - self._warned_empty_at >= 60:
+                    self._warned_empty_at = now
+                    log.warning(
+                        "source %s: no clip for %s at frame %d: no keyframe with timestamps "
+                        "has come from the stream yet (clips start at a keyframe)",
+                        self.source, event, at_frame,
+                    )  # fmt: skip
+                return
             delta = self._delta if self._delta is not None else 0.0
             event_s = at_pts - delta
             start_target = event_s - self.config.pre_s
