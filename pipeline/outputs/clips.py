@@ -36,6 +36,7 @@ Sources that have no packets (``test://``, WHIP) cannot record clips.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import logging
 import math
@@ -158,6 +159,21 @@ def _seconds(packet: Any) -> float | None:
     return float(ts * packet.time_base)
 
 
+def _stamped(first: Any, after: Any, stream: Any) -> Any:
+    """A copy of ``first`` (no pts, no dts) stamped one frame before ``after``."""
+    import av
+
+    rate = stream.average_rate or stream.guessed_rate
+    step = after.duration or (int(1 / (rate * after.time_base)) if rate and after.time_base else 1)
+    at = (after.dts if after.dts is not None else after.pts) - max(step, 1)
+    copy = av.Packet(bytes(first))
+    copy.pts = copy.dts = at
+    copy.duration = step
+    copy.is_keyframe = True
+    copy.time_base = after.time_base
+    return copy
+
+
 def _template(stream: Any) -> Any:
     """A copy of ``stream``'s codec parameters that outlives the stream's container.
 
@@ -200,6 +216,9 @@ class ClipRecorder:
         # Source pts minus stream seconds, from the latest decoded frame (constant per connection).
         self._delta: float | None = None
         self._active: _Clip | None = None
+        # A keyframe that came without timestamps, and its stream: stamped by the next packet.
+        self._unstamped: tuple[Any, Any] | None = None
+        self._warned_empty_at = -math.inf
         self._known: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._warned_at = -math.inf
         self._closed = False  # the source ended: packets still on their way are not kept
@@ -223,9 +242,21 @@ class ClipRecorder:
     # -- source thread ---------------------------------------------------------------------
 
     def on_packet(self, packet: Any, stream: Any) -> None:
-        seconds = _seconds(packet)
-        if seconds is None or packet.size == 0 or self._closed:
+        if packet.size == 0 or self._closed:
             return
+        seconds = _seconds(packet)
+        if seconds is None:
+            # RTSP's first keyframe comes before the sender's clock is known: no pts, no
+            # dts. It is kept and stamped from the packet after it, or every clip of the
+            # stream's first GOP (an event in its first frames) would have nothing to start at.
+            if packet.is_keyframe:
+                self._unstamped = (packet, stream)
+            return
+        if self._unstamped is not None:
+            first, first_stream = self._unstamped
+            self._unstamped = None
+            if first_stream is stream:
+                self.on_packet(_stamped(first, packet, stream), stream)
         done: list[_Clip] = []
         with self._lock:
             if stream is not self._stream:
@@ -310,6 +341,7 @@ class ClipRecorder:
         self._stream = None
         self._template = None
         self._delta = None
+        self._unstamped = None
         return [clip] if clip is not None and clip.packets else []
 
     def stream_ended(self) -> None:
@@ -334,8 +366,18 @@ class ClipRecorder:
             at_pts, at_frame = frame.pts, frame.index
             zone = line = direction = None
         with self._lock:
-            if self._active is not None or not self._ring:
+            if self._active is not None:
                 return  # one clip at a time: this event is inside the one recording
+            if not self._ring:
+                now = time.monotonic()
+                if now - self._warned_empty_at >= 60:
+                    self._warned_empty_at = now
+                    log.warning(
+                        "source %s: no clip for %s at frame %d: no keyframe with timestamps "
+                        "has come from the stream yet (clips start at a keyframe)",
+                        self.source, event, at_frame,
+                    )  # fmt: skip
+                return
             delta = self._delta if self._delta is not None else 0.0
             event_s = at_pts - delta
             start_target = event_s - self.config.pre_s
@@ -368,8 +410,6 @@ class ClipRecorder:
     # -- writer thread ---------------------------------------------------------------------
 
     def _write(self, clip: _Clip) -> None:
-        import av
-
         first_s = clip.packets[0][0]
         last_s = clip.packets[-1][0]
         stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime())
@@ -377,27 +417,21 @@ class ClipRecorder:
         path = self.folder / name
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            base = None
-            with av.open(str(path), "w") as out:
-                # The template, never the input stream: that one's container may be closed.
-                ostream = out.add_stream_from_template(clip.stream)
-                for _, packet in clip.packets:
-                    if base is None:
-                        base = packet.dts if packet.dts is not None else packet.pts
-                    # A copy: muxing consumes a packet's data, and the ring still holds this one.
-                    copy = av.Packet(bytes(packet))
-                    copy.pts = None if packet.pts is None else packet.pts - base
-                    copy.dts = None if packet.dts is None else packet.dts - base
-                    copy.duration = packet.duration
-                    copy.is_keyframe = packet.is_keyframe
-                    copy.time_base = packet.time_base
-                    copy.stream = ostream
-                    out.mux(copy)
+            joins = _mux(clip, str(path))
         except Exception as exc:
             self.failed += 1
-            log.error("source %s: clip %s not written: %s: %s", self.source, path, type(exc).__name__, exc)
+            log.error(
+                "source %s: clip %s not written: %s: %s (FFmpeg: %s)", self.source, path,
+                type(exc).__name__, exc, _mux_error(clip),
+            )  # fmt: skip
             path.unlink(missing_ok=True)
             return
+        if joins:
+            log.warning(
+                "source %s: clip %s: the stream's timestamps went back %d time(s) (a restarted "
+                "encoder, or lost UDP packets); the parts were joined",
+                self.source, path, joins,
+            )  # fmt: skip
         self.clips += 1
         info = ClipInfo(
             source=self.source, path=path, event=clip.event, event_pts=clip.event_pts,
@@ -407,6 +441,60 @@ class ClipRecorder:
         )  # fmt: skip
         prune_clips(self.folder, self.config.max_size_mb * 1e6, self.config.max_age_h * 3600)
         self._on_clip(info)
+
+
+def _mux(clip: _Clip, target: Any, format: str | None = None) -> int:
+    """Write ``clip``'s packets, unchanged, to ``target``. Returns how often its timestamps went back."""
+    import av
+
+    base = None
+    last_dts: int | None = None
+    joins = 0
+    with av.open(target, "w", format=format) as out:
+        # The template, never the input stream: that one's container may be closed.
+        ostream = out.add_stream_from_template(clip.stream)
+        for _, packet in clip.packets:
+            dts = packet.dts if packet.dts is not None else packet.pts
+            if base is None:
+                base = dts
+            elif dts is not None and last_dts is not None and dts - base <= last_dts:
+                # Timestamps went back (an encoder that restarted, lost or reordered UDP
+                # packets): the MP4 muxer refuses that, so what follows is joined on after
+                # the last packet, as FFmpeg does at a stream discontinuity.
+                base = dts - last_dts - (packet.duration or 1)
+                joins += 1
+            # A copy: muxing consumes a packet's data, and the ring still holds this one.
+            copy = av.Packet(bytes(packet))
+            copy.pts = None if packet.pts is None or base is None else packet.pts - base
+            copy.dts = None if packet.dts is None or base is None else packet.dts - base
+            if dts is not None and base is not None:
+                last_dts = dts - base
+            copy.duration = packet.duration
+            copy.is_keyframe = packet.is_keyframe
+            copy.time_base = packet.time_base
+            copy.stream = ostream
+            out.mux(copy)
+    return joins
+
+
+def _mux_error(clip: _Clip) -> str:
+    """FFmpeg's own words for why ``clip`` cannot be muxed (PyAV's exception has only the errno).
+
+    FFmpeg's log is off in PyAV unless asked for, so the clip is muxed again, into memory,
+    with the log on for that moment. Only a failed clip pays for this.
+    """
+    import av
+
+    level = av.logging.get_level()
+    av.logging.set_level(av.logging.ERROR)
+    try:
+        # The failure itself is already known: only its words are wanted.
+        with av.logging.Capture() as messages, contextlib.suppress(Exception):
+            _mux(clip, io.BytesIO(), format="mp4")
+    finally:
+        av.logging.set_level(level)
+    said = "; ".join(m.strip() for _, _, m in messages if m.strip())
+    return said or "no reason given"
 
 
 def prune_clips(folder: Path, max_bytes: float, max_age_s: float, now: float | None = None) -> list[Path]:

@@ -7,6 +7,7 @@ import collections
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from pipeline.runtime import Runtime
 from pipeline.sources.pattern import pattern_background, pattern_square_box
 from tests.conftest import ROOT, Collector
 from tests.pipeline.stack import until
-from tests.support.rtsp_server import RtspTestServer, gstreamer_available
+from tests.support.rtsp_server import RtspTestServer, free_port, gstreamer_available
 
 W, H, FPS = 320, 240, 15
 
@@ -508,3 +509,126 @@ async def test_a_live_stream_that_ends_releases_its_clip_ring(
             assert runtime.sources["cam"].source.state.value == "backoff"
         finally:
             await runtime.stop()
+
+
+async def test_clips_from_udp_mpegts_whose_timestamps_go_back_are_written_and_play(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    # An encoder pushing MPEG-TS over UDP that restarts (three pushes one after another)
+    # starts its timestamps afresh each time: a clip across a restart has timestamps that
+    # go back, which the MP4 muxer refuses ("returned 22") unless the parts are joined.
+    clip = write_pattern_clip(tmp_path / "in.mp4", frames=30, gop=FPS)
+    port = free_port()
+    config = tmp_path / "udp.yaml"
+    config.write_text(
+        f"pipeline: udpclips\nmodels: {sample_models}\n"
+        f"sources: [{{url: 'udp://0.0.0.0:{port}', id: enc}}]\n"
+        "stages: [{name: objects, type: infer, model: squares}, {name: track, type: track}]\n"
+        "outputs: [{type: clips, dir: clips/, pre_s: 1, post_s: 1, on: [detection]}]\n"
+    )
+    proc = vidpipe_run(config, "--max-frames", "50", "--no-progress")
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        # Push once the source listens: its "connecting" line comes as it opens the socket.
+        while not any("connecting" in line for line in lines):
+            line = await asyncio.to_thread(proc.stdout.readline)
+            assert line, "".join(lines)
+            lines.append(line)
+        push = ["ffmpeg", "-hide_banner", "-loglevel", "error", "-re", "-i", str(clip), "-c", "copy"]
+        for _ in range(3):
+            done = await asyncio.to_thread(
+                subprocess.run, [*push, "-f", "mpegts", f"udp://127.0.0.1:{port}"], timeout=60
+            )
+            assert done.returncode == 0
+        out = "".join(lines) + await finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "not written" not in out, out
+    joined = re.findall(r"clip (\S+): the stream's timestamps went back [12] time\(s\)", out)
+    assert joined, out
+    written = sorted((tmp_path / "clips").iterdir())
+    assert {str(p) for p in written} >= set(joined), out
+    # Every clip plays without an error; a joined one holds both sides of the restart.
+    for path in written:
+        assert ffprobe(path)["frames"] >= (2 if str(path) in joined else 1), path
+
+
+def test_a_clip_the_muxer_refuses_is_logged_with_ffmpegs_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    video = write_pattern_clip(tmp_path / "in.mp4", frames=30, gop=FPS)
+    config = ClipsOutputConfig(type="clips", dir="clips", pre_s=1.0, post_s=0.5, on=["detection"])
+    with ThreadPoolExecutor(1) as writer:
+        recorder = ClipRecorder(config, "cam", tmp_path / "clips", writer, lambda info: None)
+        with av.open(str(video)) as f:
+            stream = f.streams.video[0]
+            for i, packet in enumerate(f.demux(stream)):
+                if i == 3:  # shown before it is decoded: no muxer takes that
+                    assert packet.dts is not None
+                    packet.pts = packet.dts - 1
+                recorder.on_packet(packet, stream)
+        image = np.zeros((H, W, 3), np.uint8)
+        recorder.on_frame(Frame("cam", 0, 0.0, 0.0, image, objects=[obj(None)]))
+    assert recorder.failed == 1 and list((tmp_path / "clips").iterdir()) == []
+    (line,) = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]
+    assert line.endswith("returned 22 (FFmpeg: pts (3071) < dts (3072) in stream 0)"), line
+
+
+async def test_an_event_in_the_first_frame_of_an_rtsp_stream_has_its_clip(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    # RTSP's first keyframe comes without timestamps (the sender's clock is not known yet);
+    # the ring must still start at it, or the event in frame 0 has no clip.
+    if not gstreamer_available():
+        pytest.skip("needs /usr/bin/python3 with PyGObject and gst-rtsp-server")
+    video = write_pattern_clip(tmp_path / "in.mp4", frames=150, gop=150)
+    camera = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "serve-rtsp", "--port", str(free_port()), str(video)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert camera.stdout is not None
+    try:
+        url = (await asyncio.to_thread(camera.stdout.readline)).strip()
+        ready = await asyncio.to_thread(camera.stdout.readline)
+        assert url.startswith("rtsp://") and ready.startswith("serving"), (url, ready)
+        config = tmp_path / "rtsp.yaml"
+        config.write_text(
+            f"pipeline: rtspclips\nmodels: {sample_models}\n"
+            f"sources: [{{url: '{url}', id: cam}}]\n"
+            "stages: [{name: objects, type: infer, model: squares}, {name: track, type: track}]\n"
+            "outputs: [{type: clips, dir: clips/, pre_s: 1, post_s: 1, on: [track_start]}]\n"
+        )
+        proc = vidpipe_run(config, "--max-frames", "60", "--no-progress")
+        try:
+            out = await finish(proc)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    finally:
+        camera.terminate()
+        camera.wait(10)
+    assert proc.returncode == 0, out
+    (written,) = (tmp_path / "clips").iterdir()
+    assert written.name.endswith("-0-track_start.mp4"), out
+    # From the first keyframe (frame 0) to post_s after the event; the RTP clock's jitter
+    # can put frame 15 a tick before the end.
+    assert ffprobe(written)["frames"] in (FPS, FPS + 1)
+
+
+def test_an_event_before_any_keyframe_says_why_it_has_no_clip(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = ClipsOutputConfig(type="clips", dir="clips", pre_s=1.0, post_s=1.0, on=["track_start"])
+    with ThreadPoolExecutor(1) as writer:
+        recorder = ClipRecorder(config, "cam", tmp_path / "clips", writer, lambda info: None)
+        image = np.zeros((H, W, 3), np.uint8)
+        recorder.on_frame(Frame("cam", 3, 0.2, 0.0, image, objects=[obj(7)]))
+        recorder.on_frame(Frame("cam", 4, 0.3, 0.0, image, objects=[obj(8)]))  # once a minute
+    assert [r.getMessage() for r in caplog.records] == [
+        "source cam: no clip for track_start at frame 3: no keyframe with timestamps has come "
+        "from the stream yet (clips start at a keyframe)"
+    ]
+    assert recorder.clips == 0 and not (tmp_path / "clips").exists()
