@@ -13,7 +13,8 @@ server probe it. :meth:`OfferGuard.filter_offer` keeps only the candidates whose
 address lies in ``http.ice_networks`` (hostnames, such as mDNS ``.local``
 names, are dropped: resolving them is a request of its own) and refuses an offer
 left with none (400). By default the ranges are those of the address the server
-listens on: loopback for a loopback address, the /24 (IPv4) or /64 (IPv6) around
+listens on: loopback and this host's own interface addresses for a loopback
+address (a browser on this host offers those), the /24 (IPv4) or /64 (IPv6) around
 a specific address, and the private, link-local and loopback ranges for
 ``0.0.0.0`` or ``::``.
 
@@ -79,6 +80,19 @@ def parse_network(text: str) -> IceNetwork | None:
         return None
 
 
+def own_addresses() -> list[IceNetwork]:
+    """This host's interface addresses, each as a single-address network."""
+    import ifaddr  # aioice's own dependency: the interfaces aiortc gathers candidates on
+
+    out: list[IceNetwork] = []
+    for adapter in ifaddr.get_adapters():
+        for ip in adapter.ips:
+            address = ip.ip[0] if isinstance(ip.ip, tuple) else ip.ip
+            if not address.startswith("fe80"):
+                out.append(ipaddress.ip_network(address))
+    return out
+
+
 def default_ice_networks(host: str) -> list[IceNetwork]:
     """The ranges peers of a server listening on ``host`` are expected in (see the module doc)."""
     try:
@@ -94,7 +108,11 @@ def default_ice_networks(host: str) -> list[IceNetwork]:
         if address.is_unspecified:
             networks += [ipaddress.ip_network(n) for n in _PRIVATE]
         elif address.is_loopback:
+            # A peer of a loopback server runs on this host, and a browser offers this host's
+            # own interface addresses, not loopback: those addresses (and nothing past them)
+            # are allowed too; the server can only reach itself through them.
             networks += [ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128")]
+            networks += own_addresses()
         else:
             prefix = 24 if address.version == 4 else 64
             networks.append(ipaddress.ip_network(f"{address}/{prefix}", strict=False))
@@ -143,8 +161,14 @@ class OfferGuard:
                     dropped.append(address)
                     continue
             kept.append(line)
-        if dropped and not any(line.startswith("a=candidate:") for line in kept):
-            shown = ", ".join(sorted(set(dropped))[:3])
+        # A browser hides its host addresses behind mDNS names (``<uuid>.local``) unless the
+        # page may use the camera: such an offer has no address at all, and the session still
+        # connects, from the checks the browser sends to the answer's candidates (the server
+        # only ever answers the address that reached it). Only an offer that named addresses,
+        # all outside the ranges, is refused.
+        named = [a for a in dropped if not a.endswith(".local")]
+        if named and not any(line.startswith("a=candidate:") for line in kept):
+            shown = ", ".join(sorted(set(named))[:3])
             ranges = ", ".join(str(n) for n in self.networks[:6]) or "none"
             raise OfferRefused(
                 400,

@@ -21,7 +21,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from pipeline.nats_server import EmbeddedNats
 from pipeline.sources.base import SourceState
 from pipeline.sources.whip import WhipSource
-from pipeline.webrtc_guard import PENDING_TIMEOUT, default_ice_networks
+from pipeline.webrtc_guard import PENDING_TIMEOUT, default_ice_networks, own_addresses
 from tests.pipeline.stack import Stack, until
 from tests.pipeline.test_whip import Publisher, SolidColour
 
@@ -163,7 +163,12 @@ async def test_ice_candidates_outside_the_allowed_ranges_are_never_contacted(
 
 
 def test_ice_networks_default_to_the_listen_address_ranges() -> None:
-    assert [str(n) for n in default_ice_networks("127.0.0.1")] == ["127.0.0.0/8", "::1/128"]
+    # Loopback, and this host's own addresses (what a browser on this host offers), each alone.
+    own = [str(n) for n in own_addresses()]
+    assert [str(n) for n in default_ice_networks("127.0.0.1")] == list(
+        dict.fromkeys(["127.0.0.0/8", "::1/128", *own])
+    )
+    assert all(n.endswith(("/32", "/128")) for n in own)
     assert [str(n) for n in default_ice_networks("192.168.4.20")] == ["192.168.4.0/24"]
     assert "10.0.0.0/8" in [str(n) for n in default_ice_networks("0.0.0.0")]
 
