@@ -44,6 +44,7 @@ import numpy as np
 from inference.config import ModelConfig, OpenVinoOptions
 from inference.errors import VidpipeError
 from inference.model import Model, ModelState, resolve_model_file
+from inference.processing.nms import iou_matrix
 from inference.processing.resize import ImagePreprocessor
 from inference.repository import CONFIG_FILE, ModelSource, read_source
 from inference.results import Classification, Detection, Recognition, Result
@@ -179,26 +180,13 @@ def split_frames(frames: Sequence[np.ndarray]) -> tuple[list[np.ndarray], list[n
 # -- comparing answers ---------------------------------------------------------------------------
 
 
-def _iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """IoU of every box in ``a`` [N, 4] with every box in ``b`` [M, 4] (x1, y1, x2, y2)."""
-    x1 = np.maximum(a[:, None, 0], b[None, :, 0])
-    y1 = np.maximum(a[:, None, 1], b[None, :, 1])
-    x2 = np.minimum(a[:, None, 2], b[None, :, 2])
-    y2 = np.minimum(a[:, None, 3], b[None, :, 3])
-    inter = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
-    area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
-    area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
-    union = area_a[:, None] + area_b[None, :] - inter
-    return np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
-
-
 def _matched(ref: Sequence[Detection], got: Sequence[Detection]) -> int:
     """Pairs of boxes (same class, IoU ≥ :data:`MATCH_IOU`), each box in at most one pair."""
     if not ref or not got:
         return 0
     from scipy.optimize import linear_sum_assignment
 
-    iou = _iou(np.asarray([d.box for d in ref], float), np.asarray([d.box for d in got], float))
+    iou = iou_matrix(np.asarray([d.box for d in ref], float), np.asarray([d.box for d in got], float))
     same = np.asarray([[r.class_id == g.class_id for g in got] for r in ref])
     iou = np.where(same, iou, 0.0)
     rows, cols = linear_sum_assignment(-iou)
