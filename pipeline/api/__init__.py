@@ -24,7 +24,7 @@ of its concern:
 ``DELETE /v1/sources/{id}``                stop and remove a source                         ``sources``
 ``GET /v1/sources/{id}/snapshot.jpg``      latest published frame, annotated                ``views``
 ``GET /v1/sources/{id}/stream.mjpeg``      live annotated view, multipart JPEG (``?fps=``)  ``views``
-``GET /v1/stats``                          per-source fps/latency/drops, per-model batching ``stats``
+``GET /v1/stats``                          per-source fps/latency/drops, model batching     ``stats``
 ``GET /v1/fleet``                          in a fleet: workers, sources (owner, since)      ``fleet``
 ``GET /v1/models``                         the model repository's status                    ``models``
 ``POST /v1/models/{name}/reload``          swap in a model's new config and files (JSON)    ``models``

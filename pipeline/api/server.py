@@ -75,9 +75,8 @@ class ApiServer:
         # Registered in this order so that routes on one path share one resource.
         router = self.app.router
         ProbeRoutes(runtime, self._auth, fleet).add_to(router)
-        SourceRoutes(runtime, config, fleet_routes, on_removed=(views.forget, self._rates.forget)).add_to(
-            router
-        )
+        forget = (views.forget, self._rates.forget)
+        SourceRoutes(runtime, config, fleet_routes, on_removed=forget).add_to(router)
         views.add_to(router)
         origins.add_to(router)
         StatsRoutes(runtime, self._rates).add_to(router)
