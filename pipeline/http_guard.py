@@ -12,8 +12,9 @@
 aiohttp on its own keeps an idle connection for an hour and has no deadline for
 the request line and headers, so a few thousand silent sockets (or one client
 trickling a header byte a second) hold descriptors until the process can accept
-nothing, ``/healthz`` included. :class:`GuardedSite` serves the same aiohttp
-runner from its own accept loop (:class:`GuardedListener`) through
+nothing, ``/healthz`` included. :class:`GuardedSite` serves an aiohttp runner's
+``server`` (its public protocol factory; nothing private of aiohttp is touched)
+from its own accept loop (:class:`GuardedListener`) through
 :class:`ConnectionGuard`, which wraps each connection's protocol:
 
 * an accepted socket that has sent nothing is only watched for bytes
@@ -50,7 +51,6 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
@@ -268,7 +268,7 @@ PROBATION_SECONDS = 0.5
 _PROBATION_SOCKETS = 64
 
 
-class GuardedListener(asyncio.AbstractServer):
+class GuardedListener:
     """The accept loop on the bound socket: admits under the cap, closes the rest at once."""
 
     def __init__(
@@ -358,9 +358,8 @@ class GuardedListener(asyncio.AbstractServer):
         if self._serving:
             self._loop.add_reader(self._sock.fileno(), self._accept)
 
-    # -- asyncio.AbstractServer, as aiohttp's site uses it ---------------------------------
-
     def close(self) -> None:
+        """Stop accepting; close the listening socket and the sockets still silent."""
         if not self._serving:
             return
         self._serving = False
@@ -373,35 +372,18 @@ class GuardedListener(asyncio.AbstractServer):
         for held in [*waiting, *self._site.probation]:
             held.drop()
 
-    def get_loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
 
-    def is_serving(self) -> bool:
-        return self._serving
+class GuardedSite:
+    """A runner's server on a bound socket, its connections going through :class:`ConnectionGuard`.
 
-    async def start_serving(self) -> None:
-        if not self._serving:
-            self.start()
-
-    async def serve_forever(self) -> None:
-        while self._serving:
-            await asyncio.sleep(3600)
-
-    async def wait_closed(self) -> None:
-        return None
-
-    @property
-    def sockets(self) -> tuple[socket.socket, ...]:
-        return (self._sock,) if self._serving else ()
-
-
-class GuardedSite(web.SockSite):
-    """An aiohttp site on a bound socket whose connections go through :class:`ConnectionGuard`."""
+    Not an aiohttp site: it uses only the runner's public ``server`` (the protocol
+    factory), so whoever starts it stops it (:meth:`stop`) before ``runner.cleanup()``.
+    """
 
     def __init__(
         self,
         runner: web.BaseRunner,
-        sock: Any,
+        sock: socket.socket,
         *,
         max_connections: int,
         header_timeout: float,
@@ -409,16 +391,17 @@ class GuardedSite(web.SockSite):
         log_interval: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        # A deep accept queue: under a flood, a probe's connection waits its turn in the
-        # queue (the loop drains it fast, evicting) instead of having its SYN dropped and
-        # retried a second later. The kernel caps it at net.core.somaxconn.
-        super().__init__(runner, sock, backlog=_BACKLOG)
+        if runner.server is None:
+            raise RuntimeError("call runner.setup() before making a GuardedSite")
+        self.server: web.Server = runner.server
+        self.sock = sock
         self.max_connections = max_connections
         self.max_per_client = min(max_connections_per_client or max_connections, max_connections)
         self.header_timeout = header_timeout
         self.log_interval = log_interval
         self.stats = ConnectionStats()
         self._clock = clock
+        self._listener: GuardedListener | None = None
         # Connections yet to complete their first request head, oldest first, with the
         # time each came in.
         self.awaiting_head: dict[ConnectionGuard | WaitingSocket, float] = {}
@@ -472,14 +455,22 @@ class GuardedSite(web.SockSite):
             self.per_client.pop(connection.client, None)
 
     async def start(self) -> None:
-        # What SockSite.start does, with this module's accept loop instead of asyncio's.
-        await web.BaseSite.start(self)
-        server = self._runner.server
-        assert server is not None
-        self._sock.listen(self._backlog)
-        listener = GuardedListener(self, self._sock, server)
-        listener.start()
-        self._server = listener
+        """Listen and accept through this module's accept loop instead of asyncio's."""
+        # A deep accept queue: under a flood, a probe's connection waits its turn in the
+        # queue (the loop drains it fast, evicting) instead of having its SYN dropped and
+        # retried a second later. The kernel caps it at net.core.somaxconn.
+        self.sock.listen(_BACKLOG)
+        self._listener = GuardedListener(self, self.sock, self.server)
+        self._listener.start()
+
+    async def stop(self) -> None:
+        """Stop accepting and close the connections still waiting for their first bytes.
+
+        Connections being served are the runner's to close (``runner.cleanup()``).
+        """
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def report_refusal(self, why: str = "", evicted: bool = False) -> None:
         """One log line per ``log_interval`` at most, however many connections are refused or evicted."""

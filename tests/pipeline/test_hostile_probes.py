@@ -169,3 +169,25 @@ async def test_one_client_address_holds_at_most_its_cap(tmp_path: Path, nats_ser
             w.close()
     finally:
         await stack.close()
+
+
+async def test_stopping_the_server_closes_its_socket_and_the_silent_connections(
+    tmp_path: Path, nats_server: EmbeddedNats
+) -> None:
+    http = 'listen: "127.0.0.1:0", header_timeout: 60'
+    yaml = f'pipeline: probes\nsources: []\nnats: {{url: "{nats_server.url}"}}\nhttp: {{{http}}}\n'
+    stack = await Stack.start(tmp_path, yaml, nats_server.url)
+    port = stack.api.port
+    assert port is not None and stack.api.site is not None
+    site = stack.api.site
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        await until(lambda: site.stats.open == 1, what="the silent connection to be held")
+    finally:
+        await stack.close()
+    # Held silent with a minute to go, it is closed by the stop, not by its deadline.
+    assert await asyncio.wait_for(reader.read(), 2.0) == b""
+    writer.close()
+    assert site.stats.open == 0
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.open_connection("127.0.0.1", port)
