@@ -40,12 +40,12 @@ class SourceCounters:
         "_last_published_at",
         "_lock",
         "_next_sample",
+        "_reconnects",
         "accepted",
         "created",
         "dropped",
         "frames",
         "published",
-        "reconnects",
     )
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -54,7 +54,7 @@ class SourceCounters:
         self.accepted = 0  # taken from the queue by the graph (vidpipe_frames_total)
         self.published = 0  # detections messages that left (vidpipe_published_messages_total)
         self.dropped: dict[str, int] = {}  # by reason (vidpipe_frames_dropped_total)
-        self.reconnects: dict[str, int] = {}  # by reason (vidpipe_source_reconnects_total)
+        self._reconnects: dict[str, int] = {}  # by reason (vidpipe_source_reconnects_total)
         self._lock = threading.Lock()
         self._clock = clock
         # (monotonic time, published) about once per FPS_STEP, FPS_WINDOW and a step back.
@@ -79,7 +79,7 @@ class SourceCounters:
     def reconnect(self, reason: str) -> None:
         """A reconnect attempt of a live source, for ``reason`` (a reconnect reason label)."""
         with self._lock:
-            self.reconnects[reason] = self.reconnects.get(reason, 0) + 1
+            self._reconnects[reason] = self._reconnects.get(reason, 0) + 1
 
     def message_published(self) -> None:
         """A detections message left (on the event loop); samples the count for :meth:`fps`."""
@@ -97,13 +97,13 @@ class SourceCounters:
 
     def reconnects_by_reason(self) -> dict[str, int]:
         with self._lock:
-            return dict(self.reconnects)
+            return dict(self._reconnects)
 
     @property
-    def reconnect_count(self) -> int:
+    def reconnects(self) -> int:
         """Reconnect attempts, every reason together."""
         with self._lock:
-            return sum(self.reconnects.values())
+            return sum(self._reconnects.values())
 
     @property
     def decoded(self) -> int:

@@ -201,7 +201,7 @@ class SourceRun:
             decoded=counters.decoded,
             published=counters.published,
             dropped=counters.dropped_by_reason(),
-            reconnects=counters.reconnect_count,
+            reconnects=counters.reconnects,
             queue_depth=len(self.queue),
             latency_ms=self.latencies.percentiles_ms(),
             stage_seconds=self.stage_clock.totals(),

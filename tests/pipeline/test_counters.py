@@ -73,5 +73,5 @@ def test_drops_and_reconnects_from_threads_count_exactly() -> None:
     for t in threads:
         t.join()
     assert counters.dropped_by_reason() == {"max_fps": 20_000, "queue_full": 40_000, "stage_error": 20_000}
-    assert (counters.frames, counters.decoded, counters.reconnect_count) == (20_000, 40_000, 1)
+    assert (counters.frames, counters.decoded, counters.reconnects) == (20_000, 40_000, 1)
     assert counters.reconnects_by_reason() == {"timeout": 1}
