@@ -598,7 +598,7 @@ class Runtime:
             except Exception as exc:
                 # Never let one frame end this source's publisher: its slots would never
                 # come back and intake would wait forever.
-                self._count_drop(run.source.id, "publish_failed")
+                run.counters.drop("publish_failed")
                 log.error("source %s: a frame failed after processing: %r", run.source.id, exc)
             finally:
                 slots.release()
@@ -612,7 +612,7 @@ class Runtime:
         try:
             await self.publisher.publish(frame, run.stream_id)
         except Exception as exc:
-            self._count_drop(frame.source, "publish_failed")
+            run.counters.drop("publish_failed")
             log.error("source %s: frame %d not published: %s", frame.source, frame.index, exc)
             frame.release()
             return
