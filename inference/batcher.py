@@ -27,18 +27,21 @@ With ``preserve_ordering``, successful and failed answers are released in the
 order their requests were accepted, across all instances. Rejections (timeout,
 shutdown) are answered at once and never hold other answers back.
 
-Counters are kept in :class:`BatcherStats`; an :class:`InferenceObserver`
-receives every request outcome, batch and state change (e.g. to export
-metrics). Observer methods are called from worker threads and must be quick
-and thread-safe.
+Counts are kept once, in the model's :class:`BatcherStats`: the batcher's
+:class:`InferenceObserver` hands it out (``counters(model)``), so every copy of a
+model (a reload starts a new one) counts into the same object, and whoever
+exports metrics or reports reads that object instead of being told each event.
+The observer also hears state changes; it is called from worker threads and must
+be quick and thread-safe.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import collections
 import concurrent.futures
 import contextlib
-import copy
 import logging
 import math
 import threading
@@ -89,38 +92,50 @@ class InferenceFailed(InferenceError):
 
 
 class InferenceObserver(Protocol):
-    """Receives the scheduler's events; called from worker threads, so keep it quick."""
+    """Hands out each model's counters and hears its state changes; called from worker threads."""
 
-    def on_request(self, model: str, status: str) -> None:
-        """One request ended: ``success``, ``rejected``, ``timeout`` or ``failed``."""
-
-    def on_batch(
-        self, model: str, batch_size: int, queue_seconds: list[float], compute_seconds: float
-    ) -> None:
-        """One batch ran: its size, each request's time in the queue, and the execution time."""
+    def counters(self, model: str) -> BatcherStats:
+        """The counters ``model``'s batchers count into (the same object for every copy of it)."""
 
     def on_state(self, model: str, state: str, reason: str) -> None:
         """The model changed state (``loading``, ``ready``, ``unavailable``, ``unloaded``)."""
 
 
 class NullObserver:
-    """The default observer: ignores everything."""
+    """The default observer: counters of the batcher's own, no one told of states."""
 
-    def on_request(self, model: str, status: str) -> None:
-        pass
-
-    def on_batch(
-        self, model: str, batch_size: int, queue_seconds: list[float], compute_seconds: float
-    ) -> None:
-        pass
+    def counters(self, model: str) -> BatcherStats:
+        return BatcherStats()
 
     def on_state(self, model: str, state: str, reason: str) -> None:
         pass
 
 
+# Upper bounds (seconds) of the buckets queue and compute times are counted in: those of
+# vidpipe_inference_queue_seconds and vidpipe_inference_compute_seconds. Video work spans
+# milliseconds to seconds.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                   1.0, 2.0, 5.0, 10.0)  # fmt: skip
+RECENT = 256  # latest queue and compute times kept for percentiles
+
+
+def _recent() -> collections.deque[float]:
+    return collections.deque(maxlen=RECENT)
+
+
+def _buckets() -> list[int]:
+    return [0] * (len(LATENCY_BUCKETS) + 1)  # the last one: over the largest bound
+
+
 @dataclass(slots=True)
 class BatcherStats:
-    """Counters since the batcher was created."""
+    """One model's counters since it was first loaded (``created``, unix s).
+
+    Written by the batcher's worker threads under ``lock``; read through
+    :meth:`snapshot` (``DynamicBatcher.stats`` and ``Model.stats`` return one).
+    ``queue_buckets``/``compute_buckets`` count times per :data:`LATENCY_BUCKETS`
+    bucket (not cumulative; the last counts those over the largest bound).
+    """
 
     received: int = 0  # accepted into the queue
     succeeded: int = 0
@@ -134,6 +149,55 @@ class BatcherStats:
     queue_seconds: float = 0.0  # summed over requests
     compute_seconds: float = 0.0  # summed over batches
     batch_sizes: dict[int, int] = field(default_factory=dict)  # size -> batches of that size
+    queue_buckets: list[int] = field(default_factory=_buckets)  # per request
+    compute_buckets: list[int] = field(default_factory=_buckets)  # per batch
+    queue_recent: collections.deque[float] = field(default_factory=_recent)
+    compute_recent: collections.deque[float] = field(default_factory=_recent)
+    created: float = field(default_factory=time.time)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def batch_ran(self, size: int, queue_seconds: list[float], compute: float, failed: bool) -> None:
+        """Count one batch of ``size`` requests (each waited ``queue_seconds``) that took ``compute``."""
+        bounds = LATENCY_BUCKETS
+        with self.lock:
+            self.batches += 1
+            self.batched_requests += size
+            self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
+            self.compute_seconds += compute
+            self.compute_buckets[bisect.bisect_left(bounds, compute)] += 1
+            self.compute_recent.append(compute)
+            buckets = self.queue_buckets
+            for q in queue_seconds:
+                buckets[bisect.bisect_left(bounds, q)] += 1
+            self.queue_seconds += sum(queue_seconds)
+            self.queue_recent.extend(queue_seconds)
+            if failed:
+                self.failed += size
+            else:
+                self.succeeded += size
+
+    def snapshot(self) -> BatcherStats:
+        """A consistent copy (with a lock of its own)."""
+        with self.lock:
+            return BatcherStats(
+                received=self.received,
+                succeeded=self.succeeded,
+                failed=self.failed,
+                rejected=self.rejected,
+                timed_out=self.timed_out,
+                delayed=self.delayed,
+                cancelled=self.cancelled,
+                batches=self.batches,
+                batched_requests=self.batched_requests,
+                queue_seconds=self.queue_seconds,
+                compute_seconds=self.compute_seconds,
+                batch_sizes=dict(self.batch_sizes),
+                queue_buckets=list(self.queue_buckets),
+                compute_buckets=list(self.compute_buckets),
+                queue_recent=collections.deque(self.queue_recent, maxlen=RECENT),
+                compute_recent=collections.deque(self.compute_recent, maxlen=RECENT),
+                created=self.created,
+            )
 
 
 Runner = Callable[[list[Any]], Sequence[Any]]
@@ -203,8 +267,6 @@ class DynamicBatcher:
         self._failure_log = RateLimitedLog(logger=log, level=logging.WARNING)
         self.policy = policy
         self.observer: InferenceObserver = observer or NullObserver()
-        # Skipping the no-op observer keeps it off the per-request path.
-        self._observed = not isinstance(self.observer, NullObserver)
         self._runners = list(runners)
         self._clock = clock
         self._stop_timeout = stop_timeout
@@ -222,7 +284,8 @@ class DynamicBatcher:
         self._next_seq = 0
         self._reorder: dict[int, _Outcome | None] = {}
         self._reaper_target = math.inf
-        self._stats = BatcherStats()
+        # Shared with the model's other copies (a reload); written under its own lock.
+        self._stats = self.observer.counters(name)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -305,12 +368,10 @@ class DynamicBatcher:
 
     @property
     def stats(self) -> BatcherStats:
-        """A consistent copy of the counters."""
-        with self._lock:
-            snap = copy.copy(self._stats)
-            snap.batch_sizes = dict(self._stats.batch_sizes)
-            snap.delayed = self._queue.delayed
-            return snap
+        """A consistent copy of the model's counters (``delayed``: this copy's queue)."""
+        snap = self._stats.snapshot()
+        snap.delayed = self._queue.delayed
+        return snap
 
     @property
     def pending(self) -> int:
@@ -364,7 +425,9 @@ class DynamicBatcher:
                     if self._ordered:
                         req.seq = self._seq
                         self._seq += 1
-                    self._stats.received += 1
+                    stats = self._stats
+                    with stats.lock:
+                        stats.received += 1
                     if self._idle and (
                         len(queue) == 1
                         or type(next_batch(policy, queue.counts, queue.oldest_enqueue(), now)) is Send
@@ -382,9 +445,9 @@ class DynamicBatcher:
                 reason, detail = UNAVAILABLE, "the batcher has not been started"
             else:
                 reason, detail = SHUTDOWN, "the model is shutting down"
-            self._stats.rejected += 1
-        if self._observed:
-            self._observe_request("rejected")
+            stats = self._stats
+            with stats.lock:
+                stats.rejected += 1
         raise InferenceRejected(self.name, reason, detail)
 
     # -- workers -----------------------------------------------------------
@@ -481,26 +544,14 @@ class DynamicBatcher:
                 # stop() gave up on this batch and already answered it.
                 return
             self._inflight[index] = None
+            # Counted before anyone is answered: a caller that sees its answer sees it counted.
             st = self._stats
             if skipped:
-                st.cancelled += len(skipped)
+                with st.lock:
+                    st.cancelled += len(skipped)
             if n:
-                st.batches += 1
-                st.batched_requests += n
-                st.batch_sizes[n] = st.batch_sizes.get(n, 0) + 1
-                st.compute_seconds += compute
-                st.queue_seconds += n * start - sum(enqueued)
-                if failed:
-                    st.failed += n
-                else:
-                    st.succeeded += n
+                st.batch_ran(n, [start - t for t in enqueued], compute, failed)
             deliver = self._order_locked(outcomes, skipped) if self._ordered else outcomes
-        # Metrics first: a caller that sees its answer also sees it counted.
-        if n and self._observed:
-            self._observe_batch(n, [start - t for t in enqueued], compute)
-            status = "failed" if failed else "success"
-            for _ in live:
-                self._observe_request(status)
         self._deliver(deliver)
 
     def _reaper(self) -> None:
@@ -523,7 +574,8 @@ class DynamicBatcher:
     # -- answers -----------------------------------------------------------
 
     def _timeout_locked(self, expired: list[_Request]) -> list[_Outcome]:
-        self._stats.timed_out += len(expired)
+        with self._stats.lock:
+            self._stats.timed_out += len(expired)
         out: list[_Outcome] = [
             (r, None, InferenceTimeout(self.name, "its queue timeout passed before a batch took it"))
             for r in expired
@@ -533,7 +585,8 @@ class DynamicBatcher:
     def _reject_locked(self, reqs: list[_Request], reason: str) -> list[_Outcome]:
         if not reqs:
             return []
-        self._stats.rejected += len(reqs)
+        with self._stats.lock:
+            self._stats.rejected += len(reqs)
         detail = "the model stopped before the request ran"
         out: list[_Outcome] = [(r, None, InferenceRejected(self.name, reason, detail)) for r in reqs]
         return self._order_locked([], reqs) + out if self._ordered else out
@@ -562,10 +615,6 @@ class DynamicBatcher:
     def _deliver(self, outcomes: list[_Outcome]) -> None:
         if not outcomes:
             return
-        if self._observed:
-            for _, _, exc in outcomes:
-                if isinstance(exc, InferenceRejected):
-                    self._observe_request("timeout" if exc.reason == TIMEOUT else "rejected")
         by_loop: dict[
             asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, BaseException | None]]
         ] = {}
@@ -589,15 +638,3 @@ class DynamicBatcher:
             # A closed event loop raises RuntimeError: nobody is waiting there any more.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_settle_async, items)
-
-    def _observe_request(self, status: str) -> None:
-        try:
-            self.observer.on_request(self.name, status)
-        except Exception:
-            log.exception("%s: observer.on_request failed", self.name)
-
-    def _observe_batch(self, size: int, queue_seconds: list[float], compute: float) -> None:
-        try:
-            self.observer.on_batch(self.name, size, queue_seconds, compute)
-        except Exception:
-            log.exception("%s: observer.on_batch failed", self.name)

@@ -3,28 +3,39 @@
 Labels stay bounded: pipeline, source (the operator's id, never a URL), stage,
 model, status and reason. Each :class:`Runtime` owns one registry so tests and
 several pipelines in one process do not collide.
+
+Counts kept for the report too are not kept here a second time: the families of
+a source's frames, drops, reconnects and messages, and of a model's requests and
+batches, are read at scrape time from the counters objects themselves (a
+:class:`~pipeline.counters.SourceCounters` per source, a
+:class:`~inference.batcher.BatcherStats` per model) by :class:`CountersCollector`;
+``Runtime.report()`` reads the same objects. The rest (what stages count) are
+prometheus_client metrics that only this registry holds.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
+from inference.batcher import LATENCY_BUCKETS, BatcherStats
 from pipeline.events import EVENT_TYPES
 
 if TYPE_CHECKING:
+    from inference.memory import BufferPool
     from inference.repository import ModelStatus
+    from pipeline.counters import SourceCounters
 
 log = logging.getLogger("vidpipe.metrics")
 
-# Video work spans milliseconds to seconds.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-                   1.0, 2.0, 5.0, 10.0)  # fmt: skip
 # Capture to publish: an overloaded graph runs seconds to a minute behind, and a quantile
 # past the last finite bucket cannot be read.
 E2E_BUCKETS = (*LATENCY_BUCKETS, 15.0, 20.0, 30.0, 45.0, 60.0)
@@ -36,37 +47,42 @@ PUBLISH_ERROR_REASONS = ("outbox_full", "retry", "shutdown", "failed")
 OBJECT_SKIP_REASONS = ("max_objects", "min_size", "rejected", "failed")
 
 
+class CountedSource(Protocol):
+    """What the collector reads of a running source (the runtime's ``SourceRun``)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def counters(self) -> SourceCounters: ...
+    @property
+    def up(self) -> bool: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def frame_pool(self) -> BufferPool | None: ...
+
+
 class Metrics:
-    """The metric families vidpipe exports (see docs/operations.md)."""
+    """The metric families vidpipe exports (see docs/operations.md).
+
+    It is also the model repository's observer: it hands each model its
+    :class:`BatcherStats` (one per model name, kept across reloads) and sets
+    ``vidpipe_model_ready`` on state changes.
+    """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.frames = Counter(
-            "vidpipe_frames_total",
-            "Frames accepted into the graph (decoded, less drops)",
-            ["pipeline", "source"],
-            registry=r,
-        )
-        # Read from the sources at scrape time: what the cameras deliver, whether or not the
-        # graph keeps up (the source-is-healthy signal; frames_total is the processed one).
-        self.frames_decoded = DecodedFramesCollector()
-        r.register(self.frames_decoded)
-        self.frames_dropped = Counter(
-            "vidpipe_frames_dropped_total",
-            "Frames dropped, by reason (" + ", ".join(DROP_REASONS) + ")",
-            ["pipeline", "source", "reason"],
-            registry=r,
-        )
-        self.source_up = Gauge(
-            "vidpipe_source_up", "1 while the source delivers frames", ["pipeline", "source"], registry=r
-        )
-        self.source_reconnects = Counter(
-            "vidpipe_source_reconnects_total",
-            "Reconnect attempts of live sources, by reason",
-            ["pipeline", "source", "reason"],
-            registry=r,
-        )
+        self.collector = CountersCollector()
+        c = self.collector
+        # Registered in the order they always had, so the exposition reads the same.
+        r.register(_Family(c.frames))
+        # What the cameras deliver, whether or not the graph keeps up (the
+        # source-is-healthy signal; frames_total is the processed one).
+        r.register(_Family(c.frames_decoded))
+        r.register(_Family(c.frames_dropped))
+        r.register(_Family(c.source_up))
+        r.register(_Family(c.source_reconnects))
         self.stage_latency = Histogram(
             "vidpipe_stage_latency_seconds",
             "Time a frame spends in each stage",
@@ -81,43 +97,15 @@ class Metrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
-        self.queue_depth = Gauge(
-            "vidpipe_queue_depth", "Frames waiting in a source's queue", ["pipeline", "source"], registry=r
-        )
-        self.inference_requests = Counter(
-            "vidpipe_inference_requests_total",
-            "Inference requests by outcome (success, rejected, timeout, failed)",
-            ["model", "status"],
-            registry=r,
-        )
-        self.inference_queue = Histogram(
-            "vidpipe_inference_queue_seconds",
-            "Time a request waits in the batcher",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.inference_compute = Histogram(
-            "vidpipe_inference_compute_seconds",
-            "Time to run one batch (preprocess, model, postprocess)",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.inference_batch_size = Histogram(
-            "vidpipe_inference_batch_size",
-            "Requests per executed batch",
-            ["model"],
-            buckets=BATCH_BUCKETS,
-            registry=r,
-        )
+        r.register(_Family(c.queue_depth))
+        r.register(_Family(c.inference_requests))
+        r.register(_Family(c.inference_queue))
+        r.register(_Family(c.inference_compute))
+        r.register(_Family(c.inference_batch_size))
         self.model_ready = Gauge(
             "vidpipe_model_ready", "1 while the model is loaded and ready", ["model"], registry=r
         )
-        self.published = Counter(
-            "vidpipe_published_messages_total", "Messages published to NATS", ["pipeline", "source"],
-            registry=r,
-        )  # fmt: skip
+        r.register(_Family(c.published))
         self.publish_errors = Counter(
             "vidpipe_publish_errors_total",
             "Messages that could not be published, by reason (" + ", ".join(PUBLISH_ERROR_REASONS) + ")",
@@ -172,9 +160,7 @@ class Metrics:
             ["pipeline", "source", "type"],
             registry=r,
         )
-        self.pool_buffers = Gauge(
-            "vidpipe_pool_buffers", "Buffers in a memory pool, by state", ["pool", "state"], registry=r
-        )
+        r.register(_Family(c.pool_buffers))
         self.reader_threads = Gauge(
             "vidpipe_source_reader_threads",
             "Reader threads of live sources in this process, abandoned ones included",
@@ -187,15 +173,12 @@ class Metrics:
             r.register(gpu)
 
     def forget_source(self, pipeline: str, source: str) -> None:
-        """Drop a removed source's series, so camera churn does not grow the registry."""
+        """Drop a removed source's series, so camera churn does not grow the registry.
+
+        The families read from the counters need nothing: a removed source is no longer read.
+        """
         per_source: tuple[tuple[Any, tuple[str, ...]], ...] = (
-            (self.frames, ("pipeline", "source")),
-            (self.frames_dropped, ("pipeline", "source", "reason")),
-            (self.source_up, ("pipeline", "source")),
-            (self.source_reconnects, ("pipeline", "source", "reason")),
             (self.e2e_latency, ("pipeline", "source")),
-            (self.queue_depth, ("pipeline", "source")),
-            (self.published, ("pipeline", "source")),
             (self.recording_dropped, ("pipeline", "source")),
             (self.publish_errors, ("pipeline", "source", "reason")),
             (self.objects_skipped, ("pipeline", "source", "stage", "reason")),
@@ -212,22 +195,11 @@ class Metrics:
             for values in _children(metric, names):
                 if values[:2] == (pipeline, source):
                     metric.remove(*values)
-        for values in _children(self.pool_buffers, ("pool", "state")):
-            if values[0] == f"frames-{source}":
-                self.pool_buffers.remove(*values)
 
-    # The inference layer reports through this observer interface (it never imports pipeline).
-    def on_request(self, model: str, status: str) -> None:
-        self.inference_requests.labels(model, status).inc()
+    # -- the model repository's observer (inference never imports pipeline) ------------------
 
-    def on_batch(
-        self, model: str, batch_size: int, queue_seconds: list[float], compute_seconds: float
-    ) -> None:
-        self.inference_batch_size.labels(model).observe(batch_size)
-        self.inference_compute.labels(model).observe(compute_seconds)
-        hist = self.inference_queue.labels(model)
-        for q in queue_seconds:
-            hist.observe(q)
+    def counters(self, model: str) -> BatcherStats:
+        return self.collector.model(model)
 
     def on_state(self, model: str, state: str, reason: str) -> None:
         self.model_ready.labels(model).set(1.0 if state.upper() == "READY" else 0.0)
@@ -246,27 +218,207 @@ def _children(metric: Any, names: tuple[str, ...]) -> set[tuple[str, ...]]:
     return out
 
 
-class DecodedFramesCollector(Collector):
-    """``vidpipe_frames_decoded_total{pipeline,source}``: frames each source decoded, read at scrape time.
+class _Family(Collector):
+    """One family of :class:`CountersCollector`, registered where its old metric stood."""
 
-    It counts every frame the decoder produced, also those dropped later as ``max_fps``,
-    ``pool_empty`` or ``queue_full``: decoded = ``vidpipe_frames_total`` + those drops.
-    The runtime sets ``pipeline`` and ``counts`` (source id -> frames) when it is built.
+    def __init__(self, build: Callable[[], Metric]) -> None:
+        self.build = build
+
+    def collect(self) -> Iterator[Metric]:
+        yield self.build()
+
+
+# vidpipe_inference_requests_total's status label -> the BatcherStats field it reads.
+STATUSES = {"success": "succeeded", "rejected": "rejected", "timeout": "timed_out", "failed": "failed"}
+
+
+class CountersCollector:
+    """The families read from the counters objects at scrape time.
+
+    ``watch`` tells it the pipeline's name and how to list its running sources;
+    :meth:`model` hands out (and keeps) each model's :class:`BatcherStats`. A
+    labelled series appears once it has counted something, as prometheus_client's
+    own children do; each series' ``_created`` is when its source or model started.
     """
 
     def __init__(self) -> None:
         self.pipeline = ""
-        self.counts: Callable[[], dict[str, int]] | None = None
+        self._sources: Callable[[], Iterable[CountedSource]] = tuple
+        self._models: dict[str, BatcherStats] = {}
+        self._models_lock = threading.Lock()  # models load on worker threads
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def watch(self, pipeline: str, sources: Callable[[], Iterable[CountedSource]]) -> None:
+        self.pipeline = pipeline
+        self._sources = sources
+
+    def model(self, name: str) -> BatcherStats:
+        """The counters of model ``name``, the same object for every copy of it."""
+        with self._models_lock:
+            stats = self._models.get(name)
+            if stats is None:
+                stats = self._models[name] = BatcherStats()
+            return stats
+
+    def models(self) -> dict[str, BatcherStats]:
+        """A consistent copy of every model's counters, by name."""
+        with self._models_lock:
+            models = dict(self._models)
+        return {name: stats.snapshot() for name, stats in models.items()}
+
+    def _runs(self) -> list[CountedSource]:
+        return sorted(self._sources(), key=lambda run: run.id)
+
+    # -- sources -----------------------------------------------------------------------------
+
+    def frames(self) -> Metric:
+        family = CounterMetricFamily(
+            "vidpipe_frames_total", "Frames accepted into the graph (decoded, less drops)",
+            labels=["pipeline", "source"],
+        )  # fmt: skip
+        for run in self._runs():
+            c = run.counters
+            family.add_metric([self.pipeline, run.id], c.accepted, created=c.created)
+        return family
+
+    def frames_decoded(self) -> Metric:
+        """Every frame the decoder produced, also those dropped later as ``max_fps``,
+        ``pool_empty`` or ``queue_full``: decoded = ``vidpipe_frames_total`` + those drops."""
         family = CounterMetricFamily(
             "vidpipe_frames_decoded",
             "Frames decoded by the source, before any drop (max_fps, pool_empty, queue_full)",
             labels=["pipeline", "source"],
         )
-        for source, n in sorted((self.counts() if self.counts is not None else {}).items()):
-            family.add_metric([self.pipeline, source], float(n))
-        yield family
+        for run in self._runs():
+            family.add_metric([self.pipeline, run.id], float(run.counters.decoded))
+        return family
+
+    def frames_dropped(self) -> Metric:
+        family = CounterMetricFamily(
+            "vidpipe_frames_dropped_total",
+            "Frames dropped, by reason (" + ", ".join(DROP_REASONS) + ")",
+            labels=["pipeline", "source", "reason"],
+        )
+        for run in self._runs():
+            c = run.counters
+            for reason, n in sorted(c.dropped_by_reason().items()):
+                family.add_metric([self.pipeline, run.id, reason], n, created=c.created)
+        return family
+
+    def source_up(self) -> Metric:
+        family = GaugeMetricFamily(
+            "vidpipe_source_up", "1 while the source delivers frames", labels=["pipeline", "source"]
+        )
+        for run in self._runs():
+            family.add_metric([self.pipeline, run.id], 1.0 if run.up else 0.0)
+        return family
+
+    def source_reconnects(self) -> Metric:
+        family = CounterMetricFamily(
+            "vidpipe_source_reconnects_total",
+            "Reconnect attempts of live sources, by reason",
+            labels=["pipeline", "source", "reason"],
+        )
+        for run in self._runs():
+            c = run.counters
+            for reason, n in sorted(c.reconnects_by_reason().items()):
+                family.add_metric([self.pipeline, run.id, reason], n, created=c.created)
+        return family
+
+    def queue_depth(self) -> Metric:
+        family = GaugeMetricFamily(
+            "vidpipe_queue_depth", "Frames waiting in a source's queue", labels=["pipeline", "source"]
+        )
+        for run in self._runs():
+            family.add_metric([self.pipeline, run.id], float(run.queue_depth))
+        return family
+
+    def published(self) -> Metric:
+        family = CounterMetricFamily(
+            "vidpipe_published_messages_total", "Messages published to NATS", labels=["pipeline", "source"]
+        )
+        for run in self._runs():
+            c = run.counters
+            family.add_metric([self.pipeline, run.id], c.published, created=c.created)
+        return family
+
+    def pool_buffers(self) -> Metric:
+        family = GaugeMetricFamily(
+            "vidpipe_pool_buffers", "Buffers in a memory pool, by state", labels=["pool", "state"]
+        )
+        for run in self._runs():
+            pool = run.frame_pool
+            if pool is not None:
+                family.add_metric([pool.name, "in_use"], float(pool.in_use))
+                family.add_metric([pool.name, "capacity"], float(pool.capacity))
+        return family
+
+    # -- models ------------------------------------------------------------------------------
+
+    def inference_requests(self) -> Metric:
+        family = CounterMetricFamily(
+            "vidpipe_inference_requests_total",
+            "Inference requests by outcome (success, rejected, timeout, failed)",
+            labels=["model", "status"],
+        )
+        for name, st in sorted(self.models().items()):
+            for status, attr in STATUSES.items():
+                n = getattr(st, attr)
+                if n:
+                    family.add_metric([name, status], n, created=st.created)
+        return family
+
+    def inference_queue(self) -> Metric:
+        family = HistogramMetricFamily(
+            "vidpipe_inference_queue_seconds", "Time a request waits in the batcher", labels=["model"]
+        )
+        for name, st in sorted(self.models().items()):
+            if st.batches:
+                _add_histogram(family, name, LATENCY_BUCKETS, st.queue_buckets, st.queue_seconds, st.created)
+        return family
+
+    def inference_compute(self) -> Metric:
+        family = HistogramMetricFamily(
+            "vidpipe_inference_compute_seconds",
+            "Time to run one batch (preprocess, model, postprocess)",
+            labels=["model"],
+        )
+        for name, st in sorted(self.models().items()):
+            if st.batches:
+                _add_histogram(
+                    family, name, LATENCY_BUCKETS, st.compute_buckets, st.compute_seconds, st.created
+                )
+        return family
+
+    def inference_batch_size(self) -> Metric:
+        family = HistogramMetricFamily(
+            "vidpipe_inference_batch_size", "Requests per executed batch", labels=["model"]
+        )
+        for name, st in sorted(self.models().items()):
+            if st.batches:
+                counts = [0] * (len(BATCH_BUCKETS) + 1)
+                for size, n in st.batch_sizes.items():
+                    counts[next((i for i, b in enumerate(BATCH_BUCKETS) if size <= b), -1)] += n
+                _add_histogram(family, name, BATCH_BUCKETS, counts, st.batched_requests, st.created)
+        return family
+
+
+def _add_histogram(
+    family: HistogramMetricFamily,
+    model: str,
+    bounds: tuple[float, ...],
+    counts: list[int],
+    total: float,
+    created: float,
+) -> None:
+    """One model's histogram from per-bucket ``counts`` (the last: over the largest bound)."""
+    cumulative = 0
+    buckets: list[tuple[str, float]] = []
+    for bound, n in zip((*bounds, float("inf")), counts, strict=True):
+        cumulative += n
+        buckets.append((floatToGoString(bound), float(cumulative)))
+    family.add_metric([model], buckets, total)
+    # prometheus_client's own histograms export when each series began; so do these.
+    family.samples.append(Sample(family.name + "_created", {"model": model}, created))
 
 
 class ModelInfoCollector(Collector):

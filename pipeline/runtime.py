@@ -24,13 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from inference.batcher import InferenceObserver
+from inference.batcher import BatcherStats
 from inference.config import ModelConfig
 from inference.errors import VidpipeError
+from inference.memory import BufferPool
 from inference.model import ModelState
 from inference.ratelimit import RateLimitedLog
 from inference.repository import ModelRepository
 from pipeline.config import PipelineConfig, SourceConfig
+from pipeline.counters import SourceCounters
 from pipeline.frames import Frame
 from pipeline.metrics import Metrics
 from pipeline.outputs.manager import Outputs
@@ -45,12 +47,11 @@ from pipeline.stages.publish import Publisher
 from pipeline.stages.registry import create_stage
 from pipeline.stats import (
     LatencyWindow,
-    ModelRecorder,
     ModelReport,
-    Percentiles,
     PipelineReport,
     SourceReport,
     StageClock,
+    percentiles_ms,
 )
 
 log = logging.getLogger("vidpipe.runtime")
@@ -131,30 +132,13 @@ def _frames_at_work(model: ModelConfig) -> int:
     return model.instance_count * batch
 
 
-class _Observers:
-    """Hands the batchers' events to several observers (the metrics and the stats recorder)."""
-
-    def __init__(self, *observers: InferenceObserver) -> None:
-        self.observers = observers
-
-    def on_request(self, model: str, status: str) -> None:
-        for o in self.observers:
-            o.on_request(model, status)
-
-    def on_batch(
-        self, model: str, batch_size: int, queue_seconds: list[float], compute_seconds: float
-    ) -> None:
-        for o in self.observers:
-            o.on_batch(model, batch_size, queue_seconds, compute_seconds)
-
-    def on_state(self, model: str, state: str, reason: str) -> None:
-        for o in self.observers:
-            o.on_state(model, state, reason)
-
-
 @dataclass
 class SourceRun:
-    """A running source and its counters (what ``GET /v1/sources`` shows)."""
+    """A running source, its queue and tasks (what ``GET /v1/sources`` shows).
+
+    Its counts are the source's :class:`SourceCounters` (``counters``), which
+    ``/metrics`` reads too.
+    """
 
     config: SourceConfig
     source: Source
@@ -163,8 +147,6 @@ class SourceRun:
     publisher: asyncio.Task[None] | None = None
     # Frame tasks between intake and publish; cancelled when a removal gives up on them.
     frame_tasks: set[asyncio.Task[Frame | None]] = field(default_factory=set)
-    published: int = 0
-    dropped: dict[str, int] = field(default_factory=dict)
     # The latest published frame (image and objects): what the dashboard's snapshot draws.
     last_frame: Frame | None = None
     # Tells this run of the source apart from earlier ones with the same id (frame
@@ -177,29 +159,54 @@ class SourceRun:
     # Frames of this source in the graph at once (runtime.max_in_flight, or derived at its start).
     max_in_flight: int = 1
 
+    # What the metrics collector reads (pipeline.metrics.CountedSource).
     @property
-    def decoded(self) -> int:
-        # Frames the source decoded but dropped itself never reached its queue.
-        dropped = self.dropped
-        return self.source.stats.frames + dropped.get("max_fps", 0) + dropped.get("pool_empty", 0)
+    def id(self) -> str:
+        return self.source.id
+
+    @property
+    def counters(self) -> SourceCounters:
+        return self.source.stats
+
+    @property
+    def up(self) -> bool:
+        return self.source.state == SourceState.UP
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.queue)
+
+    @property
+    def frame_pool(self) -> BufferPool | None:
+        return self.source.frame_pool
+
+    @property
+    def published(self) -> int:
+        return self.source.stats.published
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        return self.source.stats.dropped_by_reason()
 
     def report(self, overload: OverloadMonitor | None = None) -> SourceReport:
         source = self.source
+        counters = source.stats
         return SourceReport(
             id=source.id,
             url=source.display_url,
             state=source.state,
             reason=source.reason,
             live=source.live,
-            frames=source.stats.frames,
-            decoded=self.decoded,
-            published=self.published,
-            dropped=dict(self.dropped),
-            reconnects=source.stats.reconnects,
+            frames=counters.frames,
+            decoded=counters.decoded,
+            published=counters.published,
+            dropped=counters.dropped_by_reason(),
+            reconnects=counters.reconnects,
             queue_depth=len(self.queue),
             latency_ms=self.latencies.percentiles_ms(),
             stage_seconds=self.stage_clock.totals(),
             overload=overload.current(source.id) if overload is not None else None,
+            fps=counters.fps(),
         )
 
 
@@ -235,21 +242,20 @@ class Runtime:
         self._stopping = asyncio.Event()
         self._idle = asyncio.Event()
         self._errors = RateLimitedLog()
-        self._model_stats = ModelRecorder()
         self._unordered: list[Stage] = []
         self._ordered: list[Stage] = []
         self.started_at = 0.0
         # Called on the event loop after each frame is published (embedding, benchmarks).
         self._on_published = on_published
-        self._published = 0  # across every source, also removed ones
+        self._published_removed = 0  # by sources no longer here (published_total adds the rest)
         self.source_ids_seen: set[str] = set()  # every source started, also removed ones
         self._persistent = False
         # Says which source cannot keep up, once per interval (pipeline.overload).
         models = {s.name: s.models()[0] for s in config.stages if s.models()}
         self.overload = OverloadMonitor(models, interval=overload_interval)
         self._overload_task: asyncio.Task[None] | None = None
-        self.metrics.frames_decoded.pipeline = config.pipeline
-        self.metrics.frames_decoded.counts = self.decoded_frames
+        # /metrics reads the running sources' counters at scrape time.
+        self.metrics.collector.watch(config.pipeline, lambda: list(self.sources.values()))
         # Live views, recordings and clips; idle for sources nobody watches or records.
         self._warnings = RateLimitedLog(logger=log, level=logging.WARNING)
         self.outputs = Outputs(config, publish=self._publish_raw, on_recording_drop=self._on_recording_drop)
@@ -298,7 +304,7 @@ class Runtime:
                 f"repository folder {root} not found; check the path",
                 key="models", file=cfg.file, line=cfg.line("models"),
             )  # fmt: skip
-        self.models = ModelRepository(Path(root), observer=_Observers(self.metrics, self._model_stats))
+        self.models = ModelRepository(Path(root), observer=self.metrics)
         self.metrics.model_info.status = self.models.status
         for name in names:
             i = next(i for i, s in enumerate(cfg.stages) if name in s.models())
@@ -398,16 +404,14 @@ class Runtime:
         self.source_ids_seen.add(sid)
         loop = asyncio.get_running_loop()
         policy: OverflowPolicy = "drop_oldest" if config.live else "block"
-        pipeline = self.config.pipeline
+        source = create_source(config, self._on_source_state)
+        counters = source.stats
 
         def on_drop(frame: Frame) -> None:
             frame.release()
-            self._count_drop(frame.source, "queue_full")
+            counters.drop("queue_full")
 
         queue: FrameQueue[Frame] = FrameQueue(config.queue_size, policy, loop, on_drop)
-        source = create_source(config, self._on_source_state)
-        source.on_reconnect = self._on_source_reconnect
-        source.on_drop = self._on_source_drop
         # Every frame of this source is in its queue, in flight, being decoded, or the
         # latest one kept for the snapshot; more buffers than that would never be used.
         in_flight = self.max_in_flight(len(self.sources) + 1)
@@ -416,7 +420,6 @@ class Runtime:
         run = SourceRun(config=config, source=source, queue=queue, max_in_flight=in_flight)
         self.sources[sid] = run
         self.outputs.add_source(source)
-        self.metrics.source_up.labels(pipeline, sid).set(0)
         run.intake = asyncio.create_task(self._intake(run), name=f"intake-{sid}")
         source.start(queue)
         self._idle.set()
@@ -464,13 +467,12 @@ class Runtime:
         run.source.release_pools()
         if self.sources.get(sid) is run:
             del self.sources[sid]
+            self._published_removed += run.published
         self.metrics.forget_source(self.config.pipeline, sid)
         self._idle.set()
 
     def _on_source_state(self, source: Source, state: SourceState, reason: str) -> None:
-        # Called from the source's thread; logging and prometheus are thread-safe.
-        up = 1.0 if state == SourceState.UP else 0.0
-        self.metrics.source_up.labels(self.config.pipeline, source.id).set(up)
+        # Called from the source's thread; logging is thread-safe.
         about = {"source": source.id}
         if state == SourceState.FAILED:
             text = reason if reason.startswith("source ") else f"source {source.id}: {reason}"
@@ -483,18 +485,11 @@ class Runtime:
 
     def _on_sent(self, source: str) -> None:
         # A message really left (core: sent or flushed from the outbox; JetStream: acked).
-        self._published += 1
         run = self.sources.get(source)
         if run is not None:
-            run.published += 1
-
-    def _on_source_drop(self, source: Source, reason: str) -> None:
-        # From the source's thread; prometheus counters are thread-safe.
-        self._count_drop(source.id, reason)
-
-    def _on_source_reconnect(self, source: Source, reason: str) -> None:
-        # From the source's thread, like _on_source_state; the state change already logged why.
-        self.metrics.source_reconnects.labels(self.config.pipeline, source.id, reason).inc()
+            run.counters.message_published()
+        else:
+            self._published_removed += 1  # flushed from the outbox after its source went
 
     def _on_recording_drop(self, source: str) -> None:
         self.metrics.recording_dropped.labels(self.config.pipeline, source).inc()
@@ -506,16 +501,15 @@ class Runtime:
         )
 
     def _count_drop(self, source: str, reason: str) -> None:
-        self.metrics.frames_dropped.labels(self.config.pipeline, source, reason).inc()
         run = self.sources.get(source)
         if run is not None:
-            run.dropped[reason] = run.dropped.get(reason, 0) + 1
+            run.counters.drop(reason)
 
     # -- frames ----------------------------------------------------------------------------
 
     async def _intake(self, run: SourceRun) -> None:
         sid = run.source.id
-        pipeline = self.config.pipeline
+        counters = run.counters
         # A slot is taken before a frame leaves the source's queue and given back once the
         # frame is published or dropped: exactly max_in_flight frames are in the graph at
         # most, and a live source's waiting frames stay in its drop-oldest queue, so the
@@ -533,21 +527,16 @@ class Runtime:
                 if isinstance(item, EndOfStream):
                     slots.release()
                     break
-                self.metrics.queue_depth.labels(pipeline, sid).set(len(run.queue))
-                pool = run.source.frame_pool
-                if pool is not None:
-                    self.metrics.pool_buffers.labels(pool.name, "in_use").set(pool.in_use)
-                    self.metrics.pool_buffers.labels(pool.name, "capacity").set(pool.capacity)
                 if self._stopping.is_set() and run.source.live:
                     item.release()
                     slots.release()
-                    self._count_drop(sid, "shutdown")
+                    counters.drop("shutdown")
                     continue
                 if not run.source.live:
                     # A file's frame was decoded ahead and waited for the graph by design
                     # (lossless); its latency starts when the graph takes it.
                     item.capture_ts = time.time()
-                self.metrics.frames.labels(pipeline, sid).inc()
+                counters.accepted += 1
                 accepted += 1
                 task = asyncio.create_task(self._process(item))
                 run.frame_tasks.add(task)
@@ -609,7 +598,7 @@ class Runtime:
             except Exception as exc:
                 # Never let one frame end this source's publisher: its slots would never
                 # come back and intake would wait forever.
-                self._count_drop(run.source.id, "publish_failed")
+                run.counters.drop("publish_failed")
                 log.error("source %s: a frame failed after processing: %r", run.source.id, exc)
             finally:
                 slots.release()
@@ -623,7 +612,7 @@ class Runtime:
         try:
             await self.publisher.publish(frame, run.stream_id)
         except Exception as exc:
-            self._count_drop(frame.source, "publish_failed")
+            run.counters.drop("publish_failed")
             log.error("source %s: frame %d not published: %s", frame.source, frame.index, exc)
             frame.release()
             return
@@ -668,33 +657,30 @@ class Runtime:
             except Exception as exc:  # a reporting bug must not end the checks for good
                 self._errors("overload", f"overload check failed: {type(exc).__name__}: {exc}")
 
-    def decoded_frames(self) -> dict[str, int]:
-        """Frames each running source decoded (``vidpipe_frames_decoded_total``)."""
-        return {sid: run.decoded for sid, run in list(self.sources.items())}
-
     def published_total(self) -> int:
-        return self._published
+        """Messages published across every source, also removed ones."""
+        return self._published_removed + sum(run.published for run in list(self.sources.values()))
 
     def report(self) -> PipelineReport:
         """Sources, models and totals as they are now (what the API and health read)."""
         needed = self.config.models_used()
-        recorders = self._model_stats.models()
+        counters = self.metrics.collector.models()
         models = []
         if self.models is not None:
             for status in self.models.status():
                 if status.name not in needed:
                     continue
-                rec = recorders.get(status.name)
+                st = counters.get(status.name) or BatcherStats()
                 models.append(
                     ModelReport(
                         name=status.name,
                         state=status.state,
                         reason=status.reason,
-                        batches=rec.batches if rec else 0,
-                        requests=rec.requests if rec else 0,
-                        batch_sizes=dict(rec.sizes) if rec else {},
-                        queue_ms=rec.queue.percentiles_ms() if rec else Percentiles(),
-                        compute_ms=rec.compute.percentiles_ms() if rec else Percentiles(),
+                        batches=st.batches,
+                        requests=st.batched_requests,
+                        batch_sizes=st.batch_sizes,
+                        queue_ms=percentiles_ms(st.queue_recent),
+                        compute_ms=percentiles_ms(st.compute_recent),
                     )
                 )
         return PipelineReport(
@@ -705,7 +691,7 @@ class Runtime:
             models_needed=needed,
             models_loaded=self.models is not None,
             nats_connected=self.publisher.connected.is_set(),
-            published=self._published,
+            published=self.published_total(),
         )
 
 

@@ -2,19 +2,20 @@
 
 ``GET /v1/stats``, the dashboard and ``/readyz`` read a :class:`PipelineReport`
 (from ``Runtime.report()``) instead of the runtime's internals or the metrics
-registry. The latency figures come from small recorders the runtime keeps
-itself: a window of recent end-to-end latencies per source
+registry. Counts come from the counters objects ``/metrics`` reads too (a
+:class:`~pipeline.counters.SourceCounters` per source, a
+:class:`~inference.batcher.BatcherStats` per model), so the two always agree.
+Latency figures come from a window of recent end-to-end latencies per source
 (:class:`LatencyWindow`), the time its frames spent in each stage
-(:class:`StageClock`) and a batch recorder per model (:class:`BatchRecorder`,
-fed by the batcher's observer interface). A source that cannot keep up carries
-an :class:`Overload` (what :mod:`pipeline.overload` found in the last interval).
+(:class:`StageClock`) and each model's recent queue and compute times. A source
+that cannot keep up carries an :class:`Overload` (what :mod:`pipeline.overload`
+found in the last interval).
 """
 
 from __future__ import annotations
 
 import collections
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
@@ -27,27 +28,19 @@ WINDOW = 256  # recent samples behind each percentile
 
 
 class LatencyWindow(Sequence[float]):
-    """The latest ``size`` samples (seconds), oldest first, with percentiles."""
+    """The latest ``size`` samples (seconds), oldest first, with percentiles.
+
+    Written on the event loop only (a source's publisher task), so it needs no lock.
+    """
 
     def __init__(self, size: int = WINDOW) -> None:
         self._values: collections.deque[float] = collections.deque(maxlen=size)
-        self._lock = threading.Lock()  # batches are recorded from model worker threads
 
     def add(self, seconds: float) -> None:
-        with self._lock:
-            self._values.append(seconds)
-
-    def extend(self, seconds: Sequence[float]) -> None:
-        with self._lock:
-            self._values.extend(seconds)
+        self._values.append(seconds)
 
     def percentiles_ms(self) -> Percentiles:
-        with self._lock:
-            values = np.fromiter(self._values, dtype=np.float64, count=len(self._values))
-        if values.size == 0:
-            return Percentiles()
-        p50, p99 = np.percentile(values, [50, 99]) * 1000.0
-        return Percentiles(round(float(p50), 2), round(float(p99), 2))
+        return percentiles_ms(self._values)
 
     def __len__(self) -> int:
         return len(self._values)
@@ -57,33 +50,10 @@ class LatencyWindow(Sequence[float]):
     @overload
     def __getitem__(self, index: slice) -> list[float]: ...
     def __getitem__(self, index: int | slice) -> float | list[float]:
-        with self._lock:
-            values = list(self._values)
-        return values[index]
+        return list(self._values)[index]
 
     def __iter__(self) -> Iterator[float]:
-        with self._lock:
-            return iter(list(self._values))
-
-
-@dataclass(slots=True)
-class BatchRecorder:
-    """What one model's batcher reported: batches, their sizes, recent queue times."""
-
-    batches: int = 0
-    requests: int = 0
-    sizes: dict[int, int] = field(default_factory=dict)
-    queue: LatencyWindow = field(default_factory=LatencyWindow)
-    compute: LatencyWindow = field(default_factory=LatencyWindow)  # per batch
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def record(self, size: int, queue_seconds: Sequence[float], compute_seconds: float = 0.0) -> None:
-        with self._lock:
-            self.batches += 1
-            self.requests += size
-            self.sizes[size] = self.sizes.get(size, 0) + 1
-        self.queue.extend(queue_seconds)
-        self.compute.add(compute_seconds)
+        return iter(list(self._values))
 
 
 class StageClock:
@@ -109,39 +79,21 @@ class StageClock:
         return {stage: (self.seconds[stage], self.frames[stage]) for stage in self.seconds}
 
 
-class ModelRecorder:
-    """The inference observer behind :class:`ModelReport`: one :class:`BatchRecorder` per model."""
-
-    def __init__(self) -> None:
-        self._models: dict[str, BatchRecorder] = {}
-        self._lock = threading.Lock()
-
-    def recorder(self, model: str) -> BatchRecorder:
-        with self._lock:
-            return self._models.setdefault(model, BatchRecorder())
-
-    def models(self) -> dict[str, BatchRecorder]:
-        with self._lock:
-            return dict(self._models)
-
-    def on_request(self, model: str, status: str) -> None:
-        pass
-
-    def on_batch(
-        self, model: str, batch_size: int, queue_seconds: list[float], compute_seconds: float
-    ) -> None:
-        self.recorder(model).record(batch_size, queue_seconds, compute_seconds)
-
-    def on_state(self, model: str, state: str, reason: str) -> None:
-        pass
-
-
 @dataclass(slots=True, frozen=True)
 class Percentiles:
     """p50 and p99 in milliseconds; None when nothing was measured yet."""
 
     p50: float | None = None
     p99: float | None = None
+
+
+def percentiles_ms(seconds: Iterable[float]) -> Percentiles:
+    """p50 and p99 of ``seconds``, in milliseconds rounded to 0.01."""
+    values = np.fromiter(seconds, dtype=np.float64)
+    if values.size == 0:
+        return Percentiles()
+    p50, p99 = np.percentile(values, [50, 99]) * 1000.0
+    return Percentiles(round(float(p50), 2), round(float(p99), 2))
 
 
 @dataclass(slots=True, frozen=True)
@@ -200,6 +152,8 @@ class SourceReport:
     latency_ms: Percentiles  # capture to publish, over the recent window
     stage_seconds: dict[str, tuple[float, int]] = field(default_factory=dict)  # StageClock.totals()
     overload: Overload | None = None  # set while the source cannot keep up
+    # Messages published per second over about the last 5 s (SourceCounters.fps); None at first.
+    fps: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -235,13 +189,12 @@ class PipelineReport:
 
 
 __all__ = [
-    "BatchRecorder",
     "LatencyWindow",
-    "ModelRecorder",
     "ModelReport",
     "Overload",
     "Percentiles",
     "PipelineReport",
     "SourceReport",
     "StageClock",
+    "percentiles_ms",
 ]

@@ -20,7 +20,6 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import numpy as np
@@ -28,6 +27,7 @@ import numpy as np
 from inference.errors import VidpipeError
 from inference.memory import BufferHandle, BufferPool, PoolExhausted
 from pipeline.config import SourceConfig
+from pipeline.counters import SourceCounters
 from pipeline.frames import Frame
 from pipeline.queues import FrameQueue
 from pipeline.redact import redact_text, redact_url
@@ -42,7 +42,6 @@ __all__ = [
     "Source",
     "SourceError",
     "SourceState",
-    "SourceStats",
     "StateListener",
     "ThreadedSource",
 ]
@@ -74,15 +73,6 @@ ReconnectReason = Literal[
     "connection_failed",
     "connection_closed",
 ]
-
-
-@dataclass(slots=True)
-class SourceStats:
-    """Counters of one source (``GET /v1/sources`` and the readiness check read them)."""
-
-    frames: int = 0  # frames handed to the graph
-    reconnects: int = 0  # reconnects counted, as vidpipe_source_reconnects_total
-    last_frame_ts: float = 0.0  # wall time of the last frame handed over; 0 before the first
 
 
 StateListener = Callable[["Source", SourceState, str], None]
@@ -126,7 +116,8 @@ class Source(ABC):
         self.display_url = redact_url(config.url)
         self.state = SourceState.CONNECTING
         self.reason = ""
-        self.stats = SourceStats()
+        # Every count about this source, once: /metrics and the report read it (pipeline.counters).
+        self.stats = SourceCounters()
         self._on_state = on_state
         self.on_reconnect: ReconnectListener | None = None
         self.on_drop: DropListener | None = None
@@ -183,11 +174,12 @@ class Source(ABC):
 
     def count_reconnect(self, reason: ReconnectReason) -> None:
         """Record a reconnect attempt; ``reason`` becomes a metric label."""
-        self.stats.reconnects += 1
+        self.stats.reconnect(reason)
         if self.on_reconnect is not None:
             self.on_reconnect(self, reason)
 
     def _drop(self, reason: str) -> None:
+        self.stats.drop(reason)
         if self.on_drop is not None:
             self.on_drop(self, reason)
 
@@ -271,8 +263,7 @@ class Source(ABC):
                 return False
         self._next_index += 1
         self._last_kept_pts = pts
-        self.stats.frames += 1
-        self.stats.last_frame_ts = time.time()
+        self.stats.frame_queued()
         if self.state != SourceState.UP:
             self.set_state(SourceState.UP)
         return not self.stopping

@@ -281,7 +281,7 @@ class Publisher:
         if kind != "detections":
             self.metrics.events.labels(self.pipeline, source, kind).inc()
             return
-        self.metrics.published.labels(self.pipeline, source).inc()
+        # Counted once, by the listener (the runtime's source counters, which /metrics reads).
         if self.on_sent is not None:
             self.on_sent(source)
 

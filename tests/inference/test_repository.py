@@ -18,6 +18,7 @@ from inference.backends import BackendError, create_backend
 from inference.backends.base import TensorSpec
 from inference.backends.inputs import InputMismatchError
 from inference.backends.onnxruntime import OnnxRuntimeBackend, choose_providers
+from inference.batcher import BatcherStats
 from inference.config import (
     InputConfig,
     InstanceGroup,
@@ -147,10 +148,9 @@ async def test_unload_and_reload_states(tmp_path: Path) -> None:
     states: list[tuple[str, str]] = []
 
     class Obs:
-        def on_request(self, model: str, status: str) -> None: ...
-        def on_batch(
-            self, model: str, batch_size: int, queue_seconds: list[float], compute_seconds: float
-        ) -> None: ...
+        def counters(self, model: str) -> BatcherStats:
+            return BatcherStats()
+
         def on_state(self, model: str, state: str, reason: str) -> None:
             states.append((model, state))
 

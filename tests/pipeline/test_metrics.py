@@ -103,12 +103,88 @@ def test_every_exported_series_has_the_vidpipe_prefix() -> None:
 
 def test_forgetting_a_source_drops_its_series_only() -> None:
     m = Metrics()
-    m.frames.labels("p", "a").inc()
-    m.frames.labels("p", "b").inc()
-    m.frames_dropped.labels("p", "a", "queue_full").inc()
+    m.e2e_latency.labels("p", "a").observe(0.1)
+    m.e2e_latency.labels("p", "b").observe(0.1)
+    m.events.labels("p", "a", "line_cross").inc()
     m.forget_source("p", "a")
     text = m.render().decode()
     assert 'source="a"' not in text and 'source="b"' in text
+
+
+CLIP = """\
+pipeline: m
+models: {models}
+sources:
+  - {{id: clip, url: "{clip}", max_fps: 5}}
+stages:
+  - {{name: objects, type: infer, model: squares}}
+  - {{name: track, type: track}}
+"""
+
+
+async def test_metrics_and_the_report_read_one_set_of_counters(
+    tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats, demo_clip: Path
+) -> None:
+    # The clip has 45 frames at 15 fps; max_fps 5 keeps one in three.
+    path = tmp_path / "m.yaml"
+    path.write_text(CLIP.format(models=sample_models, clip=demo_clip))
+    config = load_config(path)
+    runtime = Runtime(config, nats_url=nats_server.url)
+    await runtime.start()
+    try:
+        first = runtime.sources["clip"]
+        assert first.intake is not None
+        await first.intake
+        assert runtime.models is not None
+        # A reload makes a new copy of the model (and batcher); it counts on where the old one left.
+        assert (await runtime.models.reload("squares")).state.value == "ready"
+        second = runtime.add_source(config.sources[0])  # the same clip again: a new run of "clip"
+        assert second.intake is not None
+        await second.intake
+        text = runtime.metrics.render().decode()
+        report = runtime.report()
+        squares = runtime.models.get("squares").stats
+    finally:
+        await runtime.stop()
+
+    s = samples(text)
+    labels = {"pipeline": "m", "source": "clip"}
+    # This run of the source: 45 decoded, 30 dropped by max_fps, 15 through the graph and out.
+    assert value(s, "vidpipe_frames_decoded_total", **labels) == 45
+    assert value(s, "vidpipe_frames_dropped_total", **labels, reason="max_fps") == 30
+    assert value(s, "vidpipe_frames_total", **labels) == 15
+    assert value(s, "vidpipe_published_messages_total", **labels) == 15
+    assert value(s, "vidpipe_source_up", **labels) == 0  # ended
+    assert value(s, "vidpipe_queue_depth", **labels) == 0
+    assert value(s, "vidpipe_pool_buffers", pool="frames-clip", state="in_use") == 1  # the snapshot's
+    (src,) = report.sources
+    assert (src.id, src.decoded, src.frames, src.published, src.dropped) == (
+        "clip",
+        45,
+        15,
+        15,
+        {"max_fps": 30},
+    )
+    assert src.reconnects == 0  # (fps depends on timing; tests/pipeline/test_counters.py pins it)
+    # Both runs of the source, as the report totals them.
+    assert report.published == runtime.published_total() == 30
+
+    # The model, across the reload: 30 requests, the same in every view.
+    assert value(s, "vidpipe_inference_requests_total", model="squares", status="success") == 30
+    assert value(s, "vidpipe_inference_queue_seconds_count", model="squares") == 30
+    assert value(s, "vidpipe_inference_batch_size_sum", model="squares") == 30
+    batches = value(s, "vidpipe_inference_batch_size_count", model="squares")
+    assert value(s, "vidpipe_inference_compute_seconds_count", model="squares") == batches
+    (model,) = report.models
+    assert (model.name, model.requests, model.batches) == ("squares", 30, batches)
+    assert sum(size * n for size, n in model.batch_sizes.items()) == 30
+    assert model.queue_ms.p50 is not None and model.compute_ms.p50 is not None
+    assert (squares.succeeded, squares.batches, squares.batch_sizes) == (30, batches, model.batch_sizes)
+    buckets = [
+        value(s, "vidpipe_inference_batch_size_bucket", model="squares", le=le)
+        for le in ("1.0", "2.0", "+Inf")
+    ]
+    assert buckets == [model.batch_sizes.get(1, 0), sum(model.batch_sizes.get(n, 0) for n in (1, 2)), batches]
 
 
 def test_gpu_collector_reports_each_device() -> None:

@@ -56,7 +56,7 @@ async def test_reload_swaps_a_model_without_stopping_the_stream(
 
         frames = [m["frame"] for m in collector.messages]
         assert frames == sorted(frames) and len(set(frames)) == len(frames)
-        assert stack.runtime.metrics.frames_dropped.labels("hot", "cam", "stage_error")._value.get() == 0
+        assert stack.runtime.report().sources[0].dropped.get("stage_error", 0) == 0
 
         status, body = await stack.json("POST", "/v1/models/nope/reload", json={})
         assert (status, body) == (404, {"error": "no model 'nope' in the repository"})
