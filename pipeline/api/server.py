@@ -28,7 +28,7 @@ from pipeline.api.listen import bind, check_http_config, connection_cap
 from pipeline.api.models import ModelRoutes
 from pipeline.api.probes import ProbeRoutes
 from pipeline.api.sources import SourceRoutes
-from pipeline.api.stats import FpsSampler, StatsRoutes
+from pipeline.api.stats import StatsRoutes
 from pipeline.api.views import EMBEDDABLE, ViewRoutes
 from pipeline.api.webrtc import WebRtcRoutes, offer_guard
 from pipeline.config import HttpConfig
@@ -65,7 +65,6 @@ class ApiServer:
         origins = AllowedOrigins(config.allowed_origins, EMBEDDABLE)
         self._auth = BearerAuth(config.token, origins)
         views = ViewRoutes(runtime)
-        self._rates = FpsSampler(runtime)
         self._webrtc = WebRtcRoutes(runtime, offer_guard(config, self.host))
         fleet_routes = FleetRoutes(fleet)
         self.app = web.Application(
@@ -75,11 +74,10 @@ class ApiServer:
         # Registered in this order so that routes on one path share one resource.
         router = self.app.router
         ProbeRoutes(runtime, self._auth, fleet).add_to(router)
-        forget = (views.forget, self._rates.forget)
-        SourceRoutes(runtime, config, fleet_routes, on_removed=forget).add_to(router)
+        SourceRoutes(runtime, config, fleet_routes, on_removed=(views.forget,)).add_to(router)
         views.add_to(router)
         origins.add_to(router)
-        StatsRoutes(runtime, self._rates).add_to(router)
+        StatsRoutes(runtime).add_to(router)
         fleet_routes.add_to(router)
         ModelRoutes(runtime).add_to(router)
         self._webrtc.add_to(router)
@@ -130,11 +128,9 @@ class ApiServer:
             max_connections_per_client=self.config.max_connections_per_client,
         )
         await self.site.start()
-        self._rates.start()
         log.info("HTTP API on %s%s", self.url, " (bearer token required)" if self._auth.required else "")
 
     async def stop(self) -> None:
-        await self._rates.stop()
         # Live views end first: a streaming response would otherwise hold cleanup up.
         self.runtime.outputs.relay.end_all()
         await self._webrtc.close()
