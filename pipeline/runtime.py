@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,7 +206,7 @@ class SourceRun:
 class Runtime:
     """Runs one pipeline until its finite sources end, a limit is reached, or it is stopped.
 
-    ``nats_url`` None publishes nowhere: messages reach only ``publisher.on_message``
+    ``nats_url`` None publishes nowhere: messages reach only ``on_message``
     (embedding without NATS, :mod:`pipeline.embed`).
     """
 
@@ -218,6 +218,7 @@ class Runtime:
         max_frames: int | None = None,
         metrics: Metrics | None = None,
         on_published: Callable[[Frame], None] | None = None,
+        on_message: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
         overload_interval: float = 10.0,
     ) -> None:
         self.config = config
@@ -227,8 +228,9 @@ class Runtime:
         self.metrics.reader_threads.set_function(lambda: float(reader_threads()))
         self.models: ModelRepository | None = None
         self.stages: list[Stage] = []
-        self.publisher = Publisher(config.nats, nats_url, config.pipeline, self.metrics)
-        self.publisher.on_sent = self._on_sent
+        self.publisher = Publisher(
+            config.nats, nats_url, config.pipeline, self.metrics, on_sent=self._on_sent, on_message=on_message
+        )
         self.sources: dict[str, SourceRun] = {}
         # Every source's frame pool is sized against this; a removed source gives its share back.
         self.frame_memory = FrameMemoryBudget(config.runtime.frame_memory_mb * MIB)
