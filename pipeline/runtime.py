@@ -36,10 +36,10 @@ from pipeline.metrics import Metrics
 from pipeline.outputs.manager import Outputs
 from pipeline.overload import OverloadMonitor
 from pipeline.queues import EndOfStream, FrameQueue, OverflowPolicy
-from pipeline.sources.base import Source, SourceError, SourceState
+from pipeline.sources.base import Source, SourceContext, SourceError, SourceState
 from pipeline.sources.budget import MIB, FrameMemoryBudget
 from pipeline.sources.live import reader_threads
-from pipeline.sources.registry import create_source
+from pipeline.sources.registry import class_of, create_source
 from pipeline.stages.base import Stage, StageContext
 from pipeline.stages.publish import Publisher
 from pipeline.stages.registry import create_stage
@@ -407,17 +407,24 @@ class Runtime:
             self._count_drop(frame.source, "queue_full")
 
         queue: FrameQueue[Frame] = FrameQueue(config.queue_size, policy, loop, on_drop)
-        source = create_source(config, self._on_source_state)
-        source.on_reconnect = self._on_source_reconnect
-        source.on_drop = self._on_source_drop
         # Every frame of this source is in its queue, in flight, being decoded, or the
         # latest one kept for the snapshot; more buffers than that would never be used.
         in_flight = self.max_in_flight(len(self.sources) + 1)
-        source.frame_pool_size = config.queue_size + in_flight + 4
-        source.frame_memory = self.frame_memory
+        context = SourceContext(
+            on_state=self._on_source_state,
+            on_reconnect=self._on_source_reconnect,
+            on_drop=self._on_source_drop,
+            frame_pool_size=config.queue_size + in_flight + 4,
+            frame_memory=self.frame_memory,
+            packet_listener=self.outputs.add_source(config, gives_packets=class_of(config).gives_packets),
+        )
+        try:
+            source = create_source(config, context)
+        except BaseException:
+            self.outputs.forget_source(sid)
+            raise
         run = SourceRun(config=config, source=source, queue=queue, max_in_flight=in_flight)
         self.sources[sid] = run
-        self.outputs.add_source(source)
         self.metrics.source_up.labels(pipeline, sid).set(0)
         run.intake = asyncio.create_task(self._intake(run), name=f"intake-{sid}")
         source.start(queue)

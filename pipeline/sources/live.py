@@ -50,7 +50,7 @@ from typing import Any
 from pipeline.backoff import backoff_delay
 from pipeline.config import SourceConfig
 from pipeline.redact import redact_text
-from pipeline.sources.base import ReconnectReason, SourceError, SourceState, StateListener
+from pipeline.sources.base import ReconnectReason, SourceContext, SourceError, SourceState
 from pipeline.sources.decode import AvSource, frame_rate
 
 log = logging.getLogger("vidpipe.source")
@@ -122,8 +122,8 @@ class LiveSource(AvSource):
     thread_type = "SLICE"
     skip_bad_packets = True
 
-    def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
-        super().__init__(config, on_state)
+    def __init__(self, config: SourceConfig, context: SourceContext | None = None) -> None:
+        super().__init__(config, context)
         self._lock = threading.Lock()
         self._failures = 0  # failed connections since the last frame: the backoff exponent
         self._random = random.Random()
