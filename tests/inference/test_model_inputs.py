@@ -86,7 +86,7 @@ async def test_a_host_float_backend_named_tensorrt_gets_normalised_host_tensors(
         result = await model.infer(np.full((H, W, 3), 255, np.uint8))
         assert isinstance(result, Classification) and result.label == "yes"
         (batch,) = backend.batches
-        assert (batch.shape, batch.dtype) == ((1, 3, H, W), np.float32)
+        assert batch.shape == (1, 3, H, W) and batch.dtype == np.float32
         np.testing.assert_allclose(batch, 1.0)  # 255 scaled by the default 1/255
     finally:
         model.stop()
@@ -105,7 +105,7 @@ async def test_a_host_uint8_backend_gets_resized_images_it_normalises_itself(tmp
         image[..., 0] = 200
         await model.infer(image)
         (batch,) = backend.batches
-        assert (batch.shape, batch.dtype) == ((1, H, W, 3), np.uint8)
+        assert batch.shape == (1, H, W, 3) and batch.dtype == np.uint8
         assert batch[..., 0].min() == batch[..., 0].max() == 200 and batch[..., 1:].max() == 0
     finally:
         model.stop()
