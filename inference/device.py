@@ -1,20 +1,17 @@
-"""Where arrays live: the NumPy/CuPy seam and CUDA stream/event helpers.
+"""Where arrays live: GPU detection, device arrays by protocol, CUDA stream/event helpers.
 
-Code that can run on either device asks for an array module instead of
-importing CuPy itself::
+Code that needs CuPy asks for it instead of importing it itself::
 
-    xp = get_array_module(config.device)     # device: cpu | gpu | cuda | auto
-    batch = xp.empty((8, 3, 640, 640), dtype=xp.float32)
+    cp = require_cupy()      # raises GpuUnavailableError saying why the GPU cannot be used
 
-A pipeline picks the device with one key (``auto`` takes the GPU only when CuPy
-imports and a CUDA device answers)::
-
-    device: auto
+Which work runs on a GPU is decided where the work is: a backend declares where
+it reads its batch (:class:`~inference.backends.base.InputLocation`) and the
+model fills it there; ``runtime.device`` in a pipeline only checks at start
+(``gpu`` refuses to start without a usable GPU, ``auto`` logs why there is none).
 
 Arrays are recognised by protocol, never by class: anything with
 ``__cuda_array_interface__`` or a CUDA ``__dlpack__`` (CuPy, PyTorch, PyAV's
-hardware frames, Numba, ...) is a device array and is wrapped without a copy;
-anything else is host memory.
+hardware frames, Numba, ...) is a device array; anything else is host memory.
 
 Importing this module never imports CuPy; the first call that needs it does.
 """
@@ -27,23 +24,18 @@ import threading
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-
 from inference.errors import VidpipeError
 
 __all__ = [
     "DLPACK_CUDA_DEVICES",
     "GpuUnavailableError",
-    "as_device_array",
     "current_stream",
-    "get_array_module",
     "gpu_available",
     "is_device_array",
     "new_stream",
     "record_event",
     "require_cupy",
     "reset_gpu_probe",
-    "to_host",
     "wait_event",
 ]
 
@@ -112,19 +104,6 @@ def require_cupy() -> ModuleType:
     return importlib.import_module("cupy")
 
 
-def get_array_module(device: str = "auto") -> ModuleType:
-    """NumPy for ``cpu``; CuPy for ``gpu``/``cuda`` (raises when unusable); ``auto``: CuPy if usable."""
-    kind = device.strip().lower()
-    if kind == "cpu":
-        return np
-    if kind in ("gpu", "cuda"):
-        return require_cupy()
-    if kind == "auto":
-        ok, _ = gpu_available()
-        return importlib.import_module("cupy") if ok else np
-    raise ValueError(f"unknown device {device!r}; expected cpu, gpu, cuda or auto")
-
-
 def _dlpack_device_type(x: Any) -> int | None:
     fn = getattr(x, "__dlpack_device__", None)
     if fn is None:
@@ -140,40 +119,6 @@ def is_device_array(x: Any) -> bool:
     if hasattr(x, "__cuda_array_interface__"):
         return True
     return hasattr(x, "__dlpack__") and _dlpack_device_type(x) in DLPACK_CUDA_DEVICES
-
-
-def as_device_array(x: Any, xp: ModuleType) -> Any:
-    """``x`` as an array of module ``xp``, without a copy when it already lives there.
-
-    With NumPy this is :func:`to_host`. With CuPy, CUDA arrays are wrapped
-    zero-copy (``__cuda_array_interface__`` first, then DLPack) and host arrays
-    are copied to the current device.
-    """
-    if xp is np:
-        return to_host(x)
-    if isinstance(x, xp.ndarray):
-        return x
-    if hasattr(x, "__cuda_array_interface__"):
-        return xp.asarray(x)
-    if hasattr(x, "__dlpack__") and _dlpack_device_type(x) in DLPACK_CUDA_DEVICES:
-        return xp.from_dlpack(x)
-    return xp.asarray(np.asarray(x))
-
-
-def to_host(x: Any) -> np.ndarray:
-    """A NumPy array with ``x``'s contents (``x`` itself when it already is one)."""
-    if isinstance(x, np.ndarray):
-        return x
-    get = getattr(x, "get", None)
-    if hasattr(x, "__cuda_array_interface__"):
-        if callable(get) and hasattr(x, "device"):  # CuPy: one D2H copy
-            return np.asarray(get())
-        cp = require_cupy()
-        return np.asarray(cp.asarray(x).get())
-    if hasattr(x, "__dlpack__") and _dlpack_device_type(x) in DLPACK_CUDA_DEVICES:
-        cp = require_cupy()
-        return np.asarray(cp.from_dlpack(x).get())
-    return np.asarray(x)
 
 
 # -- streams and events -------------------------------------------------------

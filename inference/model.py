@@ -24,10 +24,12 @@ so a model in steady state allocates no batch tensors. For ``max_batch_size: 0``
 (no batch axis) the backend gets ``pooled_tensor[0]`` and the task still sees
 outputs with a leading batch axis of 1.
 
-The pooled tensors are float ``N×C×H×W``, normalised on the host, unless the
-backend normalises inside the model (:attr:`Backend.takes_images`, OpenVINO's
-``backend_options.preprocess: auto``): then they are uint8 ``N×H×W×3`` RGB
-images, a quarter of the size, that the task only resizes into.
+Each backend says where it reads its batch (:attr:`Backend.input_location`), and
+:data:`INPUT_PLANS` maps that to the pool and the preprocessor the task is built
+with: float ``N×C×H×W`` normalised on the host (ONNX Runtime, Triton); uint8
+``N×H×W×3`` RGB images, a quarter of the size, only resized, for a model that
+normalises itself (OpenVINO's ``backend_options.preprocess: auto``); or tensors on
+the instance's GPU filled by one fused kernel (TensorRT).
 
 A load that fails leaves the model ``UNAVAILABLE`` with the reason instead of
 raising; :meth:`Model.infer` then refuses with reason ``unavailable``.
@@ -46,12 +48,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from inference.backends import create_backend
-from inference.backends.base import Backend, TensorSpec
+from inference.backends.base import Backend, InputLocation, TensorSpec
 from inference.batch_policy import BatchPolicy
 from inference.batcher import (
     UNAVAILABLE,
@@ -64,15 +66,29 @@ from inference.batcher import (
 from inference.config import ModelConfig
 from inference.introspect import fill_input_shape
 from inference.memory import BufferPool
-from inference.processing.base import Task
-from inference.processing.resize import ImageResizer, check_image
+from inference.processing.base import Preprocessor, Task
+from inference.processing.resize import ImagePreprocessor, ImageResizer, check_image
 from inference.processing.tasks import create_task
 from inference.results import Result
 
 # Under "vidpipe." like the pipeline's loggers: one tree to configure, "vidpipe.inference.*" here.
 log = logging.getLogger(f"vidpipe.{__name__}")
 
-TaskFactory = Callable[[ModelConfig, TensorSpec, Mapping[str, str], Sequence[str]], Task]
+
+class TaskFactory(Protocol):
+    """Builds a model's task (:func:`~inference.processing.tasks.create_task`, or a Task class)."""
+
+    def __call__(
+        self,
+        config: ModelConfig,
+        input_spec: TensorSpec,
+        metadata: Mapping[str, str],
+        labels: Sequence[str],
+        *,
+        preprocessor: Preprocessor | None = None,
+    ) -> Task: ...
+
+
 BackendFactory = Callable[[ModelConfig, Path, int], Backend]
 
 
@@ -179,12 +195,67 @@ def load_labels(config: ModelConfig, model_dir: Path) -> list[str]:
     return [line.strip() for line in lines]
 
 
-def preprocess_site(config: ModelConfig, backend: Backend) -> str:
-    """Where a model's images are normalised: ``model`` (inside the compiled model), ``gpu`` or ``cpu``."""
-    if backend.takes_images:
-        return "model"
-    # TensorRT fills its batches on the GPU with one fused kernel (inference.gpu).
-    return "gpu" if config.backend == "tensorrt" else "cpu"
+def batch_shape(config: ModelConfig) -> tuple[int, int, int, int]:
+    """Shape of each host-normalised batch tensor: ``(max(1, max_batch_size), C, H, W)``."""
+    c, h, w = config.input.shape
+    return (max(1, config.max_batch_size), c, h, w)
+
+
+def image_batch_shape(config: ModelConfig) -> tuple[int, int, int, int]:
+    """Shape of each uint8 image batch a model that normalises itself takes: ``(N, H, W, 3)``."""
+    _, h, w = config.input.shape
+    return (max(1, config.max_batch_size), h, w, 3)
+
+
+@dataclass(frozen=True, slots=True)
+class InputPlan:
+    """What fills the batches of a backend reading from one :class:`InputLocation`."""
+
+    # Where images are normalised, as `models list` and /v1/models show it.
+    site: str
+    # (config, pool name, the instance's GPU id) -> one pool of batch tensors.
+    pool: Callable[[ModelConfig, str, int], BufferPool]
+    # (config, backend, the instance's GPU id) -> what writes images into a batch tensor.
+    preprocessor: Callable[[ModelConfig, Backend, int], Preprocessor]
+
+
+def _device_pool(config: ModelConfig, name: str, gpu: int) -> BufferPool:
+    from inference.gpu import device_batch_pool  # imports CuPy: only a GPU model gets here
+
+    return device_batch_pool(config, name=name, device=gpu)
+
+
+def _device_preprocessor(config: ModelConfig, backend: Backend, gpu: int) -> Preprocessor:
+    from inference.gpu import gpu_preprocessor
+
+    # On the backend's stream, so the engine's run waits for the kernel without a host sync.
+    preprocessor: Preprocessor = gpu_preprocessor(config, stream=backend.stream, device=gpu)
+    return preprocessor
+
+
+# Where a backend reads its batch -> the pool and preprocessor its instances get.
+INPUT_PLANS: dict[InputLocation, InputPlan] = {
+    InputLocation.HOST_FLOAT: InputPlan(
+        "cpu",
+        lambda config, name, _gpu: BufferPool(batch_shape(config), config.input.dtype, count=1, name=name),
+        lambda config, _backend, _gpu: ImagePreprocessor(config.input),
+    ),
+    # The compiled model swaps channels, normalises and transposes: the host only
+    # resizes into uint8 images, a quarter of a float tensor.
+    InputLocation.HOST_UINT8: InputPlan(
+        "model",
+        lambda config, name, _gpu: BufferPool(image_batch_shape(config), "uint8", count=1, name=name),
+        lambda config, _backend, _gpu: ImageResizer(config.input),
+    ),
+    # Batch tensors stay on the instance's GPU, filled there by one fused kernel on the
+    # instance's stream; the engine reads them in place.
+    InputLocation.DEVICE: InputPlan("gpu", _device_pool, _device_preprocessor),
+}
+
+
+def preprocess_site(backend: Backend) -> str:
+    """Where a model's images are normalised: ``cpu``, ``model`` (inside the compiled model) or ``gpu``."""
+    return INPUT_PLANS[backend.input_location].site
 
 
 @dataclass(slots=True)
@@ -283,19 +354,17 @@ class Model:
     @property
     def preprocess(self) -> str:
         """Where images are normalised (see :func:`preprocess_site`); "" until loaded."""
-        return preprocess_site(self.config, self.instances[0].backend) if self.instances else ""
+        return preprocess_site(self.instances[0].backend) if self.instances else ""
 
     @property
     def batch_shape(self) -> tuple[int, int, int, int]:
         """Shape of each host-normalised batch tensor: ``(max(1, max_batch_size), C, H, W)``."""
-        c, h, w = self.config.input.shape
-        return (max(1, self.config.max_batch_size), c, h, w)
+        return batch_shape(self.config)
 
     @property
     def image_batch_shape(self) -> tuple[int, int, int, int]:
         """Shape of each uint8 image batch a model that normalises itself takes: ``(N, H, W, 3)``."""
-        _, h, w = self.config.input.shape
-        return (max(1, self.config.max_batch_size), h, w, 3)
+        return image_batch_shape(self.config)
 
     def load(self) -> ModelState:
         """Create the instances and start serving; blocking (a session can take seconds to build).
@@ -316,26 +385,14 @@ class Model:
             for index in range(config.instance_count):
                 backend = self._backend_factory(config, self.model_path, index)
                 try:
+                    plan = INPUT_PLANS[backend.input_location]
+                    _, gpu = config.placement(index)
+                    preprocessor = plan.preprocessor(config, backend, gpu)
                     # The backend checked its input against the config while loading.
-                    task = self._task_factory(config, backend.input, backend.metadata, self.labels)
-                    pool_name = f"{self.name}/instance-{index}"
-                    if config.backend == "tensorrt":
-                        # Batch tensors stay on the instance's GPU and are filled there by one
-                        # fused kernel on the instance's stream; the engine reads them in place.
-                        from inference.gpu import device_batch_pool, gpu_preprocessor
-
-                        _, gpu = config.placement(index)
-                        pool = device_batch_pool(config, name=pool_name, device=gpu)
-                        task.preprocessor = gpu_preprocessor(
-                            config, stream=getattr(backend, "stream", None), device=gpu
-                        )
-                    elif backend.takes_images:
-                        # The compiled model swaps channels, normalises and transposes: the
-                        # host only resizes into uint8 images, a quarter of a float tensor.
-                        pool = BufferPool(self.image_batch_shape, "uint8", count=1, name=pool_name)
-                        task.preprocessor = ImageResizer(config.input)
-                    else:
-                        pool = BufferPool(self.batch_shape, config.input.dtype, count=1, name=pool_name)
+                    task = self._task_factory(
+                        config, backend.input, backend.metadata, self.labels, preprocessor=preprocessor
+                    )
+                    pool = plan.pool(config, f"{self.name}/instance-{index}", gpu)
                 except BaseException:
                     backend.close()
                     raise

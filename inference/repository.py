@@ -437,7 +437,7 @@ def describe_repository(root: Path, *, backend_factory: BackendFactory = create_
                 state = "unavailable"
                 problems.append(f"{name}: {src.describe(exc)}")
                 unavailable.append(name)
-            site = preprocess_site(cfg, backend)
+            site = preprocess_site(backend)
             cells = (cfg.backend, backend.precision, site, inputs, outputs, batch, task, _labels_cell(labels))
             rows.append((name, version, state, *cells))
         finally:

@@ -156,8 +156,9 @@ class Pipeline:
         self.config = config
         # No URL here or in the config: no NATS at all (no embedded server either).
         self.nats_url = nats_url or config.nats.url
-        self.runtime = Runtime(config, nats_url=self.nats_url, max_frames=max_frames)
-        self.runtime.publisher.on_message = self._deliver
+        self.runtime = Runtime(
+            config, nats_url=self.nats_url, max_frames=max_frames, on_message=self._deliver
+        )
         self._keep_running = keep_running
         self._callbacks: list[ResultCallback] = []
         self._channels: set[_Channel] = set()

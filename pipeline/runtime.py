@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,10 +38,10 @@ from pipeline.metrics import Metrics
 from pipeline.outputs.manager import Outputs
 from pipeline.overload import OverloadMonitor
 from pipeline.queues import EndOfStream, FrameQueue, OverflowPolicy
-from pipeline.sources.base import Source, SourceError, SourceState
+from pipeline.sources.base import Source, SourceContext, SourceError, SourceState
 from pipeline.sources.budget import MIB, FrameMemoryBudget
 from pipeline.sources.live import reader_threads
-from pipeline.sources.registry import create_source
+from pipeline.sources.registry import class_of, create_source
 from pipeline.stages.base import Stage, StageContext
 from pipeline.stages.publish import Publisher
 from pipeline.stages.registry import create_stage
@@ -213,7 +213,7 @@ class SourceRun:
 class Runtime:
     """Runs one pipeline until its finite sources end, a limit is reached, or it is stopped.
 
-    ``nats_url`` None publishes nowhere: messages reach only ``publisher.on_message``
+    ``nats_url`` None publishes nowhere: messages reach only ``on_message``
     (embedding without NATS, :mod:`pipeline.embed`).
     """
 
@@ -225,6 +225,7 @@ class Runtime:
         max_frames: int | None = None,
         metrics: Metrics | None = None,
         on_published: Callable[[Frame], None] | None = None,
+        on_message: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
         overload_interval: float = 10.0,
     ) -> None:
         self.config = config
@@ -234,8 +235,9 @@ class Runtime:
         self.metrics.reader_threads.set_function(lambda: float(reader_threads()))
         self.models: ModelRepository | None = None
         self.stages: list[Stage] = []
-        self.publisher = Publisher(config.nats, nats_url, config.pipeline, self.metrics)
-        self.publisher.on_sent = self._on_sent
+        self.publisher = Publisher(
+            config.nats, nats_url, config.pipeline, self.metrics, on_sent=self._on_sent, on_message=on_message
+        )
         self.sources: dict[str, SourceRun] = {}
         # Every source's frame pool is sized against this; a removed source gives its share back.
         self.frame_memory = FrameMemoryBudget(config.runtime.frame_memory_mb * MIB)
@@ -404,7 +406,21 @@ class Runtime:
         self.source_ids_seen.add(sid)
         loop = asyncio.get_running_loop()
         policy: OverflowPolicy = "drop_oldest" if config.live else "block"
-        source = create_source(config, self._on_source_state)
+        # Every frame of this source is in its queue, in flight, being decoded, or the
+        # latest one kept for the snapshot; more buffers than that would never be used.
+        in_flight = self.max_in_flight(len(self.sources) + 1)
+        # Drops and reconnects are counted by the source's own counters (pipeline.counters).
+        context = SourceContext(
+            on_state=self._on_source_state,
+            frame_pool_size=config.queue_size + in_flight + 4,
+            frame_memory=self.frame_memory,
+            packet_listener=self.outputs.add_source(config, gives_packets=class_of(config).gives_packets),
+        )
+        try:
+            source = create_source(config, context)
+        except BaseException:
+            self.outputs.forget_source(sid)
+            raise
         counters = source.stats
 
         def on_drop(frame: Frame) -> None:
@@ -412,14 +428,8 @@ class Runtime:
             counters.drop("queue_full")
 
         queue: FrameQueue[Frame] = FrameQueue(config.queue_size, policy, loop, on_drop)
-        # Every frame of this source is in its queue, in flight, being decoded, or the
-        # latest one kept for the snapshot; more buffers than that would never be used.
-        in_flight = self.max_in_flight(len(self.sources) + 1)
-        source.frame_pool_size = config.queue_size + in_flight + 4
-        source.frame_memory = self.frame_memory
         run = SourceRun(config=config, source=source, queue=queue, max_in_flight=in_flight)
         self.sources[sid] = run
-        self.outputs.add_source(source)
         run.intake = asyncio.create_task(self._intake(run), name=f"intake-{sid}")
         source.start(queue)
         self._idle.set()

@@ -8,11 +8,12 @@ loading it checks the model's declared image input against the config once, with
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -27,6 +28,18 @@ class TensorSpec:
     name: str
     shape: tuple[int | None, ...]
     dtype: str
+
+
+class InputLocation(enum.Enum):
+    """Where a backend reads its batch tensor, and so what fills it (:data:`inference.model.INPUT_PLANS`)."""
+
+    # float N×C×H×W in host memory, resized and normalised on the host.
+    HOST_FLOAT = "host_float"
+    # uint8 N×H×W×3 RGB in host memory, only resized: the model swaps channels,
+    # normalises and transposes itself (OpenVINO's backend_options.preprocess: model).
+    HOST_UINT8 = "host_uint8"
+    # N×C×H×W on the instance's GPU, filled there by the fused kernel and read in place.
+    DEVICE = "device"
 
 
 class BackendError(VidpipeError, RuntimeError):
@@ -54,10 +67,9 @@ class Backend(ABC):
     # The precision the runtime computes in (f32, bf16, f16) where it decides one;
     # "native": the model file's own types.
     precision: str = "native"
-    # True: run() takes the batch as uint8 N×H×W×3 RGB images, resized but not normalised,
-    # and the model itself swaps channels, normalises and transposes (OpenVINO's
-    # backend_options.preprocess: model). False: float N×C×H×W tensors, normalised on the host.
-    takes_images: bool = False
+    # Where run() reads the batch: the model picks its batch pool and preprocessor by it.
+    # A class whose answer depends on the config sets it per instance while loading.
+    input_location: InputLocation = InputLocation.HOST_FLOAT
 
     def __init__(self, config: ModelConfig, model_path: Path, instance: int = 0) -> None:  # noqa: B027
         """Load instance number ``instance`` (0-based, across all instance groups) of a model."""
@@ -77,6 +89,14 @@ class Backend(ABC):
         saves copying them. By default, :meth:`run`.
         """
         return self.run(inputs)
+
+    @property
+    def stream(self) -> Any:
+        """The CUDA stream a ``DEVICE`` backend runs its batches on (its preprocessor queues there).
+
+        None for a backend that reads host memory.
+        """
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the instance's resources."""

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from inference.backends.base import Backend, BackendError, TensorSpec
+from inference.backends.base import Backend, BackendError, InputLocation, TensorSpec
 from inference.backends.inputs import check_input
 from inference.config import ModelConfig, ModelConfigError, OpenVinoOptions
 
@@ -404,7 +404,8 @@ class OpenVinoBackend(Backend):
         self.metadata = dict(shared.metadata)
         self.input = shared.input
         self.precision = precision_of(compiled)
-        self.takes_images = preprocesses_in_model(config)  # the compiled model normalises uint8 images
+        if preprocesses_in_model(config):  # the compiled model normalises uint8 images
+            self.input_location = InputLocation.HOST_UINT8
         self._output_names = [o.name for o in self.outputs]
         self._ov = ov
         # Static pieces write into these (one row per batch item) and read the inputs in

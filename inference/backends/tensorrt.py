@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from inference.backends.base import Backend, BackendError, TensorSpec
+from inference.backends.base import Backend, BackendError, InputLocation, TensorSpec
 from inference.backends.inputs import check_input
 from inference.config import ModelConfig, TensorRTOptions
 from inference.device import DLPACK_CUDA_DEVICES, gpu_available
@@ -145,6 +145,8 @@ class TensorRTBackend(Backend):
 
     kind = "tensorrt"
     options_type = TensorRTOptions
+    # Batch tensors stay on the instance's GPU, filled there by one fused kernel on its stream.
+    input_location = InputLocation.DEVICE
 
     def __init__(self, config: ModelConfig, model_path: Path, instance: int = 0) -> None:
         self.config = config

@@ -17,13 +17,26 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
 from inference.backends.base import TensorSpec
 from inference.config import ModelConfig, TaskConfig
+from inference.processing.resize import ImagePreprocessor, ResizeMeta
 from inference.results import Result
+
+
+class Preprocessor(Protocol):
+    """Writes a batch of H×W×3 uint8 RGB images into the batch tensor; one geometry per image.
+
+    :class:`~inference.processing.resize.ImagePreprocessor` (host float),
+    :class:`~inference.processing.resize.ImageResizer` (host uint8) and
+    :class:`~inference.gpu.preprocess.GpuPreprocessor` (device) are the three;
+    the model picks one by where its backend reads the batch.
+    """
+
+    def __call__(self, images: Sequence[np.ndarray], out: np.ndarray) -> list[ResizeMeta]: ...
 
 
 class Task(ABC):
@@ -43,14 +56,16 @@ class Task(ABC):
         input_spec: TensorSpec,
         metadata: Mapping[str, str],
         labels: Sequence[str],
+        *,
+        preprocessor: Preprocessor | None = None,
     ) -> None:
         self.config = config
         self.input_spec = input_spec
         self.metadata = dict(metadata)
         self.labels = list(labels)
-        # Writes images into the batch tensor; a GPU model swaps in the fused-kernel version,
-        # a model that normalises itself the uint8 resizer.
-        self.preprocessor: Any = None
+        # Writes images into the batch tensor: the model hands in the one its backend's input
+        # location needs; alone (a check, a test), the host float one.
+        self.preprocessor: Preprocessor = preprocessor or ImagePreprocessor(config.input)
 
     @property
     def item_shape(self) -> tuple[int, int, int]:

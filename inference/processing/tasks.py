@@ -15,9 +15,10 @@ text_detect       :class:`TextDetectTask` ``list[Detection]`` (label "text")
 text_recognize    :class:`TextRecognizeTask` ``Recognition``
 ================  ======================  =================================
 
-Every task preprocesses with :class:`~inference.processing.resize.ImagePreprocessor`
-(a model that normalises inside itself swaps in
-:class:`~inference.processing.resize.ImageResizer`) and returns that image's
+Every task preprocesses with the :class:`~inference.processing.base.Preprocessor`
+it is built with (the model picks it by where its backend reads the batch:
+:class:`~inference.processing.resize.ImagePreprocessor` for host float tensors)
+and returns that image's
 :class:`~inference.processing.resize.ResizeMeta` as its meta. A model with
 several outputs is read through its first output.
 
@@ -45,11 +46,10 @@ from inference.config import (
 )
 from inference.introspect import metadata_labels
 from inference.kinds import Kinds
-from inference.processing.base import Task
+from inference.processing.base import Preprocessor, Task
 from inference.processing.classify import classify
 from inference.processing.ctc import CTCDecoder, parse_dictionary
 from inference.processing.db import DBParams, db_boxes
-from inference.processing.resize import ImagePreprocessor
 from inference.processing.yolo import decode_yolo, resolve_layout
 from inference.results import Detection, Recognition, Result
 
@@ -66,16 +66,6 @@ __all__ = [
 
 class _ImageTask(Task):
     """Shared preprocessing and output access."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        input_spec: TensorSpec,
-        metadata: Mapping[str, str],
-        labels: Sequence[str],
-    ) -> None:
-        super().__init__(config, input_spec, metadata, labels)
-        self.preprocessor = ImagePreprocessor(config.input)
 
     def preprocess(self, images: Sequence[np.ndarray], out: np.ndarray) -> list[Any]:
         return list(self.preprocessor(images, out))
@@ -108,8 +98,12 @@ class YoloTask(_ImageTask):
         input_spec: TensorSpec,
         metadata: Mapping[str, str],
         labels: Sequence[str],
+        *,
+        preprocessor: Preprocessor | None = None,
     ) -> None:
-        super().__init__(config, input_spec, metadata, labels or metadata_labels(metadata))
+        super().__init__(
+            config, input_spec, metadata, labels or metadata_labels(metadata), preprocessor=preprocessor
+        )
         self.options = config.task_as(YoloOptions)
         self._layouts: dict[tuple[int, ...], str] = {}
 
@@ -185,8 +179,9 @@ class TextDetectTask(_ImageTask):
         labels: Sequence[str],
         *,
         dilate: bool = True,
+        preprocessor: Preprocessor | None = None,
     ) -> None:
-        super().__init__(config, input_spec, metadata, labels)
+        super().__init__(config, input_spec, metadata, labels, preprocessor=preprocessor)
         t = config.task_as(TextDetectOptions)
         self.params = DBParams(
             thresh=t.thresh,
@@ -230,8 +225,10 @@ class TextRecognizeTask(_ImageTask):
         input_spec: TensorSpec,
         metadata: Mapping[str, str],
         labels: Sequence[str],
+        *,
+        preprocessor: Preprocessor | None = None,
     ) -> None:
-        super().__init__(config, input_spec, metadata, labels)
+        super().__init__(config, input_spec, metadata, labels, preprocessor=preprocessor)
         key = self.dictionary_key = config.task_as(TextRecognizeOptions).dictionary_key
         text = self.metadata.get(key)
         if not text:
@@ -288,8 +285,10 @@ def create_task(
     input_spec: TensorSpec,
     metadata: Mapping[str, str],
     labels: Sequence[str],
+    *,
+    preprocessor: Preprocessor | None = None,
 ) -> Task:
-    """The task for ``config.task.kind``.
+    """The task for ``config.task.kind``, filling batches with ``preprocessor`` (host float by default).
 
     A setup it cannot serve is a :class:`~inference.config.ModelConfigError`.
     """
@@ -298,4 +297,4 @@ def create_task(
         # A config built in code; one read from a file was checked against the names.
         problem, hint = TASK_OPTIONS.check(config.task.kind) or ("", "")
         raise config.error("task.kind", problem, hint)
-    return cls(config, input_spec, metadata, labels)
+    return cls(config, input_spec, metadata, labels, preprocessor=preprocessor)

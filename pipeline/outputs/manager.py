@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.annotate import annotate, to_bgr
-from pipeline.config import ClipsOutputConfig, FileOutputConfig, PipelineConfig
+from pipeline.config import ClipsOutputConfig, FileOutputConfig, PipelineConfig, SourceConfig
 from pipeline.frames import Frame
 from pipeline.outputs.clips import ClipInfo, ClipRecorder
 from pipeline.outputs.relay import FrameRelay, LiveFrame
 from pipeline.outputs.video_file import VideoFileWriter
-from pipeline.sources.base import Source
+from pipeline.sources.base import PacketListener
 
 log = logging.getLogger("vidpipe.outputs")
 
@@ -123,10 +123,13 @@ class Outputs:
     def _path(self, template: str, source: str) -> Path:
         return (Path(self.config.base_dir) / template.replace("{source}", source)).resolve()
 
-    def add_source(self, source: Source) -> None:
-        """Set up the outputs that apply to ``source`` (before it starts)."""
+    def add_source(self, source: SourceConfig, *, gives_packets: bool) -> PacketListener | None:
+        """Set up the outputs that apply to ``source``; the packet listener to build it with, if any.
+
+        ``gives_packets``: whether its class demuxes packets (event clips are cut from them).
+        """
         self._loop = asyncio.get_running_loop()
-        sid = source.id
+        sid = source.source_id
         writers = [
             (o, VideoFileWriter(self._path(o.path, sid), o.codec, o.crf))
             for o in self.config.outputs
@@ -137,15 +140,11 @@ class Outputs:
             for o in self.config.outputs
             if isinstance(o, ClipsOutputConfig) and _applies(o.sources, sid)
         ]
-        if clips:
-            if hasattr(source, "packet_listener"):
-                source.packet_listener = _Fanout(clips)
-            else:
-                log.warning(
-                    "source %s: no packets to cut clips from (%s); clips off", sid, source.config.scheme
-                )
-                clips = []
-        self._sources[sid] = _SourceOutputs(sid, source.live, writers, clips)
+        if clips and not gives_packets:
+            log.warning("source %s: no packets to cut clips from (%s); clips off", sid, source.scheme)
+            clips = []
+        self._sources[sid] = _SourceOutputs(sid, source.live is True, writers, clips)
+        return _Fanout(clips) if clips else None
 
     async def frame_published(self, frame: Frame) -> None:
         """A frame was published: feed clips, recordings and viewers (see the module doc)."""

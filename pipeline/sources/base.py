@@ -20,7 +20,8 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar, Literal
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
 
@@ -37,9 +38,11 @@ log = logging.getLogger("vidpipe.source")
 
 __all__ = [
     "DropListener",
+    "PacketListener",
     "ReconnectListener",
     "ReconnectReason",
     "Source",
+    "SourceContext",
     "SourceError",
     "SourceState",
     "StateListener",
@@ -83,6 +86,40 @@ ReconnectListener = Callable[["Source", ReconnectReason], None]
 DropListener = Callable[["Source", str], None]
 
 
+class PacketListener(Protocol):
+    """Told of the stream as it is read (event clips keep the camera's packets).
+
+    Both calls run on the source's thread and must return quickly. Only a class
+    whose ``gives_packets`` is true calls them.
+    """
+
+    def on_packet(self, packet: Any, stream: Any) -> None:
+        """A demuxed packet of ``stream``, before it is decoded (the listener may keep it)."""
+
+    def on_frame_time(self, stream_seconds: float, pts: float) -> None:
+        """A decoded frame's time in its stream and the ``pts`` it gets on the source's timeline."""
+
+
+@dataclass(frozen=True, slots=True)
+class SourceContext:
+    """What a source is built with besides its config: who is told what, and its memory.
+
+    The runtime makes one per source, as it makes a ``StageContext`` for stages;
+    a source built alone (a check, a test) gets these defaults: nobody told, a
+    pool of 16 frames, no process-wide budget.
+    """
+
+    on_state: StateListener | None = None
+    on_reconnect: ReconnectListener | None = None
+    on_drop: DropListener | None = None
+    # Frame buffers in the source's pool: the runtime sizes it as queue + frames in flight + a few.
+    frame_pool_size: int = 16
+    # The process's budget every frame pool is sized against.
+    frame_memory: FrameMemoryBudget | None = None
+    # Gets the demuxed packets (event clips); for a class that ``gives_packets`` only.
+    packet_listener: PacketListener | None = None
+
+
 class SourceError(VidpipeError):
     """A stream that cannot be opened or decoded; the message names the source and the cause.
 
@@ -108,8 +145,11 @@ class Source(ABC):
 
     schemes: ClassVar[tuple[str, ...]] = ()
     serves_live: ClassVar[bool] = True
+    # Whether the class demuxes packets a PacketListener can keep (event clips need them).
+    gives_packets: ClassVar[bool] = False
 
-    def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
+    def __init__(self, config: SourceConfig, context: SourceContext | None = None) -> None:
+        context = context or SourceContext()
         self.config = config
         self.id = config.source_id
         self.url = config.url
@@ -118,14 +158,13 @@ class Source(ABC):
         self.reason = ""
         # Every count about this source, once: /metrics and the report read it (pipeline.counters).
         self.stats = SourceCounters()
-        self._on_state = on_state
-        self.on_reconnect: ReconnectListener | None = None
-        self.on_drop: DropListener | None = None
-        # Set by the runtime: the queue + frames in flight + a few being decoded.
-        self.frame_pool_size = 16
+        self._on_state = context.on_state
+        self._on_reconnect = context.on_reconnect
+        self._on_drop = context.on_drop
+        self.frame_pool_size = context.frame_pool_size
         self.frame_pool: BufferPool | None = None
-        # Set by the runtime: the process's budget every frame pool is sized against.
-        self.frame_memory: FrameMemoryBudget | None = None
+        self.frame_memory = context.frame_memory
+        self.packet_listener = context.packet_listener if self.gives_packets else None
         # A producer that must never wait for a buffer (the event loop) drops instead.
         self.emit_blocks = True
         self._stop = threading.Event()
@@ -175,13 +214,13 @@ class Source(ABC):
     def count_reconnect(self, reason: ReconnectReason) -> None:
         """Record a reconnect attempt; ``reason`` becomes a metric label."""
         self.stats.reconnect(reason)
-        if self.on_reconnect is not None:
-            self.on_reconnect(self, reason)
+        if self._on_reconnect is not None:
+            self._on_reconnect(self, reason)
 
     def _drop(self, reason: str) -> None:
         self.stats.drop(reason)
-        if self.on_drop is not None:
-            self.on_drop(self, reason)
+        if self._on_drop is not None:
+            self._on_drop(self, reason)
 
     def _finish(self, state: SourceState, reason: str) -> None:
         """The final state, then END in the queue; only the first call counts."""
@@ -310,8 +349,8 @@ class Source(ABC):
 class ThreadedSource(Source):
     """A source whose :meth:`run` produces frames on a thread of its own."""
 
-    def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
-        super().__init__(config, on_state)
+    def __init__(self, config: SourceConfig, context: SourceContext | None = None) -> None:
+        super().__init__(config, context)
         self._thread: threading.Thread | None = None
 
     def start(self, queue: FrameQueue[Frame]) -> None:

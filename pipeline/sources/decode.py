@@ -30,7 +30,7 @@ import errno
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
@@ -43,7 +43,6 @@ log = logging.getLogger("vidpipe.source")
 __all__ = [
     "AvSource",
     "DecodeMode",
-    "PacketListener",
     "copy_rgb",
     "ffmpeg_error_kind",
     "ffmpeg_reason",
@@ -230,19 +229,6 @@ def jpeg_size(data: bytes) -> tuple[int, int]:
     return 0, 0
 
 
-class PacketListener(Protocol):
-    """Told of the stream as it is read (event clips keep the camera's packets).
-
-    Both calls run on the source's thread and must return quickly.
-    """
-
-    def on_packet(self, packet: Any, stream: Any) -> None:
-        """A demuxed packet of ``stream``, before it is decoded (the listener may keep it)."""
-
-    def on_frame_time(self, stream_seconds: float, pts: float) -> None:
-        """A decoded frame's time in its stream and the ``pts`` it gets on the source's timeline."""
-
-
 # -- frames ----------------------------------------------------------------------------------
 
 
@@ -272,8 +258,8 @@ class AvSource(ThreadedSource):
     thread_type: ClassVar[str] = "AUTO"
     # A live stream skips a damaged packet (the next keyframe repairs the picture).
     skip_bad_packets: ClassVar[bool] = False
-    # Set before start() by whoever wants the packets (pipeline.outputs); None costs nothing.
-    packet_listener: PacketListener | None = None
+    # Demuxed packets go to the context's packet_listener (event clips); None costs nothing.
+    gives_packets = True
 
     def open_options(self) -> dict[str, str]:
         if self.config.scheme == "https":

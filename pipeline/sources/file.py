@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import SourceConfig
-from pipeline.sources.base import SourceError, StateListener
+from pipeline.sources.base import SourceContext, SourceError
 from pipeline.sources.decode import AvSource, frame_rate
 from pipeline.urls import file_path
 
@@ -48,8 +48,8 @@ class FileSource(AvSource):
     schemes = ("file", "http", "https")
     serves_live = False
 
-    def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
-        super().__init__(config, on_state)
+    def __init__(self, config: SourceConfig, context: SourceContext | None = None) -> None:
+        super().__init__(config, context)
         # None for a file fetched over http(s): FFmpeg opens the URL itself.
         self.path: Path | None = None
         if config.scheme == "file":

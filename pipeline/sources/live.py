@@ -47,14 +47,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import ReconnectConfig, SourceConfig
+from pipeline.backoff import backoff_delay
+from pipeline.config import SourceConfig
 from pipeline.redact import redact_text
-from pipeline.sources.base import ReconnectReason, SourceError, SourceState, StateListener
+from pipeline.sources.base import ReconnectReason, SourceContext, SourceError, SourceState
 from pipeline.sources.decode import AvSource, frame_rate
 
 log = logging.getLogger("vidpipe.source")
 
-__all__ = ["LiveSource", "backoff_delay", "reader_threads"]
+__all__ = ["LiveSource", "reader_threads"]
 
 # How often the supervisor looks at its reader; also the bound on how late stop() is seen.
 _TICK = 0.05
@@ -69,18 +70,6 @@ _readers_lock = threading.Lock()
 def reader_threads() -> int:
     """Live-source reader threads alive in this process (at most one per live source)."""
     return _readers
-
-
-def backoff_delay(failures: int, reconnect: ReconnectConfig, rand: float) -> float:
-    """The wait before the next attempt after ``failures`` failed connections in a row.
-
-    ``min_delay * 2**failures`` capped at ``max_delay``, then scaled by
-    ``1 + jitter * (2 * rand - 1)`` with ``rand`` in [0, 1).
-    """
-    # 2**n overflows a float long before anyone waits that long; the cap applies first.
-    exponent = min(failures, 60)
-    base = min(reconnect.max_delay, reconnect.min_delay * (2.0**exponent))
-    return base * (1.0 + reconnect.jitter * (2.0 * rand - 1.0))
 
 
 class _Timeline:
@@ -133,8 +122,8 @@ class LiveSource(AvSource):
     thread_type = "SLICE"
     skip_bad_packets = True
 
-    def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
-        super().__init__(config, on_state)
+    def __init__(self, config: SourceConfig, context: SourceContext | None = None) -> None:
+        super().__init__(config, context)
         self._lock = threading.Lock()
         self._failures = 0  # failed connections since the last frame: the backoff exponent
         self._random = random.Random()

@@ -19,7 +19,7 @@ from urllib.parse import parse_qsl, urlsplit
 import numpy as np
 
 from pipeline.config import SourceConfig
-from pipeline.sources.base import SourceError, StateListener, ThreadedSource
+from pipeline.sources.base import SourceContext, SourceError, ThreadedSource
 
 __all__ = ["TestPatternSource", "pattern_background", "pattern_square_box"]
 
@@ -31,8 +31,8 @@ class TestPatternSource(ThreadedSource):
 
     __test__ = False  # not a pytest class
 
-    def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
-        super().__init__(config, on_state)
+    def __init__(self, config: SourceConfig, context: SourceContext | None = None) -> None:
+        super().__init__(config, context)
         params = dict(parse_qsl(urlsplit(config.url).query))
         try:
             self.width = int(params.get("width", 640))

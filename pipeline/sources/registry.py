@@ -17,7 +17,7 @@ classes); config and the API ask :mod:`pipeline.sources.schemes`.
 from __future__ import annotations
 
 from pipeline.config import SourceConfig
-from pipeline.sources.base import Source, StateListener
+from pipeline.sources.base import Source, SourceContext
 from pipeline.sources.file import FileSource
 from pipeline.sources.pattern import TestPatternSource
 from pipeline.sources.rtsp import RtspSource
@@ -25,7 +25,7 @@ from pipeline.sources.schemes import SCHEMES, scheme_of
 from pipeline.sources.stream import StreamSource
 from pipeline.sources.whip import WhipSource
 
-__all__ = ["create_source", "register_source", "source_class"]
+__all__ = ["class_of", "create_source", "register_source", "source_class"]
 
 # (scheme, live) -> the class serving it.
 _CLASSES: dict[tuple[str, bool], type[Source]] = {}
@@ -50,10 +50,14 @@ def source_class(scheme: str, live: bool) -> type[Source]:
     return _CLASSES[scheme, live]
 
 
-def create_source(config: SourceConfig, on_state: StateListener | None = None) -> Source:
+def class_of(config: SourceConfig) -> type[Source]:
+    """The class serving a config's URL scheme (and ``live``)."""
+    return source_class(scheme_of(config.url).name, config.live is True)
+
+
+def create_source(config: SourceConfig, context: SourceContext | None = None) -> Source:
     """The :class:`~pipeline.sources.base.Source` for a config's URL scheme (and ``live``)."""
-    cls = source_class(scheme_of(config.url).name, config.live is True)
-    return cls(config, on_state)
+    return class_of(config)(config, context)
 
 
 for _cls in (FileSource, TestPatternSource, RtspSource, WhipSource, StreamSource):

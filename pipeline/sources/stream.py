@@ -25,7 +25,7 @@ from __future__ import annotations
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from pipeline.config import SourceConfig
-from pipeline.sources.base import StateListener
+from pipeline.sources.base import SourceContext
 from pipeline.sources.live import LiveSource
 from pipeline.urls import v4l2_device
 
@@ -44,8 +44,8 @@ class StreamSource(LiveSource):
 
     schemes = ("http", "https", "udp", "rtp", "srt", "v4l2")
 
-    def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
-        super().__init__(config, on_state)
+    def __init__(self, config: SourceConfig, context: SourceContext | None = None) -> None:
+        super().__init__(config, context)
         self.scheme = config.scheme
         if self.scheme == "v4l2":
             # The device's options are the URL's query; FFmpeg opens the path.

@@ -45,7 +45,7 @@ from inference.memory import BufferHandle
 from pipeline.config import SourceConfig
 from pipeline.frames import Frame
 from pipeline.queues import FrameQueue
-from pipeline.sources.base import ReconnectReason, Source, SourceError, SourceState, StateListener
+from pipeline.sources.base import ReconnectReason, Source, SourceContext, SourceError, SourceState
 from pipeline.sources.decode import copy_rgb
 from pipeline.urls import whip_name
 from pipeline.webrtc_guard import PENDING_TIMEOUT, PendingSession
@@ -91,8 +91,8 @@ class WhipSource(Source):
 
     schemes = ("whip",)
 
-    def __init__(self, config: SourceConfig, on_state: StateListener | None = None) -> None:
-        super().__init__(config, on_state)
+    def __init__(self, config: SourceConfig, context: SourceContext | None = None) -> None:
+        super().__init__(config, context)
         self.name = whip_name(config.url)
         self.session: WhipSession | None = None
         # How the last publisher's session ended: the label of the next reconnect.

@@ -12,13 +12,17 @@ then one per event found in it to ``vidpipe.<pipeline>.<source>.events``.
 bounded outbox; when it is full they are dropped and counted
 (``vidpipe_publish_errors_total{reason="outbox_full"}``). The ``reason`` of
 that counter is one of ``outbox_full``, ``retry``, ``shutdown`` and ``failed``.
+A task sends the outbox only while it holds messages: it starts when one is
+queued, waits for the reconnect (an event, no polling) and ends once the
+outbox is empty.
 
 ``jetstream`` acknowledges every message. The stream for ``<prefix>.>`` is
 created or verified at start; each message carries ``Nats-Msg-Id:
 <pipeline>/<source>/<run>/<frame>`` (``<run>`` tells apart runs of a source whose
 frame numbers start again at 0; an event adds ``/<n>``, its place among the
 frame's events) so a retry after a lost ack is de-duplicated by the server. A
-message is retried until acknowledged; the per-source publisher waits
+message is retried until acknowledged, with :func:`~pipeline.backoff.backoff_delay`
+between tries (0.1 s doubling to 2 s); the per-source publisher waits
 meanwhile, which backs pressure up the graph instead of dropping.
 
 Without a URL (a program embedding vidpipe without NATS, see docs/embedding.md)
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -48,6 +53,7 @@ from nats.js.api import StreamConfig
 
 from inference.errors import VidpipeError
 from inference.ratelimit import RateLimitedLog
+from pipeline.backoff import Backoff, backoff_delay
 from pipeline.config import NatsConfig
 from pipeline.events import Event, events_subject
 from pipeline.frames import Frame
@@ -56,6 +62,9 @@ from pipeline.metrics import Metrics
 from pipeline.redact import redact_url
 
 log = logging.getLogger("vidpipe.publish")
+
+# Between tries of a JetStream publish that was not acknowledged.
+ACK_RETRY = Backoff(min_delay=0.1, max_delay=2.0)
 
 
 class PublishError(VidpipeError):
@@ -81,7 +90,16 @@ def stream_name(prefix: str) -> str:
 class Publisher:
     """Owns the NATS connection and publishes frames in the mode the config asks for."""
 
-    def __init__(self, config: NatsConfig, url: str | None, pipeline: str, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        config: NatsConfig,
+        url: str | None,
+        pipeline: str,
+        metrics: Metrics,
+        *,
+        on_sent: Callable[[str], None] | None = None,
+        on_message: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+    ) -> None:
         self.config = config
         self.url = url
         self.pipeline = pipeline
@@ -90,17 +108,32 @@ class Publisher:
         self.js: JetStreamContext | None = None
         # (subject, source, payload, kind): kind is "detections" or the event's type.
         self._outbox: collections.deque[tuple[str, str, bytes, str]] = collections.deque()
+        # Sends the outbox; exists only while the outbox holds messages.
         self._flusher: asyncio.Task[None] | None = None
+        self._drained = asyncio.Event()  # set whenever the outbox is empty
+        self._drained.set()
         self._closing = False
+        # Set while the connection is up; the reconnect callback sets it, which wakes the flusher.
         self.connected = asyncio.Event()
         # Told of every detections message that really left (sent, flushed from the outbox, or acked).
-        self.on_sent: Callable[[str], None] | None = None
+        self._on_sent = on_sent
         # Awaited with each message in publish order (per source); its wait is backpressure.
-        self.on_message: Callable[[dict[str, Any]], Awaitable[None]] | None = None
-        # Asked before every message when this process is one worker of a fleet.
+        self._on_message = on_message
+        # Asked before every message when this process is one worker of a fleet (the worker,
+        # built after the runtime that owns this publisher, sets it before any source starts).
         self.fence: Fence | None = None
         self.display_url = redact_url(url) if url is not None else "no NATS (messages to this process only)"
         self._errors = RateLimitedLog(logger=log)
+
+    @property
+    def flushing(self) -> bool:
+        """Whether a task is sending the outbox (only while the outbox holds messages)."""
+        return self._flusher is not None and not self._flusher.done()
+
+    @property
+    def outbox_size(self) -> int:
+        """Messages waiting in the core-mode outbox."""
+        return len(self._outbox)
 
     @property
     def mode(self) -> str:
@@ -140,8 +173,6 @@ class Publisher:
         if self.mode == "jetstream":
             self.js = self.nc.jetstream()
             await self._ensure_stream()
-        else:
-            self._flusher = asyncio.create_task(self._flush_outbox(), name="nats-outbox")
 
     async def _open(self, url: str, on_disconnect: Any, on_reconnect: Any, on_error: Any) -> NatsClient:
         return await nats.connect(
@@ -179,8 +210,8 @@ class Publisher:
         """
         owner = self.fence.owner(frame.source) if self.fence is not None else None
         message = build_message(self.pipeline, frame, time.time(), owner)
-        if self.on_message is not None:
-            await self.on_message(message)
+        if self._on_message is not None:
+            await self._on_message(message)
         for obj in frame.objects:
             self.metrics.objects.labels(self.pipeline, frame.source, obj.label).inc()
         if self.url is None:
@@ -234,10 +265,7 @@ class Publisher:
                 return False
         else:
             # Keep order: once anything waits in the outbox, new messages queue behind it.
-            if len(self._outbox) >= self.config.outbox_size:
-                _, dropped_source, _, _ = self._outbox.popleft()
-                self.metrics.publish_errors.labels(self.pipeline, dropped_source, "outbox_full").inc()
-            self._outbox.append((subject, source, payload, kind))
+            self._queue((subject, source, payload, kind))
             return False
         self._sent(source, kind)
         return True
@@ -245,7 +273,7 @@ class Publisher:
     async def _publish_acked(self, subject: str, source: str, what: str, payload: bytes, msg_id: str) -> None:
         assert self.js is not None
         headers = {"Nats-Msg-Id": msg_id}
-        delay = 0.1
+        failures = 0
         while True:
             if self.fence is not None and not self.fence.may_publish(source):
                 return  # the lease ran out while retrying: another worker may own the source now
@@ -258,32 +286,65 @@ class Publisher:
                     raise PublishError(f"NATS connection closed; {what} of {source} not sent") from None
                 self.metrics.publish_errors.labels(self.pipeline, source, "retry").inc()
                 log.debug("retrying %s of %s: %s", what, source, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await asyncio.sleep(backoff_delay(failures, ACK_RETRY, 0.5))
+                failures += 1
+
+    def _queue(self, item: tuple[str, str, bytes, str]) -> None:
+        """Put ``item`` in the outbox (dropping the oldest when full) and make sure a task sends it."""
+        if len(self._outbox) >= self.config.outbox_size:
+            _, dropped_source, _, _ = self._outbox.popleft()
+            self.metrics.publish_errors.labels(self.pipeline, dropped_source, "outbox_full").inc()
+        self._outbox.append(item)
+        self._drained.clear()
+        if not self.flushing and not self._closing:
+            self._flusher = asyncio.create_task(self._flush_outbox(), name="nats-outbox")
 
     async def _flush_outbox(self) -> None:
-        while True:
-            await self.connected.wait()
-            while self._outbox and self.nc is not None and self.nc.is_connected:
-                subject, source, payload, kind = self._outbox[0]
-                if self.fence is not None and not self.fence.may_publish(source):
-                    self._outbox.popleft()  # queued under a lease that may have passed on
+        """Send the outbox oldest first; return once it is empty.
+
+        While the connection is down this waits for ``connected``, which the reconnect
+        callback sets: nothing wakes up on a timer. nats-py would buffer a publish made
+        while reconnecting too, but by bytes, failing when full, and it would send it
+        without asking the fence again; so messages wait here until the link is back.
+        """
+        try:
+            while self._outbox and self.nc is not None:
+                if not self.nc.is_connected:
+                    # Cleared here as well: the disconnect callback may not have run yet.
+                    self.connected.clear()
+                    await self.connected.wait()
                     continue
+                # Taken out before the await: a full outbox drops its oldest meanwhile.
+                item = subject, source, payload, kind = self._outbox.popleft()
+                if self.fence is not None and not self.fence.may_publish(source):
+                    continue  # queued under a lease that may have passed on; the fence counts it
                 try:
                     await self.nc.publish(subject, payload)
-                except Exception:
-                    break
-                self._outbox.popleft()
+                except Exception as exc:
+                    if self.nc is not None and self.nc.is_connected:
+                        self._error(source, exc)  # this message cannot go (too big, bad subject)
+                    else:
+                        self._putback(item)  # the link went: it goes first once it is back
+                    continue
                 self._sent(source, kind)
-            await asyncio.sleep(0.05)
+        finally:
+            if not self._outbox:
+                self._drained.set()
+
+    def _putback(self, item: tuple[str, str, bytes, str]) -> None:
+        """Return the message a lost link interrupted to the head of the outbox, keeping the bound."""
+        self._outbox.appendleft(item)
+        if len(self._outbox) > self.config.outbox_size:
+            self._outbox.popleft()
+            self.metrics.publish_errors.labels(self.pipeline, item[1], "outbox_full").inc()
 
     def _sent(self, source: str, kind: str) -> None:
         if kind != "detections":
             self.metrics.events.labels(self.pipeline, source, kind).inc()
             return
         # Counted once, by the listener (the runtime's source counters, which /metrics reads).
-        if self.on_sent is not None:
-            self.on_sent(source)
+        if self._on_sent is not None:
+            self._on_sent(source)
 
     def _error(self, source: str, exc: Exception) -> None:
         self.metrics.publish_errors.labels(self.pipeline, source, "failed").inc()
@@ -298,8 +359,9 @@ class Publisher:
         if self.nc is None:
             return
         deadline = time.monotonic() + timeout
-        while self._outbox and time.monotonic() < deadline and self.nc.is_connected:
-            await asyncio.sleep(0.05)
+        if self._outbox and self.nc.is_connected:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), timeout)
         if self._flusher is not None:
             self._flusher.cancel()
         for _, source, _, _ in self._outbox:

@@ -18,7 +18,7 @@ import yaml
 from onnx import TensorProto, helper
 
 from inference.backends import create_backend
-from inference.backends.base import BackendError, TensorSpec
+from inference.backends.base import BackendError, InputLocation, TensorSpec
 from inference.backends.openvino import OpenVinoBackend, split_batch
 from inference.model import Model, resolve_model_file
 from inference.processing.crop import crop_upright
@@ -101,7 +101,7 @@ async def test_instances_are_infer_requests_of_one_compiled_model(tmp_path: Path
         assert int(compiled.get_property("NUM_STREAMS")) == 2
         # The batch axis is bounded by max_batch_size; the item shape is the config's. With
         # preprocess: auto the compiled model takes uint8 RGB images and normalises them itself.
-        assert a.takes_images and b.takes_images
+        assert a.input_location is b.input_location is InputLocation.HOST_UINT8
         assert a.inputs == [TensorSpec("x", (None, 48, 192, 3), "uint8")]
         assert compiled.inputs[0].get_partial_shape().to_string() == "[1..32,48,192,3]"
         assert a.input == TensorSpec("x", (None, 3, None, None), "float32")  # what the file declares
@@ -447,11 +447,11 @@ async def run_modes(
             if mode == "model":
                 # uint8 RGB images the compiled model normalises: a quarter of a float tensor.
                 assert (inst.pool.shape, inst.pool.dtype) == ((batch, h, w, c), "uint8")
-                assert inst.backend.takes_images and model.preprocess == "model"
+                assert inst.backend.input_location is InputLocation.HOST_UINT8 and model.preprocess == "model"
                 assert model.inputs == [TensorSpec("x", (batch if batch == 1 else None, h, w, c), "uint8")]
             else:
                 assert (inst.pool.shape, inst.pool.dtype) == ((batch, c, h, w), "float32")
-                assert not inst.backend.takes_images and model.preprocess == "cpu"
+                assert inst.backend.input_location is InputLocation.HOST_FLOAT and model.preprocess == "cpu"
             found[mode] = list(await asyncio.gather(*(model.infer(i) for i in images)))
             assert models.status()[0].preprocess == mode
         finally:

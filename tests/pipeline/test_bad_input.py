@@ -121,6 +121,21 @@ def test_an_unknown_model_lists_what_the_repository_has(tmp_path: Path, sample_m
     assert "ppocr_cls, ppocr_det, ppocr_rec, squares" in proc.stderr
 
 
+def test_device_auto_on_a_machine_without_a_gpu_says_why_and_runs_on_the_cpu(
+    tmp_path: Path, squares_config: Path, nats_server: EmbeddedNats
+) -> None:
+    from inference.device import gpu_available
+
+    ok, reason = gpu_available()
+    if ok:
+        pytest.skip("this machine has a GPU")
+    auto_cfg = tmp_path / "auto.yaml"
+    auto_cfg.write_text(squares_config.read_text() + "runtime: {device: auto}\n")
+    proc = run_cli("run", str(auto_cfg), "--source", "test://?frames=3", "--nats", nats_server.url)
+    assert proc.returncode == 0, proc.stderr
+    assert f"runtime.device auto: using the CPU ({reason})" in proc.stderr
+
+
 def test_gpu_device_or_decoder_on_a_machine_without_one_is_named(
     tmp_path: Path, squares_config: Path, nats_server: EmbeddedNats
 ) -> None:

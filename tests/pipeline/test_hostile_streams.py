@@ -20,6 +20,7 @@ from pipeline.config import ReconnectConfig, SourceConfig
 from pipeline.frames import Frame
 from pipeline.metrics import Metrics
 from pipeline.queues import FrameQueue
+from pipeline.sources.base import SourceContext
 from pipeline.sources.stream import StreamSource
 from tests.support.hostile_streams import MjpegServer, flat_jpeg, h264_size_switch, random_parts
 
@@ -63,9 +64,8 @@ async def test_an_undecodable_stream_leaks_no_thread_and_no_socket() -> None:
             reconnect=ReconnectConfig(min_delay=0.1, max_delay=0.1, jitter=0.0),
         )
         queue: FrameQueue[Frame] = FrameQueue(2, "drop_oldest", asyncio.get_running_loop())
-        source = StreamSource(config)
         labels: list[str] = []
-        source.on_reconnect = lambda _s, label: labels.append(label)
+        source = StreamSource(config, SourceContext(on_reconnect=lambda _s, label: labels.append(label)))
         started = time.monotonic()
         source.start(queue)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import sys
@@ -12,13 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import numpy as np
 import pytest
 
-from pipeline.config import load_config
+from pipeline.config import NatsConfig, load_config
 from pipeline.frames import Frame
+from pipeline.metrics import Metrics
 from pipeline.nats_server import EmbeddedNats
 from pipeline.runtime import Runtime
 from pipeline.stages.base import Stage, StageContext, StageOptions
+from pipeline.stages.publish import Publisher
 from samples.make_clip import write_clip
 from tests.conftest import ROOT, Collector, validate_message
 from tests.pipeline.stack import stage_kinds, until
@@ -289,6 +293,56 @@ async def test_core_mode_rides_out_a_broker_outage_and_counts_what_it_drops(
     frames = [m["frame"] for m in late.messages]
     assert frames and frames[-1] == 89
     assert frames == sorted(set(frames))
+
+
+async def test_core_outbox_sends_after_a_broker_restart_and_no_task_runs_while_idle(tmp_path: Path) -> None:
+    server = EmbeddedNats().start()
+    metrics = Metrics()
+    publisher = Publisher(NatsConfig(outbox_size=3), server.url, "rel", metrics)
+    received: asyncio.Queue[int] = asyncio.Queue()
+
+    async def on_msg(msg: Any) -> None:
+        received.put_nowait(json.loads(msg.data)["frame"])
+
+    async def next_frames(n: int) -> list[int]:
+        return [await asyncio.wait_for(received.get(), 30) for _ in range(n)]
+
+    def frame(index: int) -> Frame:
+        return Frame("cam", index, index / 30, time.time(), np.zeros((4, 4, 3), np.uint8))
+
+    def outbox_tasks() -> list[asyncio.Task[Any]]:
+        return [t for t in asyncio.all_tasks() if t.get_name() == "nats-outbox"]
+
+    try:
+        await publisher.connect()
+        assert publisher.nc is not None
+        # On the publisher's own connection: the client subscribes again on reconnect
+        # before anything is sent, so it sees every message the outbox sends then.
+        await publisher.nc.subscribe("vidpipe.rel.>", cb=on_msg)
+        await publisher.publish(frame(0))  # connected: sent at once
+        assert await next_frames(1) == [0]
+        assert not publisher.flushing and outbox_tasks() == []
+        server.stop(kill=True)
+        await until(lambda: not publisher.connected.is_set(), what="the client to see the broker go")
+        for index in range(1, 6):
+            await publisher.publish(frame(index))
+        # The outbox (3) keeps the newest; one task waits for the reconnect event.
+        assert publisher.outbox_size == 3 and publisher.flushing and len(outbox_tasks()) == 1
+        server = EmbeddedNats(port=server.port).start()
+        assert await next_frames(3) == [3, 4, 5]
+        # Sent and idle again: no task left behind to wake up on a timer.
+        assert publisher.outbox_size == 0 and not publisher.flushing and outbox_tasks() == []
+    finally:
+        await publisher.close()
+        server.cleanup()
+
+    def count(name: str, **labels: str) -> float:
+        value = metrics.registry.get_sample_value(name, {"pipeline": "rel", "source": "cam", **labels})
+        return value or 0.0
+
+    assert count("vidpipe_published_messages_total") == 4
+    assert count("vidpipe_publish_errors_total", reason="outbox_full") == 2
+    assert count("vidpipe_publish_errors_total", reason="shutdown") == 0
 
 
 async def test_jetstream_keeps_every_run_of_a_source(tmp_path: Path, sample_models: Path) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from pipeline.backoff import backoff_delay
 from pipeline.config import PipelineConfig, ReconnectConfig, SourceConfig, load_config
 from pipeline.frames import Frame
 from pipeline.nats_server import EmbeddedNats
@@ -26,7 +27,6 @@ from pipeline.queues import EndOfStream, FrameQueue
 from pipeline.redact import redact_text
 from pipeline.runtime import Runtime
 from pipeline.sources.base import SourceState
-from pipeline.sources.live import backoff_delay
 from pipeline.sources.rtsp import RtspSource
 from pipeline.stages.base import Stage, StageContext, StageOptions
 from tests.conftest import Collector

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
 import pytest
 
 from pipeline.config import SourceConfig
+from pipeline.frames import Frame
+from pipeline.queues import EndOfStream, FrameQueue
+from pipeline.sources.base import SourceContext, SourceState
+from pipeline.sources.budget import MIB, FrameMemoryBudget
 from pipeline.sources.decode import copy_rgb
 from pipeline.sources.file import FileSource
 from pipeline.sources.pattern import TestPatternSource
@@ -17,6 +23,7 @@ from pipeline.sources.rtsp import RtspSource
 from pipeline.sources.schemes import SCHEMES, check_url, is_live
 from pipeline.sources.whip import WhipSource
 from pipeline.urls import derive_id, resolve_url
+from samples.make_clip import write_clip
 
 
 @pytest.mark.parametrize(
@@ -139,3 +146,49 @@ def test_source_classes_register_per_scheme_like_stage_kinds() -> None:
         for live in (True, False):
             if scheme.can_be_live if live else scheme.can_be_finite:
                 assert source_class(name, live) is not None
+
+
+class KeptPackets:
+    """A packet listener that keeps the kind of each packet's stream."""
+
+    def __init__(self) -> None:
+        self.packets: list[str] = []
+        self.frame_times = 0
+
+    def on_packet(self, packet: Any, stream: Any) -> None:
+        self.packets.append(stream.type)
+
+    def on_frame_time(self, stream_seconds: float, pts: float) -> None:
+        self.frame_times += 1
+
+
+async def test_a_source_is_built_with_its_context_and_only_demuxers_take_packets(tmp_path: Path) -> None:
+    clip = write_clip(tmp_path / "clip.mp4", frames=4, fps=30, width=64, height=48)
+    listener = KeptPackets()
+    budget = FrameMemoryBudget(MIB)
+    states: list[SourceState] = []
+    context = SourceContext(
+        on_state=lambda _s, state, _reason: states.append(state),
+        frame_pool_size=5,
+        frame_memory=budget,
+        packet_listener=listener,
+    )
+    pattern = create_source(SourceConfig(url="test://?frames=2", id="t"), context)
+    assert not TestPatternSource.gives_packets and pattern.packet_listener is None  # it demuxes nothing
+    source = create_source(SourceConfig(url=str(clip), id="clip"), context)
+    assert FileSource.gives_packets and source.packet_listener is listener
+    queue: FrameQueue[Frame] = FrameQueue(8, "block", asyncio.get_running_loop())
+    source.start(queue)
+    frames: list[Frame] = []
+    while not isinstance(item := await asyncio.wait_for(queue.get(), 30), EndOfStream):
+        frames.append(item)
+    # The pool and the budget are the context's: 5 frames of 64x48 reserved, 4 decoded.
+    assert source.frame_pool is not None and source.frame_pool.capacity == 5
+    assert budget.used == 5 * 64 * 48 * 3
+    assert [f.index for f in frames] == [0, 1, 2, 3] and listener.frame_times == 4
+    assert listener.packets.count("video") >= 4
+    assert states == [SourceState.UP, SourceState.STOPPED]
+    for f in frames:
+        f.release()
+    source.release_pools()
+    assert budget.used == 0

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pipeline.config import ReconnectConfig, SourceConfig
 from pipeline.frames import Frame
 from pipeline.queues import FrameQueue
-from pipeline.sources.base import SourceState
+from pipeline.sources.base import SourceContext, SourceState
 from pipeline.sources.rtsp import RtspSource
 
 
@@ -35,8 +35,11 @@ async def run_until_reconnects(
         **options,  # type: ignore[arg-type]
     )
     run = SourceRun(queue=FrameQueue(2, "drop_oldest", asyncio.get_running_loop()))
-    source = RtspSource(config, on_state=lambda _s, state, reason: run.states.append((state, reason)))
-    source.on_reconnect = lambda _s, label: run.labels.append(label)
+    context = SourceContext(
+        on_state=lambda _s, state, reason: run.states.append((state, reason)),
+        on_reconnect=lambda _s, label: run.labels.append(label),
+    )
+    source = RtspSource(config, context)
     assert run.queue is not None
     source.start(run.queue)
     deadline = time.monotonic() + timeout

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pipeline.config import ReconnectConfig, SourceConfig
 from pipeline.queues import EndOfStream, FrameQueue
-from pipeline.sources.base import SourceState
+from pipeline.sources.base import SourceContext, SourceState
 from pipeline.sources.registry import create_source
 from tests.support.hostile_streams import MjpegServer, switching_parts
 
@@ -36,7 +36,9 @@ async def run(url: str, max_pixels: int) -> dict[str, object]:
     config = SourceConfig(
         url=url, id="bomb", max_pixels=max_pixels, reconnect=ReconnectConfig(min_delay=5.0, max_delay=5.0)
     )
-    source = create_source(config, on_state=lambda _s, state, reason: states.append((state, reason)))
+    source = create_source(
+        config, SourceContext(on_state=lambda _s, state, reason: states.append((state, reason)))
+    )
     queue: FrameQueue[object] = FrameQueue(64, "block", asyncio.get_running_loop())
     baseline = peak_mb()
     source.start(queue)  # type: ignore[arg-type]
