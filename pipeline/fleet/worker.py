@@ -155,6 +155,8 @@ class FleetWorker:
         # No claims before this (monotonic): after a lost lease bucket, until every lease
         # recorded in it has run out on its holder's clock, whoever the holder was.
         self._claim_after = 0.0
+        # Set on a reconnect: the renewer runs a round at once instead of at its next tick.
+        self._wake = asyncio.Event()
 
     # -- the Fence the publisher asks ------------------------------------------------------
 
@@ -181,6 +183,7 @@ class FleetWorker:
                 connect_timeout=2,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.25,
+                reconnected_cb=self._on_reconnect,
                 name=f"vidpipe-fleet-{self.id}",
             )
         except Exception as exc:
@@ -368,9 +371,14 @@ class FleetWorker:
         """Whether the publishing connection answered its last probe, within the fence's bound."""
         return now < self._publish_until and not self._publish_stalled
 
+    async def _on_reconnect(self) -> None:
+        self._wake.set()
+
     async def _renew_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.ttl / 4)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.ttl / 4)
+            self._wake.clear()
             await self._probe_publisher()
             try:
                 await self._heartbeat()
@@ -391,6 +399,7 @@ class FleetWorker:
             await asyncio.gather(*(self._renew(lease) for lease in leases))
             self.metrics.sources_owned.labels(self.name).set(len(self.owned))
             try:
+                await self._resume_lapsed()
                 await self._leases().withdraw_unconfirmed()
                 await self._check_views()
                 await self._purge_tombstones()
@@ -418,12 +427,50 @@ class FleetWorker:
         if lease.fenced or self.owned.get(lease.source) is not lease:
             return
         lease.fenced = True  # the placer stops the source
+        lease.lapsed = reason == "deadline"  # not taken: resumed if NATS answers and the key is ours
         self.metrics.losses.labels(self.name, reason).inc()
         log.warning("fleet %s: lease on %s lost (%s); stopping the source", self.name, lease.source, reason)
 
+    async def _resume_lapsed(self) -> None:
+        """Take back leases given up at their deadline (NATS was out of reach) that nobody took.
+
+        After a cut shorter than ``lease_ttl`` the sources come back as soon as NATS
+        answers, without waiting for the placement; a lease the worker cannot run now
+        (no longer desired, draining, not publishing) is deleted instead.
+        """
+        leases = self._leases()
+        desired = self.desired_sources()
+        for sid, lease in list(leases.abandoned.items()):
+            if not lease.lapsed or sid in self._busy:
+                continue
+            entry = desired.get(sid)
+            usable = self._publishing(time.monotonic()) and not self._draining and sid not in self.owned
+            if entry is None or not usable or lease.epoch != leases.epoch:
+                lease.lapsed = False  # withdraw_unconfirmed deletes it
+                continue
+            self._spawn(sid, self._resume(lease, *entry))
+
+    async def _resume(self, lease: Lease, revision: int, config: SourceConfig) -> None:
+        sid = lease.source
+        if not await self._leases().resume(lease):
+            return  # another worker holds it now
+        self.owned[sid] = lease
+        try:
+            self.runtime.add_source(config)
+        except Exception as exc:
+            log.error("fleet %s: source %s cannot start here: %s; lease released", self.name, sid, exc)
+            self._retry_at[sid] = time.monotonic() + 2 * self.ttl
+            await self._release(sid, "removed")
+            return
+        self._running[sid] = revision
+        self.metrics.takeovers.labels(self.name, "resumed").inc()
+        self.metrics.sources_owned.labels(self.name).set(len(self.owned))
+        log.info("fleet %s: resumed %s (lease %d: no one took it meanwhile)", self.name, sid, lease.number)
+
     async def _stop_lost(self, lease: Lease) -> None:
         await self.runtime.remove_source(lease.source)
-        self._leases().abandon(lease)  # deleted if the key still names it: no one waits a TTL
+        # Resumed or deleted once NATS answers, if the key still names it: no one waits a TTL.
+        self._leases().abandon(lease)
         with contextlib.suppress(Exception):  # now if NATS answers, else from the renewer
             await self._leases().withdraw_unconfirmed()
         if self.owned.get(lease.source) is lease:
