@@ -58,7 +58,7 @@ from pipeline.fleet.buckets import BadEntries, BucketView, bucket_name, open_buc
 from pipeline.fleet.desired import DesiredCache, DesiredSources
 from pipeline.fleet.leases import EPOCH_KEY, Lease, LeaseTable, StoredLease, parse_epoch, parse_lease
 from pipeline.fleet.metrics import FleetMetrics
-from pipeline.fleet.placement import place
+from pipeline.fleet.placement import LiveSet, place
 from pipeline.fleet.status import WorkerInfo, source_json, worker_json
 from pipeline.redact import redact_url
 from pipeline.runtime import Runtime
@@ -67,8 +67,16 @@ log = logging.getLogger("vidpipe.fleet")
 
 # How long a fresh JetStream cluster may take to answer for a bucket (a meta leader is elected).
 OPEN_PATIENCE = 30.0
+# How long a probe of the publishing connection waits for its PONG (see _probe_publisher).
+PROBE_PATIENCE = 600
 # Tombstones of removed sources and released leases older than this are purged.
 TOMBSTONE_AGE = 300.0
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Read a finished probe's outcome, so an abandoned one is not reported as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def default_worker_id() -> str:
@@ -139,14 +147,15 @@ class FleetWorker:
         self._retry_at: dict[str, float] = {}
         # Unconfirmed claims seen in the lease bucket: source -> (worker, first seen here).
         self._claim_clock: dict[str, tuple[str, float]] = {}
-        # The live set as last seen, since when it held still, and since when each member is live.
-        self._members: frozenset[str] = frozenset()
-        self._members_since = 0.0
-        self._alive_since: dict[str, float] = {}
+        # The live set as last seen: placement acts once it held still, hands over after a TTL.
+        self.live = LiveSet(settle=self.ttl / 8, handback=self.ttl)
         self._placement_memo: tuple[Any, dict[str, str]] | None = None
         # Monotonic time until which the publishing connection is known to deliver.
         self._publish_until = math.inf
         self._publish_stalled = False  # the last probe got no answer in time
+        self._probe: asyncio.Task[None] | None = None  # the outstanding PING on that connection
+        self._probe_sent = 0.0
+        self._probe_reconnects = 0
         self._left = False  # the heartbeat was deleted while the publishing connection is stuck
         self._last_heartbeat = 0.0  # monotonic time of the last heartbeat that landed
         self._last_purge = 0.0
@@ -349,19 +358,37 @@ class FleetWorker:
             await view.restart(self._kvs[kind])
 
     async def _probe_publisher(self) -> None:
-        """A round trip on the publishing connection; its bound fences every lease like a renewal."""
+        """A round trip on the publishing connection; its bound fences every lease like a renewal.
+
+        The bound is kept by waiting on the round trip, never by cancelling it: a PING
+        whose answer the client stopped waiting for makes nats-py's read loop fail when
+        the PONG does arrive (after a stall), and that connection then reads nothing more
+        while its ``flush`` reports success. One PING is outstanding at a time; one sent
+        before a reconnect is never answered, so a reconnect sends another.
+        """
         nc = self.runtime.publisher.nc
         if nc is None:
             return  # messages stay in this process: nothing can stall
-        sent = time.monotonic()
-        try:
-            await asyncio.wait_for(nc.flush(timeout=max(1, int(self.ttl / 4))), max(0.5, self.ttl / 4))
-        except Exception as exc:
+        bound = max(0.5, self.ttl / 4)
+        deadline = time.monotonic() + bound
+        while True:
+            reconnects = nc.stats["reconnects"]
+            if self._probe is None or self._probe.done() or reconnects != self._probe_reconnects:
+                self._probe = asyncio.create_task(nc.flush(timeout=PROBE_PATIENCE), name="fleet-probe")
+                self._probe.add_done_callback(_retrieve)
+                self._probe_sent, self._probe_reconnects = time.monotonic(), reconnects
+            probe, sent = self._probe, self._probe_sent
+            await asyncio.wait({probe}, timeout=max(0.0, deadline - time.monotonic()))
+            answered = probe.done() and not probe.cancelled() and probe.exception() is None
+            if answered and sent + self.ttl * 0.75 <= time.monotonic() < deadline:
+                continue  # the answer to a PING sent before a stall: ask again, now
+            break
+        if not answered:
             self._publish_stalled = True
             self._errors(
                 "publisher",
                 f"fleet {self.name}: the publishing connection did not answer within "
-                f"{max(0.5, self.ttl / 4):g}s ({type(exc).__name__}); handing its sources over",
+                f"{bound:g}s; handing its sources over",
             )
             return
         self._publish_stalled = False
@@ -577,18 +604,6 @@ class FleetWorker:
         self._placement_memo = (key, placed)
         return placed
 
-    def _note_members(self, now: float, alive: dict[str, WorkerInfo]) -> bool:
-        """Track the live set; True once it has held still for ``lease_ttl / 8``."""
-        members = frozenset(alive)
-        if members != self._members:
-            self._members, self._members_since = members, now
-        for w in list(self._alive_since):
-            if w not in members:
-                del self._alive_since[w]
-        for w in members:
-            self._alive_since.setdefault(w, now)
-        return now - self._members_since >= self.ttl / 8
-
     def _lease_age(self, sid: str, seen_at: float, stored: StoredLease | None, now: float) -> float:
         """How long the lease has gone without a real renewal, on this worker's clock.
 
@@ -619,7 +634,7 @@ class FleetWorker:
         desired = self.desired_sources()
         leases = self._views["leases"]
         alive = self.alive_workers(now)
-        stable = self._note_members(now, alive)
+        stable = self.live.note(now, alive)
         self.metrics.workers_alive.labels(self.name).set(len(alive))
         self._note_epoch()
         publishing = self._publishing(now)
@@ -644,13 +659,16 @@ class FleetWorker:
                 continue
             target = placed.get(sid)
             if sid in self.owned:
-                since = self._alive_since.get(target) if target is not None and target != self.id else None
-                # Hand over only to a worker alive without a break for a while: one move, not two.
-                if since is not None and now - since >= self.ttl and not self.owned[sid].fenced:
+                # Hand over only to a worker alive without a break for a TTL: one move, not two.
+                handover = target is not None and target != self.id and self.live.may_hand_to(target, now)
+                if handover and not self.owned[sid].fenced:
                     self._spawn(sid, self._release(sid, "rebalance"))
                 continue
             if load >= self.capacity or self._retry_at.get(sid, 0.0) > now:
                 continue
+            lapsed = self._leases().abandoned.get(sid)
+            if lapsed is not None and lapsed.lapsed:
+                continue  # this worker's own lease, given up at its deadline: resumed, not claimed anew
             entry = leases.entries.get(sid)
             if entry is not None:
                 try:
