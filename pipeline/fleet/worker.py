@@ -138,6 +138,7 @@ class FleetWorker:
         self._views: dict[str, BucketView] = {}
         self._kvs: dict[str, KeyValue] = {}
         self._created: dict[str, str] = {}  # each bucket's creation time: a change is a re-creation
+        self._opened: dict[str, str] = {}  # the creation time of the bucket last opened
         self._workers_kv: KeyValue | None = None
         # The highest epoch this worker has seen: a re-created lease bucket gets a larger one.
         self._epoch_floor = 0
@@ -240,6 +241,7 @@ class FleetWorker:
         """Open the buckets, learn the epoch, seed the desired set, start the watchers."""
         for kind in ("sources", "leases", "workers"):
             await self._open(kind)
+            self._created[kind] = self._opened[kind]
         self.desired = DesiredSources(self._kvs["sources"], timeout=max(1.0, self.ttl / 2))
         self.leases = LeaseTable(self._kvs["leases"], self.id, self.ttl)
         self._workers_kv = self._kvs["workers"]
@@ -260,7 +262,7 @@ class FleetWorker:
         ttl = max(60.0, 10 * self.ttl) if kind == "workers" else None
         kv = await open_bucket(self._js, self.name, kind, ttl=ttl, replicas=self.config.replicas)
         info = await self._js.stream_info(f"KV_{bucket_name(self.name, kind)}")
-        self._created[kind] = str(info.created)
+        self._opened[kind] = str(info.created)  # recorded in _created once all that follows is done
         self._kvs[kind] = kv
         return kv
 
@@ -533,6 +535,9 @@ class FleetWorker:
             else:
                 self._workers_kv = kv
             await self._views[kind].restart(kv)
+            # Only now: a step that failed above (the epoch not loaded, the view not restarted)
+            # is done again at the next check, not left half done for good.
+            self._created[kind] = self._opened[kind]
 
     def _lost_lease_bucket(self) -> None:
         """Every lease recorded in a lost bucket: fence ours now, claim nothing for a TTL.
