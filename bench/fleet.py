@@ -12,7 +12,8 @@ only through a TCP proxy of this file's own, one per worker and node, that can
 **cut** (reset every connection and refuse new ones), **stall** (hold every
 byte, both ways, and deliver it later, as TCP does across a silent partition)
 or **slow** (deliver every chunk a fixed time late) its links, all of them or
-only the publishing connection (told apart by the name in its ``CONNECT``).
+only the publishing connection (told apart by the name in its ``CONNECT``):
+``tests/support/fault_proxy.py``, which the fleet tests use too.
 
 Scenarios: ``leader_kill`` (kill -9 the node that leads the leases bucket,
 restart it 10 s later), ``nonleader_kill``, ``partition`` (a worker's links
@@ -48,11 +49,8 @@ import contextlib
 import itertools
 import json
 import os
-import re
 import shutil
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -71,6 +69,7 @@ from pipeline.config import SourceConfig
 from pipeline.fleet.buckets import open_bucket
 from pipeline.fleet.desired import DesiredSources
 from pipeline.nats_server import find_nats_server, free_port
+from tests.support.fault_proxy import Faults, Proxy
 
 SCENARIOS = (
     "leader_kill",
@@ -163,133 +162,6 @@ class Cluster:
         return next(n for n in self.nodes if n.name == name)
 
 
-# -- a TCP fault proxy -----------------------------------------------------------------------
-
-
-@dataclass
-class Faults:
-    """What a worker's links suffer now; ``publisher_only`` limits it to the publishing connection."""
-
-    mode: str = "ok"  # ok, stall, cut, slow
-    delay: float = 0.0
-    publisher_only: bool = False
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    links: set[Link] = field(default_factory=set)
-
-    def set(self, mode: str, delay: float = 0.0, publisher_only: bool = False) -> None:
-        self.mode, self.delay, self.publisher_only = mode, delay, publisher_only
-        if mode == "cut":
-            for link in list(self.links):
-                if self.applies(link):
-                    link.reset()
-        self.changed.set()
-        self.changed = asyncio.Event()
-
-    def applies(self, link: Link) -> bool:
-        return not self.publisher_only or link.publisher
-
-
-class Link:
-    """One proxied client connection: two pumps, each a queue of (due time, bytes)."""
-
-    def __init__(self, faults: Faults, client: Any, upstream: Any) -> None:
-        self.faults = faults
-        self.client = client  # (reader, writer)
-        self.upstream = upstream
-        self.publisher = False
-        self.tasks: list[asyncio.Task[None]] = []
-
-    def reset(self) -> None:
-        for _, writer in (self.client, self.upstream):
-            sock = writer.get_extra_info("socket")
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            writer.close()
-        for t in self.tasks:
-            t.cancel()
-
-    async def pump(self, reader: Any, writer: Any, from_client: bool) -> None:
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-
-        async def read() -> None:
-            first = from_client
-            while data := await reader.read(65536):
-                if first:
-                    # The client's CONNECT names it: vidpipe-fleet-<id> or vidpipe-<pipeline>.
-                    named = re.search(r'"name":\s*"(vidpipe-[^"]*)"', data.decode("latin-1"))
-                    self.publisher = named is not None and not named[1].startswith("vidpipe-fleet-")
-                    first = False
-                delay = self.faults.delay if self.faults.mode == "slow" and self.faults.applies(self) else 0.0
-                await queue.put((time.monotonic() + delay, data))
-            await queue.put((0.0, b""))
-
-        async def write() -> None:
-            while True:
-                due, data = await queue.get()
-                while self.faults.mode == "stall" and self.faults.applies(self):
-                    await self.faults.changed.wait()
-                wait = due - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                if not data:
-                    writer.close()
-                    return
-                writer.write(data)
-                await writer.drain()
-
-        reading = asyncio.create_task(read())
-        try:
-            await write()
-        finally:
-            reading.cancel()
-
-
-class Proxy:
-    """Listens on a free port and forwards to one node, through a worker's :class:`Faults`."""
-
-    def __init__(self, faults: Faults, target_port: int) -> None:
-        self.faults = faults
-        self.target_port = target_port
-        self.port = free_port()
-        self.server: asyncio.Server | None = None
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.faults.mode == "cut" and not self.faults.publisher_only:
-            writer.close()
-            return
-        try:
-            up = await asyncio.open_connection("127.0.0.1", self.target_port)
-        except OSError:
-            writer.close()
-            return
-        link = Link(self.faults, (reader, writer), up)
-        self.faults.links.add(link)
-        link.tasks = [
-            asyncio.create_task(link.pump(reader, up[1], True)),
-            asyncio.create_task(link.pump(up[0], writer, False)),
-        ]
-        try:
-            await asyncio.gather(*link.tasks, return_exceptions=True)
-        finally:
-            self.faults.links.discard(link)
-            for w in (writer, up[1]):
-                w.close()
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        for link in list(self.faults.links):
-            link.reset()
-
-
 # -- workers ---------------------------------------------------------------------------------
 
 
@@ -320,6 +192,22 @@ class Consumer:
         if accepted:
             self.highest[m["source"]] = fence
         self.messages.append((time.monotonic(), m, accepted))
+
+    def handback(self, sources: list[str], suffix: str, after: float) -> float | None:
+        """Seconds from ``after`` until each of ``sources`` that moved away from the worker whose
+        id ends in ``suffix`` was published by it again; 0 if none moved, None if one never was."""
+        slowest = 0.0
+        for sid in sources:
+            mine = [
+                (at, m["worker"].endswith(suffix)) for at, m, ok in self.messages if ok and m["source"] == sid
+            ]
+            if all(own for _, own in mine):
+                continue  # never moved
+            back = next((at for at, own in mine if own and at >= after), None)
+            if back is None:
+                return None
+            slowest = max(slowest, back - after)
+        return round(slowest, 2)
 
     def owners(self, window: float) -> dict[str, str]:
         cutoff = time.monotonic() - window
@@ -353,7 +241,9 @@ class Consumer:
         # Owner changes of the source that moved most (a partition and its heal: 2 at best).
         moves = 0
         for sid in sources:
-            owners = [m["worker"] for _, m, ok in window if ok and m["source"] == sid]
+            # From the owner before the fault: its own messages after it may be held until a heal.
+            before = [m["worker"] for at, m, ok in self.messages if ok and m["source"] == sid and at < t0]
+            owners = before[-1:] + [m["worker"] for _, m, ok in window if ok and m["source"] == sid]
             moves = max(moves, sum(1 for a, b in itertools.pairwise(owners) if a != b))
         dark, gaps = 0.0, 0
         for sid in sources:
@@ -453,7 +343,7 @@ class Run:
 
     async def busiest(self) -> Worker:
         owners = self.consumer.owners(1.0)
-        counts = defaultdict(int)
+        counts: dict[str, int] = defaultdict(int)
         for w in owners.values():
             counts[w] += 1
         wid = max(counts, key=lambda k: counts[k])
@@ -504,6 +394,7 @@ async def scenario(name: str, run: Run) -> dict[str, Any]:
         node.start()
     elif name in ("partition", "cut", "stall", "slow", "publisher_stall"):
         victim = await run.busiest()
+        held = sorted(s for s, w in run.consumer.owners(1.0).items() if run.worker_of(w) is victim)
         hold = {"partition": 2 * ttl, "cut": 10.0, "stall": ttl / 2, "slow": 30.0, "publisher_stall": 2 * ttl}
         if name == "partition":
             victim.faults.set("stall")
@@ -517,7 +408,11 @@ async def scenario(name: str, run: Run) -> dict[str, Any]:
             victim.faults.set("stall", publisher_only=True)
         await asyncio.sleep(hold[name])
         victim.faults.set("ok")
+        healed = time.monotonic()
         observe = 2 * ttl + 15  # hand-back after the heal included
+        await asyncio.sleep(observe)
+        extra["handback_s"] = run.consumer.handback(held, f"-{victim.pid}", healed)
+        observe = 0
     elif name == "leases_deleted":
         await run.nc.jetstream().delete_key_value(f"vidpipe_fleet_{FLEET}_leases")
     elif name == "store_wiped":
@@ -610,6 +505,9 @@ async def main_async(args: argparse.Namespace) -> int:
         ok = ok and (not single or counts["dark_s"] <= limit)
         if name == "churn":
             ok = ok and counts["resurrected"] == 0 and (counts["update_s"] or 1e9) <= args.ttl
+        if "handback_s" in counts:
+            # Sources that moved come back once (two moves each), after the stable period.
+            ok = ok and counts["moves"] <= 2 and counts["handback_s"] is not None
         failed += not ok
         fields = " ".join(f"{k}={v}" for k, v in counts.items())
         print(f"scenario={name} {fields} target={'met' if ok else 'MISSED'}", flush=True)

@@ -412,7 +412,13 @@ class Model:
         self._batcher = batcher
         self.error = None
         self._set_state(ModelState.READY)
+        for inst in instances:  # a remote server's health decides the state from now on
+            inst.backend.watch_health(self._remote_health)
         return self.state
+
+    def _remote_health(self, problem: str | None) -> None:
+        if self._batcher is not None and self.state in (ModelState.READY, ModelState.UNAVAILABLE):
+            self._set_state(ModelState.UNAVAILABLE if problem else ModelState.READY, problem or "")
 
     def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stop serving and release the instances.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -100,3 +100,7 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the instance's resources."""
+
+    def watch_health(self, changed: Callable[[str | None], None]) -> None:  # noqa: B027
+        """Call ``changed(reason)`` when a remote server stops serving, ``changed(None)`` when
+        it serves again; a backend that runs in this process never calls it."""

@@ -28,14 +28,24 @@ the server answers with each fail that batch's requests with a
 While the server is away the gRPC channel tries to reconnect with a backoff that
 starts at 250 ms and is bounded at 2 s (gRPC's own grows to 120 s, so after a long
 outage batches would resume up to two minutes after the server is back).
+
+The model's state follows the server's health (:class:`ServerHealth`): every
+``HEALTH_INTERVAL`` (2 s) a probe asks whether the server is live and ready and
+the model ready, every ``RECOVERY_INTERVAL`` (0.5 s) while it is not; a batch
+that cannot reach the server or passes ``timeout_ms`` makes the model
+``unavailable`` at once, until a probe succeeds. So ``/readyz`` answers 503 and
+``vidpipe_model_ready`` drops to 0 while the server is away, frames are refused
+instead of failing one batch after another, and the model is ready again within
+about half a second of the server (plus the channel's reconnect, at most 2 s).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -69,6 +79,105 @@ CHANNEL_ARGS = [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+
+
+# Seconds between health probes while the server serves, and while it does not.
+HEALTH_INTERVAL = 2.0
+RECOVERY_INTERVAL = 0.5
+
+
+class ServerHealth:
+    """Whether a remote model can serve now, from probes and from batches that fail.
+
+    One per server and model in a process, shared by the model's instances (each
+    instance's client would otherwise ask the same question). A probe thread asks
+    the server; listeners hear each change: a reason, or None when it serves again.
+    """
+
+    _shared: ClassVar[dict[tuple[str, str], ServerHealth]] = {}
+    _shared_lock = threading.Lock()
+
+    def __init__(
+        self, client: Any, exception: type[Exception], model: str, model_name: str, url: str
+    ) -> None:
+        self._client = client
+        self._exception = exception
+        self.model = model
+        self.model_name = model_name
+        self.url = url
+        self.problem: str | None = None
+        self._listeners: list[Callable[[str | None], None]] = []
+        self._lock = threading.Lock()
+        self._users = 0
+        self._poke = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"triton-health-{model}", daemon=True)
+
+    @classmethod
+    def share(cls, address: str, model_name: str, make: Callable[[], ServerHealth]) -> ServerHealth:
+        """The health of ``model_name`` at ``address``, made (and its probe started) by the first user."""
+        with cls._shared_lock:
+            health = cls._shared.get((address, model_name))
+            if health is None:
+                health = cls._shared[(address, model_name)] = make()
+                health._thread.start()
+            health._users += 1
+            return health
+
+    def release(self, address: str) -> None:
+        """One user fewer; the last one stops the probe."""
+        with self._shared_lock:
+            self._users -= 1
+            if self._users > 0:
+                return
+            self._shared.pop((address, self.model_name), None)
+        self._stopping.set()
+        self._poke.set()
+        self._thread.join(timeout=5)
+        self._client.close()
+
+    def watch(self, listener: Callable[[str | None], None]) -> None:
+        with self._lock:
+            if listener not in self._listeners:
+                self._listeners.append(listener)
+            problem = self.problem
+        if problem is not None:
+            listener(problem)
+
+    def failed(self, reason: str) -> None:
+        """A batch could not reach the server: not ready until a probe says otherwise."""
+        self._set(reason)
+        self._poke.set()
+
+    def probe(self) -> str | None:
+        """Ask the server once; the reason it cannot serve the model, or None."""
+        timeout = min(2.0, RECOVERY_INTERVAL * 4)
+        where = f"{self.model} on {self.url}"
+        try:
+            if not self._client.is_server_live(client_timeout=timeout):
+                return f"{where}: the server is not live"
+            if not self._client.is_server_ready(client_timeout=timeout):
+                return f"{where}: the server is not ready"
+            if not self._client.is_model_ready(self.model_name, client_timeout=timeout):
+                return f"{where}: the server has no ready model {self.model_name!r}"
+        except self._exception as exc:
+            return f"{where}: the server cannot be reached ({_status(exc) or type(exc).__name__})"
+        return None
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._set(self.probe())
+            self._poke.wait(HEALTH_INTERVAL if self.problem is None else RECOVERY_INTERVAL)
+            self._poke.clear()
+
+    def _set(self, problem: str | None) -> None:
+        with self._lock:
+            if problem == self.problem:
+                return
+            self.problem = problem
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(problem)
 
 
 class TritonError(BackendError):
@@ -173,11 +282,28 @@ class TritonBackend(Backend):
         self._exception: type[Exception] = grpcclient.InferenceServerException
         self._grpc = grpcclient
         self._client = grpcclient.InferenceServerClient(url=address, channel_args=CHANNEL_ARGS)
+        self._address = address
+        self._health: ServerHealth | None = None
         try:
             self._load(config, address)
         except BaseException:
             self.close()
             raise
+        self._health = ServerHealth.share(
+            address,
+            self.model_name,
+            lambda: ServerHealth(
+                grpcclient.InferenceServerClient(url=address, channel_args=CHANNEL_ARGS),
+                self._exception,
+                config.name,
+                self.model_name,
+                self.url,
+            ),
+        )
+
+    def watch_health(self, changed: Callable[[str | None], None]) -> None:
+        if self._health is not None:
+            self._health.watch(changed)
 
     def _load(self, config: ModelConfig, address: str) -> None:
         try:
@@ -278,7 +404,10 @@ class TritonBackend(Backend):
                 self.model_name, requests, outputs=wanted, client_timeout=self.timeout_s
             )
         except self._exception as exc:
-            raise self._run_error(exc, inputs) from exc
+            error = self._run_error(exc, inputs)
+            if self._health is not None and isinstance(error, TritonUnavailable | TritonTimeout):
+                self._health.failed(str(error))
+            raise error from exc
         outputs: dict[str, np.ndarray] = {}
         for name in self._output_names:
             array = result.as_numpy(name)
@@ -299,6 +428,9 @@ class TritonBackend(Backend):
         return TritonServerError(name, url, f"the server failed on {shapes}: {message}")
 
     def close(self) -> None:
+        health = self.__dict__.pop("_health", None)
+        if health is not None:
+            health.release(self._address)
         client = self.__dict__.pop("_client", None)
         if client is not None:
             client.close()

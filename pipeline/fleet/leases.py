@@ -64,6 +64,8 @@ class Lease:
     deadline: float  # monotonic: publish nothing for the source after this
     epoch: int = 0  # the bucket's epoch at the claim: what messages carry as ``epoch``
     fenced: bool = False  # set once the worker gives the source up (released or lost)
+    # Given up at its deadline (not taken): the holder may resume it while the key names it.
+    lapsed: bool = False
 
     def valid(self, now: float | None = None) -> bool:
         return not self.fenced and (time.monotonic() if now is None else now) < self.deadline
@@ -219,9 +221,12 @@ class LeaseTable:
         self.abandoned[lease.source] = lease
 
     async def withdraw_unconfirmed(self) -> int:
-        """Delete the claims whose outcome was unknown and that did land, and abandoned leases."""
+        """Delete the claims whose outcome was unknown and that did land, and abandoned leases
+        (those ``lapsed`` wait: their holder may :meth:`resume` them)."""
         withdrawn = 0
         for source, lease in list(self.abandoned.items()):
+            if lease.lapsed:
+                continue
             entry: Any = None
             try:
                 entry = await asyncio.wait_for(self.kv.get(source), self.timeout)
@@ -254,6 +259,22 @@ class LeaseTable:
                 withdrawn += 1
             self.unconfirmed.pop(source, None)
         return withdrawn
+
+    async def resume(self, lease: Lease) -> bool:
+        """Hold again a lease given up at its deadline: a renewal, so only if the key still names it.
+
+        A compare-and-swap on the lease's last revision, like any renewal: it fails once
+        another worker has written the key, so no one who took the source over loses it.
+        """
+        self.abandoned.pop(lease.source, None)
+        try:
+            kept = await self.renew(lease)
+        except Exception:
+            self.abandoned[lease.source] = lease  # not reachable yet: the next round decides
+            raise
+        if kept:
+            lease.fenced = lease.lapsed = False
+        return kept
 
     async def renew(self, lease: Lease) -> bool:
         """Extend ``lease``; False when it was lost (someone else wrote the key).

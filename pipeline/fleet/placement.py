@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 
 def score(source: str, worker: str) -> int:
@@ -58,3 +59,38 @@ def place(sources: Iterable[str], capacities: Mapping[str, int]) -> dict[str, st
         if len(placed) == len(ids):
             break
     return placed
+
+
+@dataclass
+class LiveSet:
+    """The live workers as one worker sees them, and since when; times are monotonic seconds.
+
+    Placement acts only on a set that has held still for ``settle`` (a worker that
+    briefly sees no peers does not take every source), and a source is handed to
+    another worker only once that worker has been alive, without a break, for
+    ``handback``: a worker back from a partition gets its sources after that stable
+    period, so each moves twice at most (away and back), never on a passing heartbeat.
+    """
+
+    settle: float
+    handback: float
+    members: frozenset[str] = frozenset()
+    since: float = 0.0  # when the set last changed
+    alive_since: dict[str, float] = field(default_factory=dict)
+
+    def note(self, now: float, members: Iterable[str]) -> bool:
+        """Record the live set seen at ``now``; True once it has held still for ``settle``."""
+        live = frozenset(members)
+        if live != self.members:
+            self.members, self.since = live, now
+        for worker in list(self.alive_since):
+            if worker not in live:
+                del self.alive_since[worker]  # a break: its stable period starts again
+        for worker in live:
+            self.alive_since.setdefault(worker, now)
+        return now - self.since >= self.settle
+
+    def may_hand_to(self, worker: str, now: float) -> bool:
+        """Whether ``worker`` has been alive without a break for ``handback``."""
+        since = self.alive_since.get(worker)
+        return since is not None and now - since >= self.handback

@@ -58,7 +58,7 @@ from pipeline.fleet.buckets import BadEntries, BucketView, bucket_name, open_buc
 from pipeline.fleet.desired import DesiredCache, DesiredSources
 from pipeline.fleet.leases import EPOCH_KEY, Lease, LeaseTable, StoredLease, parse_epoch, parse_lease
 from pipeline.fleet.metrics import FleetMetrics
-from pipeline.fleet.placement import place
+from pipeline.fleet.placement import LiveSet, place
 from pipeline.fleet.status import WorkerInfo, source_json, worker_json
 from pipeline.redact import redact_url
 from pipeline.runtime import Runtime
@@ -67,8 +67,16 @@ log = logging.getLogger("vidpipe.fleet")
 
 # How long a fresh JetStream cluster may take to answer for a bucket (a meta leader is elected).
 OPEN_PATIENCE = 30.0
+# How long a probe of the publishing connection waits for its PONG (see _probe_publisher).
+PROBE_PATIENCE = 600
 # Tombstones of removed sources and released leases older than this are purged.
 TOMBSTONE_AGE = 300.0
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Read a finished probe's outcome, so an abandoned one is not reported as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def default_worker_id() -> str:
@@ -130,6 +138,7 @@ class FleetWorker:
         self._views: dict[str, BucketView] = {}
         self._kvs: dict[str, KeyValue] = {}
         self._created: dict[str, str] = {}  # each bucket's creation time: a change is a re-creation
+        self._opened: dict[str, str] = {}  # the creation time of the bucket last opened
         self._workers_kv: KeyValue | None = None
         # The highest epoch this worker has seen: a re-created lease bucket gets a larger one.
         self._epoch_floor = 0
@@ -139,14 +148,15 @@ class FleetWorker:
         self._retry_at: dict[str, float] = {}
         # Unconfirmed claims seen in the lease bucket: source -> (worker, first seen here).
         self._claim_clock: dict[str, tuple[str, float]] = {}
-        # The live set as last seen, since when it held still, and since when each member is live.
-        self._members: frozenset[str] = frozenset()
-        self._members_since = 0.0
-        self._alive_since: dict[str, float] = {}
+        # The live set as last seen: placement acts once it held still, hands over after a TTL.
+        self.live = LiveSet(settle=self.ttl / 8, handback=self.ttl)
         self._placement_memo: tuple[Any, dict[str, str]] | None = None
         # Monotonic time until which the publishing connection is known to deliver.
         self._publish_until = math.inf
         self._publish_stalled = False  # the last probe got no answer in time
+        self._probe: asyncio.Task[None] | None = None  # the outstanding PING on that connection
+        self._probe_sent = 0.0
+        self._probe_reconnects = 0
         self._left = False  # the heartbeat was deleted while the publishing connection is stuck
         self._last_heartbeat = 0.0  # monotonic time of the last heartbeat that landed
         self._last_purge = 0.0
@@ -155,6 +165,8 @@ class FleetWorker:
         # No claims before this (monotonic): after a lost lease bucket, until every lease
         # recorded in it has run out on its holder's clock, whoever the holder was.
         self._claim_after = 0.0
+        # Set on a reconnect: the renewer runs a round at once instead of at its next tick.
+        self._wake = asyncio.Event()
 
     # -- the Fence the publisher asks ------------------------------------------------------
 
@@ -181,6 +193,7 @@ class FleetWorker:
                 connect_timeout=2,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.25,
+                reconnected_cb=self._on_reconnect,
                 name=f"vidpipe-fleet-{self.id}",
             )
         except Exception as exc:
@@ -228,6 +241,7 @@ class FleetWorker:
         """Open the buckets, learn the epoch, seed the desired set, start the watchers."""
         for kind in ("sources", "leases", "workers"):
             await self._open(kind)
+            self._created[kind] = self._opened[kind]
         self.desired = DesiredSources(self._kvs["sources"], timeout=max(1.0, self.ttl / 2))
         self.leases = LeaseTable(self._kvs["leases"], self.id, self.ttl)
         self._workers_kv = self._kvs["workers"]
@@ -248,7 +262,7 @@ class FleetWorker:
         ttl = max(60.0, 10 * self.ttl) if kind == "workers" else None
         kv = await open_bucket(self._js, self.name, kind, ttl=ttl, replicas=self.config.replicas)
         info = await self._js.stream_info(f"KV_{bucket_name(self.name, kind)}")
-        self._created[kind] = str(info.created)
+        self._opened[kind] = str(info.created)  # recorded in _created once all that follows is done
         self._kvs[kind] = kv
         return kv
 
@@ -346,19 +360,37 @@ class FleetWorker:
             await view.restart(self._kvs[kind])
 
     async def _probe_publisher(self) -> None:
-        """A round trip on the publishing connection; its bound fences every lease like a renewal."""
+        """A round trip on the publishing connection; its bound fences every lease like a renewal.
+
+        The bound is kept by waiting on the round trip, never by cancelling it: a PING
+        whose answer the client stopped waiting for makes nats-py's read loop fail when
+        the PONG does arrive (after a stall), and that connection then reads nothing more
+        while its ``flush`` reports success. One PING is outstanding at a time; one sent
+        before a reconnect is never answered, so a reconnect sends another.
+        """
         nc = self.runtime.publisher.nc
         if nc is None:
             return  # messages stay in this process: nothing can stall
-        sent = time.monotonic()
-        try:
-            await asyncio.wait_for(nc.flush(timeout=max(1, int(self.ttl / 4))), max(0.5, self.ttl / 4))
-        except Exception as exc:
+        bound = max(0.5, self.ttl / 4)
+        deadline = time.monotonic() + bound
+        while True:
+            reconnects = nc.stats["reconnects"]
+            if self._probe is None or self._probe.done() or reconnects != self._probe_reconnects:
+                self._probe = asyncio.create_task(nc.flush(timeout=PROBE_PATIENCE), name="fleet-probe")
+                self._probe.add_done_callback(_retrieve)
+                self._probe_sent, self._probe_reconnects = time.monotonic(), reconnects
+            probe, sent = self._probe, self._probe_sent
+            await asyncio.wait({probe}, timeout=max(0.0, deadline - time.monotonic()))
+            answered = probe.done() and not probe.cancelled() and probe.exception() is None
+            if answered and sent + self.ttl * 0.75 <= time.monotonic() < deadline:
+                continue  # the answer to a PING sent before a stall: ask again, now
+            break
+        if not answered:
             self._publish_stalled = True
             self._errors(
                 "publisher",
                 f"fleet {self.name}: the publishing connection did not answer within "
-                f"{max(0.5, self.ttl / 4):g}s ({type(exc).__name__}); handing its sources over",
+                f"{bound:g}s; handing its sources over",
             )
             return
         self._publish_stalled = False
@@ -368,9 +400,14 @@ class FleetWorker:
         """Whether the publishing connection answered its last probe, within the fence's bound."""
         return now < self._publish_until and not self._publish_stalled
 
+    async def _on_reconnect(self) -> None:
+        self._wake.set()
+
     async def _renew_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.ttl / 4)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.ttl / 4)
+            self._wake.clear()
             await self._probe_publisher()
             try:
                 await self._heartbeat()
@@ -391,6 +428,7 @@ class FleetWorker:
             await asyncio.gather(*(self._renew(lease) for lease in leases))
             self.metrics.sources_owned.labels(self.name).set(len(self.owned))
             try:
+                await self._resume_lapsed()
                 await self._leases().withdraw_unconfirmed()
                 await self._check_views()
                 await self._purge_tombstones()
@@ -418,12 +456,50 @@ class FleetWorker:
         if lease.fenced or self.owned.get(lease.source) is not lease:
             return
         lease.fenced = True  # the placer stops the source
+        lease.lapsed = reason == "deadline"  # not taken: resumed if NATS answers and the key is ours
         self.metrics.losses.labels(self.name, reason).inc()
         log.warning("fleet %s: lease on %s lost (%s); stopping the source", self.name, lease.source, reason)
 
+    async def _resume_lapsed(self) -> None:
+        """Take back leases given up at their deadline (NATS was out of reach) that nobody took.
+
+        After a cut shorter than ``lease_ttl`` the sources come back as soon as NATS
+        answers, without waiting for the placement; a lease the worker cannot run now
+        (no longer desired, draining, not publishing) is deleted instead.
+        """
+        leases = self._leases()
+        desired = self.desired_sources()
+        for sid, lease in list(leases.abandoned.items()):
+            if not lease.lapsed or sid in self._busy:
+                continue
+            entry = desired.get(sid)
+            usable = self._publishing(time.monotonic()) and not self._draining and sid not in self.owned
+            if entry is None or not usable or lease.epoch != leases.epoch:
+                lease.lapsed = False  # withdraw_unconfirmed deletes it
+                continue
+            self._spawn(sid, self._resume(lease, *entry))
+
+    async def _resume(self, lease: Lease, revision: int, config: SourceConfig) -> None:
+        sid = lease.source
+        if not await self._leases().resume(lease):
+            return  # another worker holds it now
+        self.owned[sid] = lease
+        try:
+            self.runtime.add_source(config)
+        except Exception as exc:
+            log.error("fleet %s: source %s cannot start here: %s; lease released", self.name, sid, exc)
+            self._retry_at[sid] = time.monotonic() + 2 * self.ttl
+            await self._release(sid, "removed")
+            return
+        self._running[sid] = revision
+        self.metrics.takeovers.labels(self.name, "resumed").inc()
+        self.metrics.sources_owned.labels(self.name).set(len(self.owned))
+        log.info("fleet %s: resumed %s (lease %d: no one took it meanwhile)", self.name, sid, lease.number)
+
     async def _stop_lost(self, lease: Lease) -> None:
         await self.runtime.remove_source(lease.source)
-        self._leases().abandon(lease)  # deleted if the key still names it: no one waits a TTL
+        # Resumed or deleted once NATS answers, if the key still names it: no one waits a TTL.
+        self._leases().abandon(lease)
         with contextlib.suppress(Exception):  # now if NATS answers, else from the renewer
             await self._leases().withdraw_unconfirmed()
         if self.owned.get(lease.source) is lease:
@@ -459,6 +535,9 @@ class FleetWorker:
             else:
                 self._workers_kv = kv
             await self._views[kind].restart(kv)
+            # Only now: a step that failed above (the epoch not loaded, the view not restarted)
+            # is done again at the next check, not left half done for good.
+            self._created[kind] = self._opened[kind]
 
     def _lost_lease_bucket(self) -> None:
         """Every lease recorded in a lost bucket: fence ours now, claim nothing for a TTL.
@@ -530,18 +609,6 @@ class FleetWorker:
         self._placement_memo = (key, placed)
         return placed
 
-    def _note_members(self, now: float, alive: dict[str, WorkerInfo]) -> bool:
-        """Track the live set; True once it has held still for ``lease_ttl / 8``."""
-        members = frozenset(alive)
-        if members != self._members:
-            self._members, self._members_since = members, now
-        for w in list(self._alive_since):
-            if w not in members:
-                del self._alive_since[w]
-        for w in members:
-            self._alive_since.setdefault(w, now)
-        return now - self._members_since >= self.ttl / 8
-
     def _lease_age(self, sid: str, seen_at: float, stored: StoredLease | None, now: float) -> float:
         """How long the lease has gone without a real renewal, on this worker's clock.
 
@@ -572,7 +639,7 @@ class FleetWorker:
         desired = self.desired_sources()
         leases = self._views["leases"]
         alive = self.alive_workers(now)
-        stable = self._note_members(now, alive)
+        stable = self.live.note(now, alive)
         self.metrics.workers_alive.labels(self.name).set(len(alive))
         self._note_epoch()
         publishing = self._publishing(now)
@@ -597,13 +664,16 @@ class FleetWorker:
                 continue
             target = placed.get(sid)
             if sid in self.owned:
-                since = self._alive_since.get(target) if target is not None and target != self.id else None
-                # Hand over only to a worker alive without a break for a while: one move, not two.
-                if since is not None and now - since >= self.ttl and not self.owned[sid].fenced:
+                # Hand over only to a worker alive without a break for a TTL: one move, not two.
+                handover = target is not None and target != self.id and self.live.may_hand_to(target, now)
+                if handover and not self.owned[sid].fenced:
                     self._spawn(sid, self._release(sid, "rebalance"))
                 continue
             if load >= self.capacity or self._retry_at.get(sid, 0.0) > now:
                 continue
+            lapsed = self._leases().abandoned.get(sid)
+            if lapsed is not None and lapsed.lapsed:
+                continue  # this worker's own lease, given up at its deadline: resumed, not claimed anew
             entry = leases.entries.get(sid)
             if entry is not None:
                 try:

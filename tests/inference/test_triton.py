@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from inference.batcher import InferenceFailed
-from inference.model import ModelState
+from inference.model import ModelState, ModelUnavailable
 from inference.repository import ModelRepository
 from inference.results import Detection
 from tests.support.triton_server import TritonTestServer, unavailable_reason
@@ -221,7 +221,9 @@ async def test_a_batch_past_timeout_ms_fails_fast(triton: TritonTestServer, tmp_
     assert "no answer within timeout_ms 500" in str(err.value)
 
 
-async def test_stopped_server_fails_requests_fast_with_a_reason(tmp_path: Path) -> None:
+async def test_a_batch_that_cannot_reach_the_server_fails_fast_and_marks_the_model_unavailable(
+    tmp_path: Path,
+) -> None:
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
@@ -235,14 +237,71 @@ async def test_stopped_server_fails_requests_fast_with_a_reason(tmp_path: Path) 
         server.stop()
     try:
         start = time.monotonic()
+        # Before the next probe (every 2 s) notices: the batch itself finds the server gone.
         results = await asyncio.gather(*(model.infer(img) for img in IMAGES[:3]), return_exceptions=True)
         took = time.monotonic() - start
+        state, why = model.state, model.reason
     finally:
         await repo.close()
     assert took < 3.0
-    assert all(isinstance(r, InferenceFailed) for r in results), results
-    assert all("TritonUnavailable" in str(r) for r in results)
-    assert all(f"squares on {server.url}: the server cannot be reached" in str(r) for r in results)
+    gone = f"squares on {server.url}: the server cannot be reached"
+    for r in results:
+        # Failed in the batch, or refused because an earlier failure or a probe marked it.
+        assert isinstance(r, InferenceFailed | ModelUnavailable), r
+        assert gone in str(r) or f"the model is unavailable: {gone}" in str(r), r
+    assert state is ModelState.UNAVAILABLE and why.startswith(gone), why
+
+
+READY_CONFIG = """\
+pipeline: remote
+sources: [{{id: cam, url: "test://?width=320&height=240&fps=10"}}]
+nats: {{url: "{nats}"}}
+http: {{listen: "127.0.0.1:0"}}
+models: {models}
+stages: [{{name: objects, type: infer, model: squares}}]
+"""
+
+
+async def test_readiness_and_model_ready_follow_the_remote_server(tmp_path: Path, nats_server: Any) -> None:
+    from tests.pipeline.stack import Stack, until
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    server = TritonTestServer(SQUARES_ONNX, tmp_path / "server", name="squares").start()
+    models = tmp_path / "models"
+    remote_repo(models, server.url)
+    stack = await Stack.start(
+        tmp_path, READY_CONFIG.format(nats=nats_server.url, models=models), nats_server.url
+    )
+    registry = stack.runtime.metrics.registry
+
+    def model_ready() -> float | None:
+        return registry.get_sample_value("vidpipe_model_ready", {"model": "squares"})
+
+    try:
+        run = stack.runtime.sources["cam"]
+        await until(lambda: run.source.state.value == "up", what="cam up")
+        assert await stack.json("GET", "/readyz") == (200, {"ready": True, "reasons": []})
+        assert model_ready() == 1.0
+
+        model = stack.runtime.models.get("squares")
+        server.stop()
+        await until(lambda: model.state is ModelState.UNAVAILABLE, timeout=20, what="model unavailable")
+        status, body = await stack.json("GET", "/readyz")
+        why = f"squares on {server.url}: the server cannot be reached (StatusCode.UNAVAILABLE)"
+        assert (status, body) == (503, {"ready": False, "reasons": [f"model squares is unavailable: {why}"]})
+        assert model_ready() == 0.0
+
+        server.start()
+        # Probed every 0.5 s while away; the channel reconnects within 2 s.
+        await until(lambda: model.state is ModelState.READY, timeout=30, what="model ready again")
+        assert await stack.json("GET", "/readyz") == (200, {"ready": True, "reasons": []})
+        assert model_ready() == 1.0
+        assert len(await model.infer(IMAGES[0])) == 1  # type: ignore[arg-type]
+    finally:
+        await stack.close()
+        server.stop()
 
 
 async def test_unreachable_server_at_load_says_so(tmp_path: Path) -> None:

@@ -26,11 +26,12 @@ import pytest
 
 from pipeline.fleet.buckets import open_bucket
 from pipeline.fleet.leases import EPOCH_KEY, LeaseTable, lease_value, parse_lease
-from pipeline.fleet.placement import place, quotas
+from pipeline.fleet.placement import LiveSet, place, quotas
 from pipeline.fleet.status import read_status
 from pipeline.fleet.worker import default_worker_id
 from pipeline.nats_server import EmbeddedNats, free_port
 from tests.conftest import ROOT, run_cli, validate_message
+from tests.support.fault_proxy import Faults, Proxy
 
 TTL = 3.0
 SOURCES = [f"cam{i}" for i in range(1, 7)]
@@ -78,6 +79,34 @@ def test_a_leaving_worker_moves_only_its_own_sources_when_shares_allow() -> None
     moved = [s for s in sources if before[s] != after[s]]
     assert {s for s in sources if before[s] == "w4"} <= set(moved)
     assert all(after[s] != "w4" for s in sources)
+
+
+def test_the_live_set_is_stable_only_after_it_held_still_for_its_settle_time() -> None:
+    live = LiveSet(settle=1.5, handback=12.0)
+    assert live.note(100.0, {"a", "b", "c"}) is False  # just changed (from nothing)
+    assert live.note(101.4, {"a", "b", "c"}) is False
+    assert live.note(101.5, {"a", "b", "c"}) is True
+    # A worker that briefly sees its peers vanish acts on nothing until that view held still.
+    assert live.note(102.0, {"a"}) is False
+    assert live.note(102.5, {"a", "b", "c"}) is False  # back: another change, the clock starts again
+    assert live.note(103.9, {"a", "b", "c"}) is False
+    assert live.note(104.0, {"a", "b", "c"}) is True
+    assert (live.members, live.since) == (frozenset({"a", "b", "c"}), 102.5)
+
+
+def test_a_returning_worker_gets_sources_handed_back_only_after_a_stable_period() -> None:
+    live = LiveSet(settle=1.5, handback=12.0)
+    live.note(0.0, {"a", "b"})
+    assert live.may_hand_to("b", 11.9) is False
+    assert live.may_hand_to("b", 12.0) is True
+    live.note(20.0, {"a"})  # b partitioned away
+    live.note(30.0, {"a", "b"})  # healed: b's first heartbeat is back
+    assert live.may_hand_to("b", 30.0) is False
+    live.note(35.0, {"a"})  # a second outage before the period is over: it starts again
+    live.note(36.0, {"a", "b"})
+    assert live.may_hand_to("b", 47.9) is False
+    assert live.may_hand_to("b", 48.0) is True
+    assert live.may_hand_to("c", 100.0) is False  # never seen alive
 
 
 # --- leases against a real JetStream ---------------------------------------------------
@@ -775,3 +804,172 @@ async def test_a_body_with_a_flood_of_unknown_keys_is_one_quick_refusal(
                 error = (await r.json())["error"]
         assert error.startswith("sources.k00000: unknown key")
         assert spent < 1.5, spent  # 3.3 s of loop time when every key got a suggestion
+
+
+# --- faults on one worker's links (the TCP fault proxy) -------------------------------
+
+
+@contextlib.asynccontextmanager
+async def proxied(nats_server: EmbeddedNats) -> AsyncIterator[tuple[Faults, str]]:
+    """A fault proxy in front of the server: its faults and the URL a worker is given."""
+    faults = Faults()
+    proxy = Proxy(faults, nats_server.port)
+    await proxy.start()
+    try:
+        yield faults, proxy.url
+    finally:
+        await proxy.stop()
+
+
+def accepted(seen: Seen) -> list[tuple[float, dict[str, Any]]]:
+    """The messages the documented consumer rule keeps: the highest (epoch, lease) so far."""
+    highest: dict[str, tuple[int, int]] = {}
+    out = []
+    for at, m in seen.messages:
+        if fence(m) >= highest.get(m["source"], (0, 0)):
+            highest[m["source"]] = fence(m)
+            out.append((at, m))
+    return out
+
+
+def owners_in_turn(messages: list[tuple[float, dict[str, Any]]], source: str) -> list[str]:
+    seq: list[str] = []
+    for _, m in messages:
+        if m["source"] == source and (not seq or seq[-1] != m["worker"]):
+            seq.append(m["worker"])
+    return seq
+
+
+async def test_a_cut_shorter_than_the_lease_resumes_the_same_leases_when_nats_answers(
+    nats_server: EmbeddedNats, tmp_path: Path, seen: Seen
+) -> None:
+    async with (
+        proxied(nats_server) as (faults, url),
+        one_worker(url, tmp_path, ["cam1", "cam2"], fleet="fleet", worker_id="cut") as (worker, _),
+    ):
+        await until(lambda: set(worker.owned) == {"cam1", "cam2"}, "never took its sources")
+        before = {sid: (lease.epoch, lease.number) for sid, lease in worker.owned.items()}
+        faults.set("cut")
+        # Past its deadline the worker stops its sources and keeps the leases to resume.
+        abandoned = worker.leases.abandoned
+        await until(lambda: not worker.owned and len(abandoned) == 2, "leases never lapsed", timeout=20)
+        assert all(lease.lapsed for lease in abandoned.values())
+        faults.set("ok")
+        healed = time.monotonic()
+        await until(lambda: set(worker.owned) == {"cam1", "cam2"}, "sources never resumed", timeout=20)
+        assert {sid: (lease.epoch, lease.number) for sid, lease in worker.owned.items()} == before
+        assert worker.metrics.takeovers.labels("fleet", "resumed")._value.get() == 2
+        await until(
+            lambda: {m["source"] for at, m in seen.messages if at > healed} == {"cam1", "cam2"},
+            "no messages after the cut",
+        )
+        # Under the same fence as before: the consumer rule keeps every one of them.
+        assert {fence(m) for at, m in seen.messages if at > healed} == set(before.values())
+
+
+async def test_a_worker_whose_publishing_connection_stalls_gives_its_leases_up_and_says_why(
+    nats_server: EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sources = ["cam1", "cam2", "cam3", "cam4"]
+    async with (
+        proxied(nats_server) as (faults, url),
+        one_worker(url, tmp_path, sources, fleet="pub", worker_id="stuck") as (stuck, _),
+        one_worker(nats_server.url, tmp_path, sources, fleet="pub", worker_id="other") as (other, _),
+    ):
+        await until(lambda: len(stuck.owned) == 2 and len(other.owned) == 2, "never split", timeout=30)
+        held = sorted(stuck.owned)
+        faults.set("stall", publisher_only=True)  # its KV connection stays fine
+        stalled = time.monotonic()
+        await until(lambda: not stuck.owned, "the stalled worker kept its leases", timeout=10)
+        gave_up = time.monotonic() - stalled
+        # Given up once a probe (every lease_ttl / 4) found no answer, before the fence's bound.
+        assert gave_up <= 0.75 * 2 + 0.5 + 1.0, gave_up
+        assert all(not stuck.may_publish(sid) for sid in held)
+        assert stuck.metrics.releases.labels("pub", "publish")._value.get() == 2
+        for sid in held:
+            line = f"fleet pub: released {sid}: the publishing connection has not answered for 1.5s"
+            assert line in caplog.text
+        # Its heartbeat is gone, so the other worker takes the sources at once.
+        await until(lambda: set(other.owned) == set(sources), "the other worker never took them", timeout=15)
+        assert "stuck" not in other.alive_workers(time.monotonic())
+        faults.set("ok")
+        # The connection still reads after the stall: a PING the probe had given up on
+        # would have stopped its read loop when the PONG arrived.
+        nc = stuck.runtime.publisher.nc
+        assert nc is not None
+        echo = await nc.subscribe("fleet-test.echo")
+        await nc.publish("fleet-test.echo", b"ping")
+        assert (await echo.next_msg(timeout=5)).data == b"ping"
+        # It rejoins, and gets its share back after it stayed alive a TTL.
+        await until(lambda: len(stuck.owned) == 2, "never got its share back", timeout=30)
+
+
+async def test_sources_go_back_to_a_worker_back_from_a_partition_only_after_it_stayed_alive_a_ttl(
+    nats_server: EmbeddedNats, tmp_path: Path, seen: Seen
+) -> None:
+    sources = ["cam1", "cam2", "cam3", "cam4"]
+    async with (
+        proxied(nats_server) as (faults, url),
+        one_worker(url, tmp_path, sources, fleet="fleet", worker_id="away") as (away, _),
+        one_worker(nats_server.url, tmp_path, sources, fleet="fleet", worker_id="home") as (home, _),
+    ):
+        await until(lambda: len(away.owned) == 2 and len(home.owned) == 2, "never split", timeout=30)
+        held = set(away.owned)
+        t0 = time.monotonic()
+        faults.set("stall")  # a silent partition: every byte held, delivered at the heal
+        await until(lambda: set(home.owned) == set(sources), "never taken over", timeout=20)
+        faults.set("ok")
+        healed = time.monotonic()
+        await until(lambda: set(away.owned) == held, "never handed back", timeout=30)
+        back = time.monotonic() - healed
+        # Not on the returning worker's first heartbeat: after it stayed alive a TTL (2 s).
+        assert back >= 2.0, back
+        await until(
+            lambda: (
+                {m["source"] for at, m in seen.messages if at > healed + back and m["worker"] == "away"}
+                == held
+            ),
+            "the returned worker never published its sources",
+        )
+        kept = accepted(seen)
+        for sid in sources:
+            # From a second before the fault: its own messages after it are held until the heal.
+            after = [(at, m) for at, m in kept if at >= t0 - 1.0]
+            # Away and back: two moves for the partitioned worker's sources, none for the rest.
+            want = ["away", "home", "away"] if sid in held else ["home"]
+            assert owners_in_turn(after, sid) == want, (sid, owners_in_turn(after, sid))
+
+
+async def test_healthz_fails_when_the_worker_cannot_reach_the_fleet_and_recovers_after(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    import aiohttp
+
+    async with (
+        proxied(nats_server) as (faults, url),
+        one_worker(url, tmp_path, ["cam1"], fleet="lost", worker_id="lonely") as (worker, api),
+        aiohttp.ClientSession(base_url=api.url) as http,
+    ):
+        await until(lambda: bool(worker.owned), "never took its source")
+
+        async def healthz() -> tuple[int, Any]:
+            async with http.get("/healthz") as r:
+                return r.status, await r.json()
+
+        assert await healthz() == (200, {"status": "ok"})
+        faults.set("cut")  # no heartbeat can be written, no bucket opened
+        cut = time.monotonic()
+        status: tuple[int, Any] = (200, None)
+        while status[0] == 200:
+            assert time.monotonic() - cut < 60, "healthz never failed"
+            await asyncio.sleep(0.5)
+            status = await healthz()
+        # Not before max(30 s, 5 × lease_ttl) without a heartbeat (the last one was at most 0.5 s old).
+        assert time.monotonic() - cut >= 29.5
+        code, body = status
+        assert code == 503 and body["status"] == "failing"
+        assert body["reason"].startswith("fleet lost: no heartbeat written for ")
+        assert body["reason"].endswith("s (limit 30s)")
+        faults.set("ok")
+        await until(lambda: worker.health_problem() is None, "healthz never recovered", timeout=20)
+        assert await healthz() == (200, {"status": "ok"})
