@@ -782,10 +782,11 @@ class FleetWorker:
         if self.owned.get(sid) is lease:
             del self.owned[sid]
             self._running.pop(sid, None)
-        with contextlib.suppress(Exception):
-            await self._leases().release(lease)
+        # Counted the moment the source is no longer owned, so /metrics agrees with `owned`.
         self.metrics.releases.labels(self.name, reason).inc()
         self.metrics.sources_owned.labels(self.name).set(len(self.owned))
+        with contextlib.suppress(Exception):
+            await self._leases().release(lease)
         if reason == "publish":
             log.warning(
                 "fleet %s: released %s: the publishing connection has not answered for %.1fs",
