@@ -26,10 +26,16 @@ boxes, as for a fixed ``interval``:
   last detected times how much a box of its size and speed can wander), or the
   picture does not show it where it is predicted (nothing changed in the part
   of its predicted box it was not in at the last detection: it stopped);
-- ``line``: a track's anchor is within reach of a line (its speed times 1.5
-  frames, or a tenth of its size) of a ``zones`` stage;
+- ``line``: a track's anchor, carried on at its velocity, crosses a line of a
+  ``zones`` stage on this frame: the detector confirms the crossing (or shows
+  the object stopped or turned before it) on the frame it is predicted, not on
+  every frame near the line;
 - ``zone``: a track's anchor is at a zone's edge, or inside a zone and the
   detector skipped the frame before.
+
+Several reasons may hold on one frame: :attr:`Decision.triggers` lists them
+all, and :attr:`AutoSchedule.triggered` counts them per source (which trigger
+costs the most detections).
 
 Everything here is pure: :class:`AutoSchedule` decides from the frame's
 pixels, the tracks recorded by the track stage up to the previous frame
@@ -43,13 +49,23 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipeline.frames import Frame
-from pipeline.geometry import Anchor, Box, Point, anchor_point, distance_to_edge, point_in_polygon
+from pipeline.geometry import (
+    Anchor,
+    Box,
+    Point,
+    anchor_point,
+    crosses_segment,
+    distance_to_edge,
+    point_in_polygon,
+    signed_distance,
+)
 
 # Frames the detector may skip in a row whatever the scene (at 10 fps: 1.5 s).
 MAX_GAP = 15
@@ -312,6 +328,7 @@ class Places:
 class Decision:
     run: bool
     reason: str  # one of REASONS when run, "" otherwise
+    triggers: tuple[str, ...] = ()  # every reason that held, the first being ``reason``
 
 
 SKIP = Decision(False, "")
@@ -319,54 +336,62 @@ SKIP = Decision(False, "")
 DEFERRED = Decision(False, "deferred")
 
 
-def decide(
+def triggers(
     frame: int, board: _SourceBoard, motion_cells: int, places: Places, unseen: bool = False
-) -> Decision:
-    """Whether the detector runs on ``frame``, from the board as recorded up to the frame before.
+) -> list[str]:
+    """Every reason that holds for ``frame`` (in :data:`REASONS` order), from the board up to the frame
+    before.
 
     ``motion_cells``: changed cells no track explains; ``unseen``: a track's
     predicted box shows no change where it moved to (:func:`prediction_seen`).
     """
     if board.detected < 0:
-        return Decision(True, "first")
+        return ["first"]
+    held: set[str] = set()
     gap = frame - board.detected
     if gap >= MAX_GAP:
-        return Decision(True, "max_gap")
+        held.add("max_gap")
     if board.untracked:
-        return Decision(True, "new_object")
+        held.add("new_object")
     if motion_cells >= MOTION_CELLS:
-        return Decision(True, "motion")
+        held.add("motion")
     if unseen:
-        return Decision(True, "uncertain")
+        held.add("uncertain")
     ahead = max(1, frame - board.frame)
     for track in board.tracks.values():
-        reason = _track_reason(track, ahead, places, gap)
-        if reason:
-            return Decision(True, reason)
-    return SKIP
+        held.update(_track_reasons(track, ahead, places, gap))
+    return [r for r in REASONS if r in held]
 
 
-def _track_reason(track: TrackState, ahead: int, places: Places, gap: int) -> str:
+def decide(
+    frame: int, board: _SourceBoard, motion_cells: int, places: Places, unseen: bool = False
+) -> Decision:
+    """Whether the detector runs on ``frame``: the first of its :func:`triggers`, if any."""
+    held = triggers(frame, board, motion_cells, places, unseen)
+    return Decision(True, held[0], tuple(held)) if held else SKIP
+
+
+def _track_reasons(track: TrackState, ahead: int, places: Places, gap: int) -> set[str]:
     h, speed = track.size, track.speed
+    held = set()
     if speed >= FAST * h:
-        return "fast"
+        held.add("fast")
     if (track.since_detection + ahead) * (DRIFT_BASE * h + DRIFT_SPEED * speed) >= DRIFT * h:
-        return "uncertain"
+        held.add("uncertain")
+    now = anchor_point(track.box, places.anchor)
     point = anchor_point(track.ahead(ahead), places.anchor)
     reach = max(0.1 * h, 1.5 * speed)
     for a, b in places.lines:
-        if _segment_distance(point, a, b) <= reach:
-            return "line"
+        # The frame its prediction crosses: the detector confirms (or refutes) the crossing there.
+        d0, d1 = signed_distance(now, a, b), signed_distance(point, a, b)
+        if d0 != d1 and (d0 > 0) != (d1 > 0) and crosses_segment(now, point, a, b):
+            held.add("line")
     for polygon in places.zones:
         if distance_to_edge(point, polygon) <= reach:
-            return "zone"
+            held.add("zone")
         if gap >= 2 and point_in_polygon(point, polygon):
-            return "zone"
-    return ""
-
-
-def _segment_distance(point: Point, a: Point, b: Point) -> float:
-    return distance_to_edge(point, [a, b])
+            held.add("zone")
+    return held
 
 
 class AutoSchedule:
@@ -379,6 +404,10 @@ class AutoSchedule:
         self.places = list(places)
         # Per source: the small frame of the last detection, and its cell size.
         self._reference: dict[str, tuple[np.ndarray, float]] = {}
+        # Per source, every reason that held on a frame where one did (several may hold at
+        # once): which trigger costs the most detections, beside the first reason counted
+        # in vidpipe_detector_frames_total.
+        self.triggered: dict[str, Counter[str]] = {}
 
     def decide(self, frame: Frame, min_gap: int = 0) -> Decision:
         """The decision for ``frame``; call once the frame before it was recorded (or given up).
@@ -404,12 +433,14 @@ class AutoSchedule:
                 stopped = False
         places = self._scaled(frame.width, frame.height)
         decision = decide(frame.index, board, motion, places, stopped)
+        if decision.triggers:
+            self.triggered.setdefault(frame.source, Counter()).update(decision.triggers)
         if (
             decision.run
             and decision.reason not in ("first", "max_gap")
             and frame.index - board.detected < min_gap
         ):
-            return DEFERRED
+            return Decision(False, DEFERRED.reason, decision.triggers)
         if decision.run:
             self._reference[frame.source] = (grey, cell)
         return decision
@@ -421,6 +452,7 @@ class AutoSchedule:
 
     def forget_source(self, source: str) -> None:
         self._reference.pop(source, None)
+        self.triggered.pop(source, None)
 
 
 @dataclass
