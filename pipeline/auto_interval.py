@@ -15,11 +15,14 @@ boxes, as for a fixed ``interval``:
 - ``first``: the source's first frame;
 - ``max_gap``: :data:`MAX_GAP` frames have passed since the detector last ran;
 - ``new_object``: the last detection left an object that is not yet a track
-  (a track needs a second hit to be confirmed);
+  (a track needs a second hit to be confirmed), :data:`NEW_OBJECT_GAP` frames
+  ago: its tentative track waits where it was seen;
 - ``motion``: the picture changed where no track explains it. A downscaled
   grayscale copy of the frame (:func:`small_gray`) is compared with the one of
   the last frame the detector ran on; changed cells inside the tracks' boxes
-  then and now are the tracks' own motion, the rest is something new;
+  then and now (now: where the tracker predicts them, moving on as its last
+  predicted step did) and inside the boxes of objects not yet tracked are
+  their own motion, the rest is something new;
 - ``fast``: a track moves more than :data:`FAST` of its size (its box's
   shorter side) per frame;
 - ``uncertain``: a track's prediction may have drifted (frames since it was
@@ -72,7 +75,7 @@ MAX_GAP = 15
 # Speed (fraction of the box's size, its shorter side, per frame) above which a track is fast.
 FAST = 0.5
 # A track's prediction is uncertain once it may have wandered this fraction of its size.
-DRIFT = 0.2
+DRIFT = 0.3
 # How far a box of size s can wander per predicted frame: DRIFT_BASE*s + DRIFT_SPEED*speed.
 DRIFT_BASE = 0.01
 DRIFT_SPEED = 0.08
@@ -81,8 +84,13 @@ DRIFT_SPEED = 0.08
 SMALL_WIDTH = 96
 MOTION_LEVEL = 24
 MOTION_CELLS = 3
-# Boxes excluded from the motion mask grow by this fraction of their size (boxes are approximate).
-BOX_MARGIN = 0.25
+# Boxes excluded from the motion mask grow by this fraction of their size: boxes are approximate,
+# and a track a few pixels off its prediction still overlaps its next detection (the tracker
+# matches at a fifth of IoU), so that is not motion to detect.
+BOX_MARGIN = 0.4
+# A detection that is no track yet is confirmed by a second hit this many frames later: its
+# tentative track waits at its box, and the detector's run for another reason often comes first.
+NEW_OBJECT_GAP = 2
 # A predicted box is seen when at least this share of its new cells changed.
 SEEN = 0.5
 
@@ -134,6 +142,14 @@ def prediction_seen(grey: np.ndarray, reference: np.ndarray, cell: float, old: B
     if grey.shape != reference.shape:
         return False
     rows, cols = grey.shape
+    # Along an axis the box moved less than a cell, its fresh strip is a sliver the filter's
+    # jitter makes (a track's predicted box creeping a few pixels down): it tells nothing.
+    ox1, oy1, ox2, oy2 = old
+    if abs((new[0] + new[2]) - (ox1 + ox2)) / 2 < cell:
+        ox1, ox2 = new[0], new[2]
+    if abs((new[1] + new[3]) - (oy1 + oy2)) / 2 < cell:
+        oy1, oy2 = new[1], new[3]
+    old = (ox1, oy1, ox2, oy2)
 
     def cells(box: Box, touched: bool) -> tuple[int, int, int, int]:
         # The new part counts cells mostly inside the predicted box, and leaves out every
@@ -188,6 +204,7 @@ class _SourceBoard:
     detected: int = -1  # the last frame the detector ran on
     tracks: dict[int, TrackState] = field(default_factory=dict)
     untracked: int = 0  # detections of the last frame that are no track yet
+    untracked_boxes: list[Box] = field(default_factory=list)  # and where they are
     boxes_at_detection: dict[int, Box] = field(default_factory=dict)  # track id -> box
     # Frames that entered the schedule and are not yet recorded (or given up).
     pending: dict[int, asyncio.Future[None]] = field(default_factory=dict)
@@ -237,18 +254,23 @@ class TrackBoard:
         detected = stage not in frame.skipped
         steps = max(1, frame.index - board.frame) if board.frame >= 0 else 1
         seen: dict[int, TrackState] = {}
-        untracked = 0
+        untracked: list[Box] = []
         for obj in frame.objects:
             if obj.stage != stage or not tracked:
                 continue
             if obj.track_id is None:
-                untracked += 1
+                untracked.append(obj.bbox)
                 continue
             old = board.tracks.get(obj.track_id)
             state = TrackState(obj.track_id, obj.bbox, detected_box=obj.bbox, detected_at=frame.index)
             if old is not None and obj.predicted:
-                # The tracker's prediction: it moves at the velocity measured so far.
-                state.velocity, state.since_detection = old.velocity, old.since_detection + steps
+                # The tracker's prediction: the next one moves on as this one did (its filter's
+                # velocity, which lags the measured one after a turn or on a young track).
+                state.since_detection = old.since_detection + steps
+                state.velocity = (
+                    (_cx(obj.bbox) - _cx(old.box)) / steps,
+                    (_cy(obj.bbox) - _cy(old.box)) / steps,
+                )
                 state.detected_box, state.detected_at = old.detected_box, old.detected_at
             elif old is not None:
                 # Measured between two detections, however far apart; smoothed when they are
@@ -266,7 +288,7 @@ class TrackBoard:
         board.frame = frame.index
         if detected:
             board.detected = frame.index
-            board.untracked = untracked
+            board.untracked, board.untracked_boxes = len(untracked), untracked
             board.boxes_at_detection = {t.track_id: t.box for t in seen.values()}
         future = board.pending.pop(frame.index, None)
         if future is not None and not future.done():
@@ -351,7 +373,7 @@ def triggers(
     gap = frame - board.detected
     if gap >= MAX_GAP:
         held.add("max_gap")
-    if board.untracked:
+    if board.untracked and gap >= NEW_OBJECT_GAP:
         held.add("new_object")
     if motion_cells >= MOTION_CELLS:
         held.add("motion")
@@ -422,7 +444,8 @@ class AutoSchedule:
         if ref is not None and board.detected >= 0:
             ahead = max(1, frame.index - board.frame)
             predicted = {i: t.ahead(ahead) for i, t in board.tracks.items()}
-            explained = [*board.boxes_at_detection.values(), *predicted.values()]
+            # A new object's own motion is no news until its second hit (new_object) is due.
+            explained = [*board.boxes_at_detection.values(), *predicted.values(), *board.untracked_boxes]
             motion = unexplained_motion(grey, ref[0], cell, explained)
             for track_id, box in predicted.items():
                 old = board.boxes_at_detection.get(track_id)

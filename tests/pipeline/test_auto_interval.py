@@ -17,12 +17,14 @@ import pytest
 
 from pipeline.auto_interval import (
     MAX_GAP,
+    NEW_OBJECT_GAP,
     AutoSchedule,
     Decision,
     FairShare,
     Places,
     _SourceBoard,
     decide,
+    prediction_seen,
     small_gray,
     triggers,
     unexplained_motion,
@@ -134,7 +136,7 @@ async def test_a_moving_square_is_detected_as_often_as_its_prediction_needs_and_
     # Right after the turn the motion the tracker cannot explain brings the detector back.
     assert any(31 <= i <= 34 for i in frames)
     gaps = np.diff(frames)
-    assert gaps.max() < MAX_GAP
+    assert gaps.max() <= MAX_GAP  # on its straight stretch its prediction holds until the max gap
 
 
 async def test_a_new_object_is_motion_the_tracker_cannot_explain(tmp_path: Path, sample_models: Path) -> None:
@@ -143,9 +145,10 @@ async def test_a_new_object_is_motion_the_tracker_cannot_explain(tmp_path: Path,
 
     triggered: dict[str, int] = {}
     runs, ids = await schedule(tmp_path, sample_models, scene, 12, triggered=triggered)
-    # A new track needs a second hit to be confirmed: the frame after it appeared.
-    assert runs == [(0, "first"), (6, "motion"), (7, "new_object")]
-    assert ids[7] == [1, 2]
+    # A new track needs a second hit to be confirmed, NEW_OBJECT_GAP frames after it appeared;
+    # its own motion in between is no news.
+    assert runs == [(0, "first"), (6, "motion"), (6 + NEW_OBJECT_GAP, "new_object")]
+    assert ids[7] == [1] and ids[8] == [1, 2]
     assert triggered == {"first": 1, "motion": 1, "new_object": 1}
 
 
@@ -198,6 +201,18 @@ def test_a_decision_lists_every_reason_that_held_the_first_being_its_reason() ->
     decision = decide(MAX_GAP, board, motion_cells=5, places=Places())
     assert decision == Decision(True, "max_gap", ("max_gap", "new_object", "motion"))
     assert triggers(MAX_GAP - 1, board, motion_cells=0, places=Places()) == ["new_object"]
+
+
+def test_a_prediction_that_moved_less_than_a_cell_is_seen_whatever_its_rounding() -> None:
+    # The square moved 1 px right; its track's predicted box crept 1.2 px right and 1.8 px
+    # down. Under a cell (2 px) either way, the fresh strips are rounding, not a stopped object.
+    before, cell = small_gray(render([square(40, 40)]))
+    after, _ = small_gray(render([square(41, 40)]))
+    assert prediction_seen(after, before, cell, square(40, 40), (41.2, 41.8, 71.2, 71.8))
+    # 12 px right is a real move: seen where the square went, not where it did not.
+    moved, _ = small_gray(render([square(52, 40)]))
+    assert prediction_seen(moved, before, cell, square(40, 40), square(52, 40))
+    assert not prediction_seen(before, before, cell, square(40, 40), square(52, 40))
 
 
 def test_unexplained_motion_counts_changed_cells_outside_the_explained_boxes() -> None:
@@ -275,11 +290,12 @@ async def test_a_pipeline_with_interval_auto_detects_the_same_frames_whatever_is
     assert requests_one == requests_four == sum(1 for d in detected if d == [True])
     assert requests_one <= 90 // 3
     # One square, one track, on every frame; predicted boxes stay on the true square
-    # (least just after it turns, while the track's velocity turns with it).
+    # (least just after it turns, while the track's velocity turns with it): within the
+    # motion margin, well above the fifth of IoU at which the tracker still matches.
     assert all([o.track_id for o in f.objects] == [1] for f in one)
     for f in one:
         truth = bouncing(f.index)
-        assert _iou(f.objects[0].bbox, truth) >= 0.4, (f.index, f.objects[0].bbox, truth)
+        assert _iou(f.objects[0].bbox, truth) >= 1 / 3, (f.index, f.objects[0].bbox, truth)
 
 
 def bouncing(i: int) -> Box:
