@@ -1,6 +1,6 @@
 """Cameras per core: how many live-paced cameras a configuration holds with its line counts kept.
 
-    python bench/capacity.py [--seconds 30] [--fps 10] [--max-cameras 32] [--quick]
+    python bench/capacity.py [--seconds 30] [--fps 10] [--max-cameras 32] [--seed 7] [--quick]
 
 1. **The scene.** A pedestrian-like clip rendered with known truth (``--seconds`` at
    ``--fps``, 640×384): walkers in six lanes cross the frame left to right or right
@@ -451,7 +451,7 @@ def cores() -> int:
 
 async def main_async(args: argparse.Namespace) -> int:
     frames = args.seconds * args.fps
-    scene = make_scene(frames)
+    scene = make_scene(frames, args.seed)
     nats = EmbeddedNats().start()
     try:
         return await measure(args, frames, scene, nats.url)
@@ -546,6 +546,7 @@ def main() -> int:
     parser.add_argument("--backend", default="openvino", choices=["openvino", "onnxruntime"])
     parser.add_argument("--instances", type=int, default=1)
     parser.add_argument("--max-cameras", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=7, help="another scene: other walkers, speeds and stops")
     parser.add_argument("--accuracy-only", action="store_true", help="only the counts; no capacity search")
     parser.add_argument("--ultralytics", default="", help="e.g. yolov8n.yaml: build and export it too")
     parser.add_argument("--quick", action="store_true", help="10 s, no padding, counts only: a smoke run")
