@@ -361,8 +361,7 @@ DEFERRED = Decision(False, "deferred")
 def triggers(
     frame: int, board: _SourceBoard, motion_cells: int, places: Places, unseen: bool = False
 ) -> list[str]:
-    """Every reason that holds for ``frame`` (in :data:`REASONS` order), from the board up to the frame
-    before.
+    """Every reason that holds for ``frame``, in :data:`REASONS` order, from the board as recorded.
 
     ``motion_cells``: changed cells no track explains; ``unseen``: a track's
     predicted box shows no change where it moved to (:func:`prediction_seen`).
