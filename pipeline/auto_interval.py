@@ -15,21 +15,30 @@ boxes, as for a fixed ``interval``:
 - ``first``: the source's first frame;
 - ``max_gap``: :data:`MAX_GAP` frames have passed since the detector last ran;
 - ``new_object``: the last detection left an object that is not yet a track
-  (a track needs a second hit to be confirmed);
+  (a track needs a second hit to be confirmed), :data:`NEW_OBJECT_GAP` frames
+  ago: its tentative track waits where it was seen;
 - ``motion``: the picture changed where no track explains it. A downscaled
   grayscale copy of the frame (:func:`small_gray`) is compared with the one of
   the last frame the detector ran on; changed cells inside the tracks' boxes
-  then and now are the tracks' own motion, the rest is something new;
+  then and now (now: where the tracker predicts them, moving on as its last
+  predicted step did) and inside the boxes of objects not yet tracked are
+  their own motion, the rest is something new;
 - ``fast``: a track moves more than :data:`FAST` of its size (its box's
   shorter side) per frame;
 - ``uncertain``: a track's prediction may have drifted (frames since it was
   last detected times how much a box of its size and speed can wander), or the
   picture does not show it where it is predicted (nothing changed in the part
   of its predicted box it was not in at the last detection: it stopped);
-- ``line``: a track's anchor is within reach of a line (its speed times 1.5
-  frames, or a tenth of its size) of a ``zones`` stage;
+- ``line``: a track's anchor, carried on at its velocity, crosses a line of a
+  ``zones`` stage on this frame: the detector confirms the crossing (or shows
+  the object stopped or turned before it) on the frame it is predicted, not on
+  every frame near the line;
 - ``zone``: a track's anchor is at a zone's edge, or inside a zone and the
   detector skipped the frame before.
+
+Several reasons may hold on one frame: :attr:`Decision.triggers` lists them
+all, and :attr:`AutoSchedule.triggered` counts them per source (which trigger
+costs the most detections).
 
 Everything here is pure: :class:`AutoSchedule` decides from the frame's
 pixels, the tracks recorded by the track stage up to the previous frame
@@ -43,20 +52,30 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipeline.frames import Frame
-from pipeline.geometry import Anchor, Box, Point, anchor_point, distance_to_edge, point_in_polygon
+from pipeline.geometry import (
+    Anchor,
+    Box,
+    Point,
+    anchor_point,
+    crosses_segment,
+    distance_to_edge,
+    point_in_polygon,
+    signed_distance,
+)
 
 # Frames the detector may skip in a row whatever the scene (at 10 fps: 1.5 s).
 MAX_GAP = 15
 # Speed (fraction of the box's size, its shorter side, per frame) above which a track is fast.
 FAST = 0.5
 # A track's prediction is uncertain once it may have wandered this fraction of its size.
-DRIFT = 0.2
+DRIFT = 0.3
 # How far a box of size s can wander per predicted frame: DRIFT_BASE*s + DRIFT_SPEED*speed.
 DRIFT_BASE = 0.01
 DRIFT_SPEED = 0.08
@@ -65,8 +84,13 @@ DRIFT_SPEED = 0.08
 SMALL_WIDTH = 96
 MOTION_LEVEL = 24
 MOTION_CELLS = 3
-# Boxes excluded from the motion mask grow by this fraction of their size (boxes are approximate).
-BOX_MARGIN = 0.25
+# Boxes excluded from the motion mask grow by this fraction of their size: boxes are approximate,
+# and a track a few pixels off its prediction still overlaps its next detection (the tracker
+# matches at a fifth of IoU), so that is not motion to detect.
+BOX_MARGIN = 0.4
+# A detection that is no track yet is confirmed by a second hit this many frames later: its
+# tentative track waits at its box, and the detector's run for another reason often comes first.
+NEW_OBJECT_GAP = 2
 # A predicted box is seen when at least this share of its new cells changed.
 SEEN = 0.5
 
@@ -118,6 +142,14 @@ def prediction_seen(grey: np.ndarray, reference: np.ndarray, cell: float, old: B
     if grey.shape != reference.shape:
         return False
     rows, cols = grey.shape
+    # Along an axis the box moved less than a cell, its fresh strip is a sliver the filter's
+    # jitter makes (a track's predicted box creeping a few pixels down): it tells nothing.
+    ox1, oy1, ox2, oy2 = old
+    if abs((new[0] + new[2]) - (ox1 + ox2)) / 2 < cell:
+        ox1, ox2 = new[0], new[2]
+    if abs((new[1] + new[3]) - (oy1 + oy2)) / 2 < cell:
+        oy1, oy2 = new[1], new[3]
+    old = (ox1, oy1, ox2, oy2)
 
     def cells(box: Box, touched: bool) -> tuple[int, int, int, int]:
         # The new part counts cells mostly inside the predicted box, and leaves out every
@@ -172,6 +204,7 @@ class _SourceBoard:
     detected: int = -1  # the last frame the detector ran on
     tracks: dict[int, TrackState] = field(default_factory=dict)
     untracked: int = 0  # detections of the last frame that are no track yet
+    untracked_boxes: list[Box] = field(default_factory=list)  # and where they are
     boxes_at_detection: dict[int, Box] = field(default_factory=dict)  # track id -> box
     # Frames that entered the schedule and are not yet recorded (or given up).
     pending: dict[int, asyncio.Future[None]] = field(default_factory=dict)
@@ -221,18 +254,23 @@ class TrackBoard:
         detected = stage not in frame.skipped
         steps = max(1, frame.index - board.frame) if board.frame >= 0 else 1
         seen: dict[int, TrackState] = {}
-        untracked = 0
+        untracked: list[Box] = []
         for obj in frame.objects:
             if obj.stage != stage or not tracked:
                 continue
             if obj.track_id is None:
-                untracked += 1
+                untracked.append(obj.bbox)
                 continue
             old = board.tracks.get(obj.track_id)
             state = TrackState(obj.track_id, obj.bbox, detected_box=obj.bbox, detected_at=frame.index)
             if old is not None and obj.predicted:
-                # The tracker's prediction: it moves at the velocity measured so far.
-                state.velocity, state.since_detection = old.velocity, old.since_detection + steps
+                # The tracker's prediction: the next one moves on as this one did (its filter's
+                # velocity, which lags the measured one after a turn or on a young track).
+                state.since_detection = old.since_detection + steps
+                state.velocity = (
+                    (_cx(obj.bbox) - _cx(old.box)) / steps,
+                    (_cy(obj.bbox) - _cy(old.box)) / steps,
+                )
                 state.detected_box, state.detected_at = old.detected_box, old.detected_at
             elif old is not None:
                 # Measured between two detections, however far apart; smoothed when they are
@@ -250,7 +288,7 @@ class TrackBoard:
         board.frame = frame.index
         if detected:
             board.detected = frame.index
-            board.untracked = untracked
+            board.untracked, board.untracked_boxes = len(untracked), untracked
             board.boxes_at_detection = {t.track_id: t.box for t in seen.values()}
         future = board.pending.pop(frame.index, None)
         if future is not None and not future.done():
@@ -312,6 +350,7 @@ class Places:
 class Decision:
     run: bool
     reason: str  # one of REASONS when run, "" otherwise
+    triggers: tuple[str, ...] = ()  # every reason that held, the first being ``reason``
 
 
 SKIP = Decision(False, "")
@@ -319,54 +358,61 @@ SKIP = Decision(False, "")
 DEFERRED = Decision(False, "deferred")
 
 
-def decide(
+def triggers(
     frame: int, board: _SourceBoard, motion_cells: int, places: Places, unseen: bool = False
-) -> Decision:
-    """Whether the detector runs on ``frame``, from the board as recorded up to the frame before.
+) -> list[str]:
+    """Every reason that holds for ``frame``, in :data:`REASONS` order, from the board as recorded.
 
     ``motion_cells``: changed cells no track explains; ``unseen``: a track's
     predicted box shows no change where it moved to (:func:`prediction_seen`).
     """
     if board.detected < 0:
-        return Decision(True, "first")
+        return ["first"]
+    held: set[str] = set()
     gap = frame - board.detected
     if gap >= MAX_GAP:
-        return Decision(True, "max_gap")
-    if board.untracked:
-        return Decision(True, "new_object")
+        held.add("max_gap")
+    if board.untracked and gap >= NEW_OBJECT_GAP:
+        held.add("new_object")
     if motion_cells >= MOTION_CELLS:
-        return Decision(True, "motion")
+        held.add("motion")
     if unseen:
-        return Decision(True, "uncertain")
+        held.add("uncertain")
     ahead = max(1, frame - board.frame)
     for track in board.tracks.values():
-        reason = _track_reason(track, ahead, places, gap)
-        if reason:
-            return Decision(True, reason)
-    return SKIP
+        held.update(_track_reasons(track, ahead, places, gap))
+    return [r for r in REASONS if r in held]
 
 
-def _track_reason(track: TrackState, ahead: int, places: Places, gap: int) -> str:
+def decide(
+    frame: int, board: _SourceBoard, motion_cells: int, places: Places, unseen: bool = False
+) -> Decision:
+    """Whether the detector runs on ``frame``: the first of its :func:`triggers`, if any."""
+    held = triggers(frame, board, motion_cells, places, unseen)
+    return Decision(True, held[0], tuple(held)) if held else SKIP
+
+
+def _track_reasons(track: TrackState, ahead: int, places: Places, gap: int) -> set[str]:
     h, speed = track.size, track.speed
+    held = set()
     if speed >= FAST * h:
-        return "fast"
+        held.add("fast")
     if (track.since_detection + ahead) * (DRIFT_BASE * h + DRIFT_SPEED * speed) >= DRIFT * h:
-        return "uncertain"
+        held.add("uncertain")
+    now = anchor_point(track.box, places.anchor)
     point = anchor_point(track.ahead(ahead), places.anchor)
     reach = max(0.1 * h, 1.5 * speed)
     for a, b in places.lines:
-        if _segment_distance(point, a, b) <= reach:
-            return "line"
+        # The frame its prediction crosses: the detector confirms (or refutes) the crossing there.
+        d0, d1 = signed_distance(now, a, b), signed_distance(point, a, b)
+        if d0 != d1 and (d0 > 0) != (d1 > 0) and crosses_segment(now, point, a, b):
+            held.add("line")
     for polygon in places.zones:
         if distance_to_edge(point, polygon) <= reach:
-            return "zone"
+            held.add("zone")
         if gap >= 2 and point_in_polygon(point, polygon):
-            return "zone"
-    return ""
-
-
-def _segment_distance(point: Point, a: Point, b: Point) -> float:
-    return distance_to_edge(point, [a, b])
+            held.add("zone")
+    return held
 
 
 class AutoSchedule:
@@ -379,6 +425,10 @@ class AutoSchedule:
         self.places = list(places)
         # Per source: the small frame of the last detection, and its cell size.
         self._reference: dict[str, tuple[np.ndarray, float]] = {}
+        # Per source, every reason that held on a frame where one did (several may hold at
+        # once): which trigger costs the most detections, beside the first reason counted
+        # in vidpipe_detector_frames_total.
+        self.triggered: dict[str, Counter[str]] = {}
 
     def decide(self, frame: Frame, min_gap: int = 0) -> Decision:
         """The decision for ``frame``; call once the frame before it was recorded (or given up).
@@ -393,7 +443,8 @@ class AutoSchedule:
         if ref is not None and board.detected >= 0:
             ahead = max(1, frame.index - board.frame)
             predicted = {i: t.ahead(ahead) for i, t in board.tracks.items()}
-            explained = [*board.boxes_at_detection.values(), *predicted.values()]
+            # A new object's own motion is no news until its second hit (new_object) is due.
+            explained = [*board.boxes_at_detection.values(), *predicted.values(), *board.untracked_boxes]
             motion = unexplained_motion(grey, ref[0], cell, explained)
             for track_id, box in predicted.items():
                 old = board.boxes_at_detection.get(track_id)
@@ -404,12 +455,14 @@ class AutoSchedule:
                 stopped = False
         places = self._scaled(frame.width, frame.height)
         decision = decide(frame.index, board, motion, places, stopped)
+        if decision.triggers:
+            self.triggered.setdefault(frame.source, Counter()).update(decision.triggers)
         if (
             decision.run
             and decision.reason not in ("first", "max_gap")
             and frame.index - board.detected < min_gap
         ):
-            return DEFERRED
+            return Decision(False, DEFERRED.reason, decision.triggers)
         if decision.run:
             self._reference[frame.source] = (grey, cell)
         return decision
@@ -421,6 +474,7 @@ class AutoSchedule:
 
     def forget_source(self, source: str) -> None:
         self._reference.pop(source, None)
+        self.triggered.pop(source, None)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""bench/capacity.py and bench/tracking.py: they run against the current code and say what they need."""
+"""bench/capacity.py, bench/defaults.py and bench/tracking.py: they run against the current code and say what they need."""
 
 from __future__ import annotations
 
@@ -110,3 +110,18 @@ async def test_lane_detector_gives_a_frame_the_same_boxes_in_a_mixed_batch_as_al
             assert boxes(batched) == boxes(one)
     finally:
         await models.close()
+
+
+@pytest.mark.slow
+def test_defaults_bench_adds_the_model_with_models_add_and_prints_ratios_against_the_ceiling() -> None:
+    proc = run("bench/defaults.py", "--quick")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "# vidpipe models add lanes.onnx:" in out
+    assert "#   backend: openvino" in out  # what models add writes where OpenVINO is installed
+    assert re.search(r"^#   instances: \d \(measured 1 -> [\d.]+/s", out, re.M), out
+    rows = [line for line in out.splitlines() if re.match(r"\| [12] +\|", line)]
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "2"]
+    assert re.fullmatch(
+        r"defaults_ratio_min=[\d.]+ defaults_latency_max=[\d.]+", out.strip().splitlines()[-1]
+    )

@@ -195,6 +195,12 @@ class InferStage(Stage):
         ]
         return AutoSchedule(self.name, self.context.tracks, places)
 
+    def detector_triggers(self) -> dict[str, dict[str, int]]:
+        """``interval: auto``: per source, how often each reason held on a frame (several at once)."""
+        if self._auto is None:
+            return {}
+        return {source: dict(counts) for source, counts in self._auto.triggered.items()}
+
     def _upright_by_model(self) -> str | None:
         if self.opts.upright_by is None:
             return None
