@@ -111,6 +111,20 @@ class FrameQueue(Generic[T]):
             self._cond.notify_all()
         return items
 
+    async def wait_ready(self) -> None:
+        """Wait until a frame (or :data:`END`) is waiting, without taking it.
+
+        The consumer can then wait for something else (a slot in the graph) and still
+        take the freshest frame: a live source keeps replacing the oldest meanwhile.
+        """
+        while True:
+            with self._cond:
+                if self._items:
+                    return
+                self._ready.clear()
+                self._waiting = True
+            await self._ready.wait()
+
     async def get(self) -> T | EndOfStream:
         """Wait for the next frame (or :data:`END`)."""
         while True:
@@ -120,9 +134,7 @@ class FrameQueue(Generic[T]):
                     if len(self._items) <= self._resume_at:
                         self._cond.notify()
                     return item
-                self._ready.clear()
-                self._waiting = True
-            await self._ready.wait()
+            await self.wait_ready()
 
     def _wake(self) -> None:
         # A closed loop means nobody is waiting any more.

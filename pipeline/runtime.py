@@ -109,20 +109,34 @@ def check_device(config: PipelineConfig) -> None:
 def derive_max_in_flight(config: PipelineConfig, models: dict[str, ModelConfig], sources: int) -> int:
     """Frames of one source in the graph at once: ``runtime.max_in_flight``, or derived from the models.
 
-    Unset, it is what the detector's instances can work on at once (the instance
-    count times the largest preferred batch size, 1 without one; for the model
-    of the whole-frame stage that can take the most) shared over ``sources``,
-    rounded down and at least 1. More frames in flight than instances at work
-    only wait in the batcher's queue: latency without throughput.
+    Unset, it is the graph's share (:func:`derive_graph_limit`) over ``sources``,
+    rounded down and at least 1; the graph limit holds the total when there are more
+    sources than frames it allows.
     """
     if config.runtime.max_in_flight is not None:
         return config.runtime.max_in_flight
+    graph = derive_graph_limit(config, models)
+    assert graph is not None
+    return max(1, min(256, graph // max(1, sources)))
+
+
+def derive_graph_limit(config: PipelineConfig, models: dict[str, ModelConfig]) -> int | None:
+    """Frames of all sources together in the graph at once; None when ``runtime.max_in_flight`` is set.
+
+    Twice what the detector's instances work on at once (the instance count times the
+    largest preferred batch size, 1 without one; for the model of the whole-frame stage
+    that can take the most): a batch at work on each instance and the next one ready,
+    so no instance waits for a frame to be pre-processed, and no frame waits behind
+    more than one batch. More frames in flight only wait in the batcher's queue:
+    latency without throughput.
+    """
+    if config.runtime.max_in_flight is not None:
+        return None
     whole_frame = [m for s in config.stages if getattr(s, "on", None) is None for m in s.models()]
     names = [m for m in whole_frame or config.models_used() if m in models]
     if not names:
-        return 1
-    work = max(_frames_at_work(models[name]) for name in names)
-    return max(1, min(256, work // max(1, sources)))
+        return 2
+    return 2 * max(_frames_at_work(models[name]) for name in names)
 
 
 def _frames_at_work(model: ModelConfig) -> int:
@@ -158,6 +172,8 @@ class SourceRun:
     stage_clock: StageClock = field(default_factory=StageClock)
     # Frames of this source in the graph at once (runtime.max_in_flight, or derived at its start).
     max_in_flight: int = 1
+    # Of the runtime's graph-wide slots, how many this source's frames hold now.
+    graph_held: int = 0
 
     # What the metrics collector reads (pipeline.metrics.CountedSource).
     @property
@@ -244,6 +260,9 @@ class Runtime:
         self._stopping = asyncio.Event()
         self._idle = asyncio.Event()
         self._errors = RateLimitedLog()
+        # Frames of all sources in the graph at once, when derived (derive_graph_limit); set
+        # once the models are loaded. Waiters are served in turn, so sources share it evenly.
+        self._graph_slots: asyncio.Semaphore | None = None
         self._unordered: list[Stage] = []
         self._ordered: list[Stage] = []
         self.started_at = 0.0
@@ -274,6 +293,9 @@ class Runtime:
         self.started_at = time.time()
         check_device(self.config)
         await self._load_models()
+        graph = derive_graph_limit(self.config, self._model_configs())
+        if graph is not None:
+            self._graph_slots = asyncio.Semaphore(graph)
         ctx = StageContext(config=self.config, models=self.models, metrics=self.metrics, errors=self._errors)
         self.stages = [create_stage(s, ctx) for s in self.config.stages]
         first_ordered = next((i for i, s in enumerate(self.stages) if s.ordered), len(self.stages))
@@ -384,10 +406,13 @@ class Runtime:
 
     def max_in_flight(self, sources: int) -> int:
         """Frames in flight for a source started when ``sources`` run (the config's count at least)."""
-        models = {}
-        if self.models is not None:  # loaded before any source starts
-            models = {n: self.models.get(n).config for n in self.config.models_used()}
-        return derive_max_in_flight(self.config, models, max(sources, len(self.config.sources)))
+        running = max(sources, len(self.config.sources))
+        return derive_max_in_flight(self.config, self._model_configs(), running)
+
+    def _model_configs(self) -> dict[str, ModelConfig]:
+        if self.models is None:  # loaded before any source starts
+            return {}
+        return {n: self.models.get(n).config for n in self.config.models_used()}
 
     def add_source(self, config: SourceConfig) -> SourceRun:
         """Start a source; raises ValueError if its id is taken, SourceLimitError when full.
@@ -475,6 +500,8 @@ class Runtime:
             run.last_frame.release()
             run.last_frame = None
         run.source.release_pools()
+        while run.graph_held:  # frames given up on (a removal that timed out) held these
+            self._give_graph_slot(run)
         if self.sources.get(sid) is run:
             del self.sources[sid]
             self._published_removed += run.published
@@ -533,13 +560,16 @@ class Runtime:
         try:
             while True:
                 await slots.acquire()
+                await self._take_graph_slot(run)
                 item = await run.queue.get()
                 if isinstance(item, EndOfStream):
                     slots.release()
+                    self._give_graph_slot(run)
                     break
                 if self._stopping.is_set() and run.source.live:
                     item.release()
                     slots.release()
+                    self._give_graph_slot(run)
                     counters.drop("shutdown")
                     continue
                 if not run.source.live:
@@ -612,6 +642,21 @@ class Runtime:
                 log.error("source %s: a frame failed after processing: %r", run.source.id, exc)
             finally:
                 slots.release()
+                self._give_graph_slot(run)
+
+    async def _take_graph_slot(self, run: SourceRun) -> None:
+        """A graph-wide slot (derived limit only), taken once a frame waits: the freshest goes in."""
+        if self._graph_slots is None:
+            return
+        # Waiting for a frame first keeps a slow camera from holding a slot it cannot use.
+        await run.queue.wait_ready()
+        await self._graph_slots.acquire()
+        run.graph_held += 1
+
+    def _give_graph_slot(self, run: SourceRun) -> None:
+        if self._graph_slots is not None and run.graph_held:
+            run.graph_held -= 1
+            self._graph_slots.release()
 
     async def _finish(self, run: SourceRun, frame: Frame | None) -> None:
         """Ordered stages and publish for one frame (None: dropped by a stage, already counted)."""
