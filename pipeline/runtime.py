@@ -33,6 +33,8 @@ from inference.ratelimit import RateLimitedLog
 from inference.repository import ModelRepository
 from pipeline.config import PipelineConfig, SourceConfig
 from pipeline.counters import SourceCounters
+from pipeline.fleet.fence import LeaseFence, default_worker_id
+from pipeline.fleet.metrics import FleetMetrics
 from pipeline.frames import Frame
 from pipeline.metrics import Metrics
 from pipeline.outputs.manager import Outputs
@@ -251,8 +253,22 @@ class Runtime:
         self.metrics.reader_threads.set_function(lambda: float(reader_threads()))
         self.models: ModelRepository | None = None
         self.stages: list[Stage] = []
+        # A fleet worker's publisher asks the fence before every message; the worker,
+        # built on this runtime, fills it (pipeline.fleet.fence).
+        self.fence: LeaseFence | None = None
+        self.fleet_metrics: FleetMetrics | None = None
+        if config.fleet is not None:
+            self.fleet_metrics = FleetMetrics(self.metrics.registry, config.fleet.name)
+            refused = self.fleet_metrics.fenced.labels(config.fleet.name)
+            self.fence = LeaseFence(config.fleet.worker_id or default_worker_id(), refused)
         self.publisher = Publisher(
-            config.nats, nats_url, config.pipeline, self.metrics, on_sent=self._on_sent, on_message=on_message
+            config.nats,
+            nats_url,
+            config.pipeline,
+            self.metrics,
+            fence=self.fence,
+            on_sent=self._on_sent,
+            on_message=on_message,
         )
         self.sources: dict[str, SourceRun] = {}
         # Every source's frame pool is sized against this; a removed source gives its share back.

@@ -39,9 +39,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
-import os
-import socket
 import time
 from importlib import metadata
 from typing import Any
@@ -57,7 +54,6 @@ from pipeline.config import FleetConfig, SourceConfig, SourcePolicy
 from pipeline.fleet.buckets import BadEntries, BucketView, bucket_name, open_bucket
 from pipeline.fleet.desired import DesiredCache, DesiredSources
 from pipeline.fleet.leases import EPOCH_KEY, Lease, LeaseTable, StoredLease, parse_epoch, parse_lease
-from pipeline.fleet.metrics import FleetMetrics
 from pipeline.fleet.placement import LiveSet, place
 from pipeline.fleet.status import WorkerInfo, source_json, worker_json
 from pipeline.redact import redact_url
@@ -77,12 +73,6 @@ def _retrieve(task: asyncio.Task[None]) -> None:
     """Read a finished probe's outcome, so an abandoned one is not reported as never retrieved."""
     if not task.cancelled():
         task.exception()
-
-
-def default_worker_id() -> str:
-    """``<hostname>-<pid>``, with characters a KV key cannot hold replaced."""
-    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname()) or "host"
-    return f"{host}-{os.getpid()}"
 
 
 def vidpipe_version() -> str:
@@ -108,10 +98,14 @@ class FleetWorker:
     """One worker of a fleet; also the :class:`~pipeline.stages.publish.Fence` of its publisher."""
 
     def __init__(self, runtime: Runtime, config: FleetConfig, nats_url: str) -> None:
+        if runtime.fence is None or runtime.fleet_metrics is None:
+            raise ValueError("the runtime's config has no fleet: section; its publisher has no fence")
         self.runtime = runtime
         self.config = config
         self.name = config.name
-        self.id = config.worker_id or default_worker_id()
+        # What the runtime's publisher asks before every message; this worker fills it.
+        self.fence = runtime.fence
+        self.id = self.fence.worker_id
         self.ttl = config.lease_ttl
         self.capacity = min(
             config.max_sources or runtime.config.runtime.max_sources, runtime.config.runtime.max_sources
@@ -120,8 +114,8 @@ class FleetWorker:
         self.nats_url = nats_url
         self.servers = parse_servers_or_fail(nats_url)
         self.version = vidpipe_version()
-        self.metrics = FleetMetrics(runtime.metrics.registry, self.name)
-        self.owned: dict[str, Lease] = {}
+        self.metrics = runtime.fleet_metrics
+        self.owned: dict[str, Lease] = self.fence.owned  # the fence's own table, not a copy
         # The desired entry's revision each owned source runs with: a newer one restarts it.
         self._running: dict[str, int] = {}
         self._busy: dict[str, asyncio.Task[None]] = {}  # one claim or release per source at a time
@@ -151,8 +145,6 @@ class FleetWorker:
         # The live set as last seen: placement acts once it held still, hands over after a TTL.
         self.live = LiveSet(settle=self.ttl / 8, handback=self.ttl)
         self._placement_memo: tuple[Any, dict[str, str]] | None = None
-        # Monotonic time until which the publishing connection is known to deliver.
-        self._publish_until = math.inf
         self._publish_stalled = False  # the last probe got no answer in time
         self._probe: asyncio.Task[None] | None = None  # the outstanding PING on that connection
         self._probe_sent = 0.0
@@ -167,20 +159,6 @@ class FleetWorker:
         self._claim_after = 0.0
         # Set on a reconnect: the renewer runs a round at once instead of at its next tick.
         self._wake = asyncio.Event()
-
-    # -- the Fence the publisher asks ------------------------------------------------------
-
-    def may_publish(self, source: str) -> bool:
-        lease = self.owned.get(source)
-        now = time.monotonic()
-        if lease is not None and lease.valid(now) and now < self._publish_until:
-            return True
-        self.metrics.fenced.labels(self.name).inc()
-        return False
-
-    def owner(self, source: str) -> tuple[str, int, int] | None:
-        lease = self.owned.get(source)
-        return (self.id, lease.epoch, lease.number) if lease is not None else None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -222,7 +200,6 @@ class FleetWorker:
         await self._probe_publisher()
         with contextlib.suppress(Exception):  # the renewer writes the next one a moment later
             await self._heartbeat()
-        self.runtime.publisher.fence = self
         self.runtime.keep_running()
         self._tasks = [
             asyncio.create_task(self._renew_loop(), name="fleet-renew"),
@@ -394,11 +371,11 @@ class FleetWorker:
             )
             return
         self._publish_stalled = False
-        self._publish_until = sent + self.ttl * 0.75
+        self.fence.publish_until = sent + self.ttl * 0.75
 
     def _publishing(self, now: float) -> bool:
         """Whether the publishing connection answered its last probe, within the fence's bound."""
-        return now < self._publish_until and not self._publish_stalled
+        return now < self.fence.publish_until and not self._publish_stalled
 
     async def _on_reconnect(self) -> None:
         self._wake.set()
@@ -782,11 +759,10 @@ class FleetWorker:
         if self.owned.get(sid) is lease:
             del self.owned[sid]
             self._running.pop(sid, None)
-        # Counted the moment the source is no longer owned, so /metrics agrees with `owned`.
+        # Counted and said the moment the source is no longer owned, so /metrics and the log
+        # agree with `owned`; giving the key up in the bucket follows.
         self.metrics.releases.labels(self.name, reason).inc()
         self.metrics.sources_owned.labels(self.name).set(len(self.owned))
-        with contextlib.suppress(Exception):
-            await self._leases().release(lease)
         if reason == "publish":
             log.warning(
                 "fleet %s: released %s: the publishing connection has not answered for %.1fs",
@@ -796,6 +772,8 @@ class FleetWorker:
             )
         else:
             log.info("fleet %s: released %s (%s)", self.name, sid, reason)
+        with contextlib.suppress(Exception):
+            await self._leases().release(lease)
 
     def _source_policy(self) -> tuple[SourcePolicy, str]:
         """What a stored source may be here: what this worker's API would accept, and where

@@ -97,6 +97,7 @@ class Publisher:
         pipeline: str,
         metrics: Metrics,
         *,
+        fence: Fence | None = None,
         on_sent: Callable[[str], None] | None = None,
         on_message: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
     ) -> None:
@@ -119,9 +120,8 @@ class Publisher:
         self._on_sent = on_sent
         # Awaited with each message in publish order (per source); its wait is backpressure.
         self._on_message = on_message
-        # Asked before every message when this process is one worker of a fleet (the worker,
-        # built after the runtime that owns this publisher, sets it before any source starts).
-        self.fence: Fence | None = None
+        # Asked before every message when this process is one worker of a fleet.
+        self.fence = fence
         self.display_url = redact_url(url) if url is not None else "no NATS (messages to this process only)"
         self._errors = RateLimitedLog(logger=log)
 

@@ -25,10 +25,10 @@ import nats
 import pytest
 
 from pipeline.fleet.buckets import open_bucket
+from pipeline.fleet.fence import default_worker_id
 from pipeline.fleet.leases import EPOCH_KEY, LeaseTable, lease_value, parse_lease
 from pipeline.fleet.placement import LiveSet, place, quotas
 from pipeline.fleet.status import read_status
-from pipeline.fleet.worker import default_worker_id
 from pipeline.nats_server import EmbeddedNats, free_port
 from tests.conftest import ROOT, run_cli, validate_message
 from tests.support.fault_proxy import Faults, Proxy
@@ -620,9 +620,8 @@ async def test_events_carry_the_worker_and_the_fence(nats_server: EmbeddedNats) 
 
     await nc.subscribe("vidpipe.p.*.events", cb=on_msg)
     await nc.flush()
-    publisher = Publisher(NatsConfig(), nats_server.url, "p", Metrics())
+    publisher = Publisher(NatsConfig(), nats_server.url, "p", Metrics(), fence=Owner())
     await publisher.connect()
-    publisher.fence = Owner()
     try:
         event = Event("track_start", 3, 0.1, time.time(), 5, "person", (1.0, 2.0, 3.0, 4.0))
         await publisher.publish_events("cam2", [event], "s", "3")  # fenced: not ours
@@ -884,7 +883,7 @@ async def test_a_worker_whose_publishing_connection_stalls_gives_its_leases_up_a
         gave_up = time.monotonic() - stalled
         # Given up once a probe (every lease_ttl / 4) found no answer, before the fence's bound.
         assert gave_up <= 0.75 * 2 + 0.5 + 1.0, gave_up
-        assert all(not stuck.may_publish(sid) for sid in held)
+        assert all(not stuck.fence.may_publish(sid) for sid in held)
         assert stuck.metrics.releases.labels("pub", "publish")._value.get() == 2
         for sid in held:
             line = f"fleet pub: released {sid}: the publishing connection has not answered for 1.5s"
