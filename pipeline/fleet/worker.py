@@ -95,7 +95,7 @@ def parse_servers_or_fail(url: str) -> list[str]:
 
 
 class FleetWorker:
-    """One worker of a fleet; also the :class:`~pipeline.stages.publish.Fence` of its publisher."""
+    """One worker of a fleet; it fills the `LeaseFence` its runtime's publisher asks (fleet.fence)."""
 
     def __init__(self, runtime: Runtime, config: FleetConfig, nats_url: str) -> None:
         if runtime.fence is None or runtime.fleet_metrics is None:
