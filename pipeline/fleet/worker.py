@@ -69,6 +69,10 @@ PROBE_PATIENCE = 600
 TOMBSTONE_AGE = 300.0
 
 
+# Seconds a stop waits for the NATS client to close (a stalled link never answers).
+CLOSE_TIMEOUT = 5.0
+
+
 def _retrieve(task: asyncio.Task[None]) -> None:
     """Read a finished probe's outcome, so an abandoned one is not reported as never retrieved."""
     if not task.cancelled():
@@ -271,8 +275,9 @@ class FleetWorker:
         for view in self._views.values():
             await view.stop()
         if self._nc is not None:
+            # Bounded: closing a connection whose link is stalled must not hold a stop up.
             with contextlib.suppress(Exception):
-                await self._nc.close()
+                await asyncio.wait_for(self._nc.close(), CLOSE_TIMEOUT)
         log.info("fleet %s: worker %s left (%d source(s) handed over)", self.name, self.id, len(owned))
 
     def health_problem(self) -> str | None:

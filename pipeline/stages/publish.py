@@ -373,7 +373,8 @@ class Publisher:
         except Exception as exc:
             log.warning("NATS flush at shutdown failed: %s", exc)
         try:
-            await self.nc.close()
+            # Bounded: a stalled link never answers, and a stop must not wait for it.
+            await asyncio.wait_for(self.nc.close(), 5.0)
         except Exception:  # closing a broken connection may raise; nothing left to do
             log.debug("NATS close failed", exc_info=True)
         self.nc = None
