@@ -13,6 +13,13 @@ Per frame (Zhang et al., "ByteTrack", ECCV 2022):
 5. remaining detections scoring at least ``new_score`` start tentative tracks;
 6. a lost track is forgotten ``max_age`` frames after it was last matched.
 
+On frames the detector skipped (``predict``) the filters only predict. A track
+matched after such frames takes as its velocity the displacement between its
+last two detections divided by the frames between them: the filter's own
+update would move it only part of the way, and its predictions would lag the
+object for several detections. With the detector on every frame nothing
+changes.
+
 Ids are handed out at confirmation, so detections that never become a track
 (false positives) use up no ids.
 """
@@ -60,6 +67,8 @@ class _Track:
     hits: int = 1
     state: TrackState = TrackState.TENTATIVE
     id: int = 0  # 0 until confirmed
+    skipped: int = 0  # frames the detector skipped since the track was last matched
+    detected: tuple[float, float] = (0.0, 0.0)  # the centre of its last detection
 
 
 class ByteTracker(Tracker):
@@ -110,6 +119,7 @@ class ByteTracker(Tracker):
             if scores[d] < p.new_score:
                 continue
             track = _Track(KalmanBox.start(boxes[d]), labels[d], float(scores[d]), self.frame)
+            track.detected = _centre(boxes[d])
             if p.min_hits <= 1 or self.frame == 1:
                 self._confirm(track)
                 ids[d] = track.id
@@ -121,6 +131,7 @@ class ByteTracker(Tracker):
         self.frame += 1
         for track in self.tracks:
             track.kf.predict()
+            track.skipped += 1
         self._forget_old()
         return [
             TrackedBox(t.id, as_box(t.kf.box()), t.label, t.score)
@@ -141,6 +152,12 @@ class ByteTracker(Tracker):
 
     def _hit(self, track: _Track, box: np.ndarray, score: float, label: str) -> int | None:
         track.kf.update(box)
+        centre = _centre(box)
+        if track.skipped:
+            gap = self.frame - track.last_update
+            track.kf.catch_up(box, ((centre[0] - track.detected[0]) / gap, (centre[1] - track.detected[1]) / gap))
+            track.skipped = 0
+        track.detected = centre
         track.score = float(score)
         track.label = label
         track.hits += 1
@@ -158,3 +175,7 @@ class ByteTracker(Tracker):
 
     def _forget_old(self) -> None:
         self.tracks = [t for t in self.tracks if self.frame - t.last_update <= self.params.max_age]
+
+
+def _centre(box: np.ndarray) -> tuple[float, float]:
+    return (float(box[0] + box[2]) / 2, float(box[1] + box[3]) / 2)
