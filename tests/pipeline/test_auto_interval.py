@@ -172,9 +172,10 @@ async def test_a_fast_newcomer_is_confirmed_by_its_second_hit_frames_later(
 
 
 def test_a_prediction_its_last_detection_found_on_time_is_trusted_for_longer() -> None:
-    # A 30 px square at 12 px a frame, 10 frames after its last detection: by its speed
-    # alone its prediction may have drifted 10 × (0.3 + 0.96) px, over 45% of its size.
-    # When that detection found the prediction 0.5 px a frame off, 10 × 0.8 px is not.
+    # A 30 px square at 12 px a frame, on the 11th frame after its last detection: by its
+    # speed alone its prediction may have drifted 11 × (0.3 + 0.96) = 13.9 px, over 45% of
+    # its size (13.5 px). When that detection found the prediction 0.5 px a frame off,
+    # 11 × 0.8 = 8.8 px is not.
     unchecked = TrackState(1, square(100, 100), velocity=(12.0, 0.0), since_detection=10)
     checked = TrackState(1, square(100, 100), velocity=(12.0, 0.0), since_detection=10, error=0.5)
     assert "uncertain" in _track_reasons(unchecked, 1, Places(), 11)
