@@ -26,7 +26,8 @@ boxes, as for a fixed ``interval``:
 - ``fast``: a track moves more than :data:`FAST` of its size (its box's
   shorter side) per frame;
 - ``uncertain``: a track's prediction may have drifted (frames since it was
-  last detected times how much a box of its size and speed can wander), or the
+  last detected times how much a box of its size and speed can wander, or less
+  when its last detection found the prediction on time: :attr:`TrackState.error`), or the
   picture does not show it where it is predicted (nothing changed in the part
   of its predicted box it was not in at the last detection: it stopped);
 - ``line``: a track's anchor, carried on at its velocity, crosses a line of a
