@@ -26,7 +26,8 @@ boxes, as for a fixed ``interval``:
 - ``fast``: a track moves more than :data:`FAST` of its size (its box's
   shorter side) per frame;
 - ``uncertain``: a track's prediction may have drifted (frames since it was
-  last detected times how much a box of its size and speed can wander), or the
+  last detected times how much a box of its size and speed can wander, or less
+  when its last detection found the prediction on time: :attr:`TrackState.error`), or the
   picture does not show it where it is predicted (nothing changed in the part
   of its predicted box it was not in at the last detection: it stopped);
 - ``line``: a track's anchor, carried on at its velocity, crosses a line of a
@@ -74,9 +75,11 @@ from pipeline.geometry import (
 MAX_GAP = 15
 # Speed (fraction of the box's size, its shorter side, per frame) above which a track is fast.
 FAST = 0.5
-# A track's prediction is uncertain once it may have wandered this fraction of its size.
-DRIFT = 0.3
-# How far a box of size s can wander per predicted frame: DRIFT_BASE*s + DRIFT_SPEED*speed.
+# A track's prediction is uncertain once it may have wandered this fraction of its size (after
+# skipped frames the tracker matches with buffered boxes, which still overlap a box this far off).
+DRIFT = 0.45
+# How far a box of size s can wander per predicted frame: DRIFT_BASE*s + DRIFT_SPEED*speed, or
+# DRIFT_BASE*s + the error per frame its prediction showed at the last detection, if smaller.
 DRIFT_BASE = 0.01
 DRIFT_SPEED = 0.08
 # Motion: the small frame is about this wide; a cell changed by more than
@@ -181,6 +184,9 @@ class TrackState:
     since_detection: int = 0  # frames since a detector (not the tracker) placed it
     detected_box: Box = (0.0, 0.0, 0.0, 0.0)  # where and when a detector last placed it
     detected_at: int = 0
+    # How far (px per frame) the prediction was off at the last detection, over the frames
+    # since the one before; None until a detection has checked one.
+    error: float | None = None
 
     def ahead(self, frames: int) -> Box:
         """The box ``frames`` frames later at its velocity (what the tracker will predict)."""
@@ -272,10 +278,13 @@ class TrackBoard:
                     (_cy(obj.bbox) - _cy(old.box)) / steps,
                 )
                 state.detected_box, state.detected_at = old.detected_box, old.detected_at
+                state.error = old.error
             elif old is not None:
                 # Measured between two detections, however far apart; smoothed when they are
                 # neighbours, where one detection's jitter is not a change of speed.
                 gap = max(1, frame.index - old.detected_at)
+                guess = old.ahead(steps)
+                state.error = math.hypot(_cx(obj.bbox) - _cx(guess), _cy(obj.bbox) - _cy(guess)) / gap
                 vx = (_cx(obj.bbox) - _cx(old.detected_box)) / gap
                 vy = (_cy(obj.bbox) - _cy(old.detected_box)) / gap
                 keep = 0.5 if gap == 1 and old.since_detection == 0 else 0.0
@@ -397,7 +406,10 @@ def _track_reasons(track: TrackState, ahead: int, places: Places, gap: int) -> s
     held = set()
     if speed >= FAST * h:
         held.add("fast")
-    if (track.since_detection + ahead) * (DRIFT_BASE * h + DRIFT_SPEED * speed) >= DRIFT * h:
+    # A prediction a detection found on time (its error per frame under the speed's share) is
+    # trusted for longer; a young track, never checked, gets the speed's share alone.
+    drift = DRIFT_SPEED * speed if track.error is None else min(DRIFT_SPEED * speed, track.error)
+    if (track.since_detection + ahead) * (DRIFT_BASE * h + drift) >= DRIFT * h:
         held.add("uncertain")
     now = anchor_point(track.box, places.anchor)
     point = anchor_point(track.ahead(ahead), places.anchor)

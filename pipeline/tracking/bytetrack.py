@@ -13,6 +13,14 @@ Per frame (Zhang et al., "ByteTrack", ECCV 2022):
 5. remaining detections scoring at least ``new_score`` start tentative tracks;
 6. a lost track is forgotten ``max_age`` frames after it was last matched.
 
+On frames the detector skipped (``predict``) the filters only predict. After
+such frames a track is matched with both boxes grown by :data:`SKIPPED_BUFFER`
+(buffered IoU: the prediction may be far off), and a matched track takes as its
+velocity the displacement between its last two detections divided by the frames
+between them, and the detection's aspect ratio: the filter's own update would
+move them only part of the way, and its predictions would lag the object for
+several detections. With the detector on every frame nothing of this applies.
+
 Ids are handed out at confirmation, so detections that never become a track
 (false positives) use up no ids.
 """
@@ -45,6 +53,12 @@ class ByteTrackParams:
     per_label: bool = True
 
 
+# After frames the detector skipped, a track and the detections are matched with both boxes
+# grown by this share of their size on every side (C-BIoU's buffer scale): a prediction a
+# whole box width off still overlaps by a fifth (the default ``iou``), not two thirds of one.
+SKIPPED_BUFFER = 0.3
+
+
 class TrackState(enum.Enum):
     TENTATIVE = "tentative"
     TRACKED = "tracked"
@@ -60,6 +74,8 @@ class _Track:
     hits: int = 1
     state: TrackState = TrackState.TENTATIVE
     id: int = 0  # 0 until confirmed
+    skipped: int = 0  # frames the detector skipped since the track was last matched
+    detected: tuple[float, float] = (0.0, 0.0)  # the centre of its last detection
 
 
 class ByteTracker(Tracker):
@@ -110,6 +126,7 @@ class ByteTracker(Tracker):
             if scores[d] < p.new_score:
                 continue
             track = _Track(KalmanBox.start(boxes[d]), labels[d], float(scores[d]), self.frame)
+            track.detected = _centre(boxes[d])
             if p.min_hits <= 1 or self.frame == 1:
                 self._confirm(track)
                 ids[d] = track.id
@@ -121,6 +138,7 @@ class ByteTracker(Tracker):
         self.frame += 1
         for track in self.tracks:
             track.kf.predict()
+            track.skipped += 1
         self._forget_old()
         return [
             TrackedBox(t.id, as_box(t.kf.box()), t.label, t.score)
@@ -134,6 +152,12 @@ class ByteTracker(Tracker):
         if not tracks or len(idx) == 0:
             return np.zeros((len(tracks), len(idx)))
         iou = iou_matrix(np.array([t.kf.box() for t in tracks]), boxes[idx])
+        late = [i for i, t in enumerate(tracks) if t.skipped]
+        if late:
+            # Buffered IoU (Yang et al., "Hard to Track Objects with Irregular Motions and
+            # Similar Appearances? Make It Easier by Buffering the Matching Space", 2023):
+            # after frames without detections, a prediction may be a good part of a box off.
+            iou[late] = iou_matrix(_grown(np.array([tracks[i].kf.box() for i in late])), _grown(boxes[idx]))
         if self.params.per_label:
             same = np.array([[t.label == labels[d] for d in idx] for t in tracks])
             iou = np.where(same, iou, 0.0)
@@ -141,6 +165,14 @@ class ByteTracker(Tracker):
 
     def _hit(self, track: _Track, box: np.ndarray, score: float, label: str) -> int | None:
         track.kf.update(box)
+        centre = _centre(box)
+        if track.skipped:
+            gap = self.frame - track.last_update
+            track.kf.catch_up(
+                box, ((centre[0] - track.detected[0]) / gap, (centre[1] - track.detected[1]) / gap)
+            )
+            track.skipped = 0
+        track.detected = centre
         track.score = float(score)
         track.label = label
         track.hits += 1
@@ -158,3 +190,13 @@ class ByteTracker(Tracker):
 
     def _forget_old(self) -> None:
         self.tracks = [t for t in self.tracks if self.frame - t.last_update <= self.params.max_age]
+
+
+def _centre(box: np.ndarray) -> tuple[float, float]:
+    return (float(box[0] + box[2]) / 2, float(box[1] + box[3]) / 2)
+
+
+def _grown(boxes: np.ndarray, by: float = SKIPPED_BUFFER) -> np.ndarray:
+    """N×4 boxes, each grown by ``by`` of its width and height on every side."""
+    w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
+    return boxes + np.stack([-by * w, -by * h, by * w, by * h], axis=1)

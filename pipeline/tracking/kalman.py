@@ -65,6 +65,19 @@ class KalmanBox:
         self.mean = self.mean + gain @ (xyxy_to_xyah(box) - _H @ self.mean)
         self.covariance = self.covariance - gain @ innovation_cov @ gain.T
 
+    def catch_up(self, box: np.ndarray, velocity: tuple[float, float]) -> None:
+        """After frames without a measurement: take the centre's ``velocity`` (px per frame) measured
+        elsewhere, and the aspect ratio of ``box``, the measurement just applied with :meth:`update`.
+
+        After frames the detector skipped, one update moves the velocity only part of
+        the way to the displacement between the two detections (the gain is small once
+        the filter has settled), and the aspect ratio, whose noise is tiny, hardly at
+        all: a track started on an object half in view stays narrow. Its predictions
+        would lag the object for several detections.
+        """
+        self.mean[4], self.mean[5] = velocity
+        self.mean[2] = xyxy_to_xyah(box)[2]
+
     def box(self) -> np.ndarray:
         """The current estimate as x1, y1, x2, y2."""
         return xyah_to_xyxy(self.mean)

@@ -22,7 +22,10 @@ from pipeline.auto_interval import (
     Decision,
     FairShare,
     Places,
+    TrackBoard,
+    TrackState,
     _SourceBoard,
+    _track_reasons,
     decide,
     prediction_seen,
     small_gray,
@@ -150,6 +153,60 @@ async def test_a_new_object_is_motion_the_tracker_cannot_explain(tmp_path: Path,
     assert runs == [(0, "first"), (6, "motion"), (6 + NEW_OBJECT_GAP, "new_object")]
     assert ids[7] == [1] and ids[8] == [1, 2]
     assert triggered == {"first": 1, "motion": 1, "new_object": 1}
+
+
+async def test_a_fast_newcomer_is_confirmed_by_its_second_hit_frames_later(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    # A square entering at 12 px a frame: its tentative track waits where it was first seen,
+    # and its second hit, NEW_OBJECT_GAP frames later, is 24 px (0.8 of its width) away. The
+    # buffered match after skipped frames confirms it there; a plain one (IoU 0.11) would
+    # start another tentative track and leave it without an id.
+    def scene(i: int) -> list[Box]:
+        return [square(40, 40)] + ([square(20 + 12 * (i - 6), 150)] if i >= 6 else [])
+
+    runs, ids = await schedule(tmp_path, sample_models, scene, 12)
+    assert runs[:3] == [(0, "first"), (6, "motion"), (6 + NEW_OBJECT_GAP, "new_object")]
+    assert ids[6 + NEW_OBJECT_GAP] == [1, 2]
+    assert all(frame_ids == [1, 2] for frame_ids in ids[6 + NEW_OBJECT_GAP :])
+
+
+def test_a_prediction_its_last_detection_found_on_time_is_trusted_for_longer() -> None:
+    # A 30 px square at 12 px a frame, on the 11th frame after its last detection: by its
+    # speed alone its prediction may have drifted 11 × (0.3 + 0.96) = 13.9 px, over 45% of
+    # its size (13.5 px). When that detection found the prediction 0.5 px a frame off,
+    # 11 × 0.8 = 8.8 px is not.
+    unchecked = TrackState(1, square(100, 100), velocity=(12.0, 0.0), since_detection=10)
+    checked = TrackState(1, square(100, 100), velocity=(12.0, 0.0), since_detection=10, error=0.5)
+    assert "uncertain" in _track_reasons(unchecked, 1, Places(), 11)
+    assert "uncertain" not in _track_reasons(checked, 1, Places(), 11)
+    # Far enough on, it is checked again: 17 × 0.8 px reaches 45% of 30 px.
+    assert "uncertain" in _track_reasons(checked, 7, Places(), 17)
+
+
+def test_the_board_records_how_far_off_the_prediction_was_at_a_detection() -> None:
+    board = TrackBoard()
+    board.watched.add("det")
+    board.board("cam", "det")
+
+    def frame(index: int, x: float, predicted: bool) -> Frame:
+        f = Frame("cam", index, index / 10, 0.0, render([]))
+        f.objects = [
+            DetectedObject(id=1, label="square", class_id=0, score=0.9, bbox=square(x, 40), stage="det",
+                           track_id=1, predicted=predicted)
+        ]  # fmt: skip
+        if predicted:
+            f.skipped.add("det")
+        return f
+
+    # Detected at 0 and 1: 4 px from where a track at rest was expected. Predicted at 2 and 3
+    # moving on at 4 px (the check of frame 1 carried), detected at 4 where the square is
+    # 6 px further than predicted: 6 px over the 3 frames since the last detection.
+    for index, x, predicted in [(0, 0, False), (1, 4, False), (2, 8, True), (3, 12, True), (4, 22, False)]:
+        board.record(frame(index, x, predicted))
+        if index == 3:
+            assert board.board("cam", "det").tracks[1].error == pytest.approx(4.0)
+    assert board.board("cam", "det").tracks[1].error == pytest.approx(2.0)
 
 
 LINE_160 = "{name: l, points: [[0, 160], [320, 160]]}"

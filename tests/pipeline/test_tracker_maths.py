@@ -136,3 +136,55 @@ def test_predict_follows_the_motion_and_returns_only_followed_tracks() -> None:
     assert second.box == pytest.approx(square(110, 0), abs=2.0)
     # Back to detections: the track continues where the prediction said.
     assert tracker.update(np.array([square(120, 0)]), np.array([0.8]), ["sq"]) == [1]
+
+
+def one(tracker: ByteTracker, box: list[float]) -> list[int | None]:
+    return tracker.update(np.array([box]), np.array([0.9]), ["sq"])
+
+
+def test_after_skipped_frames_a_track_takes_the_velocity_between_its_last_two_detections() -> None:
+    # Settled at 4 px a frame, then the detector skips 3 frames while the square speeds up
+    # to 10 px a frame: one detection sets the velocity to the displacement over the gap
+    # (the filter's own gain would take it only part of the way), so the predictions keep
+    # up with the square (a few px behind: the filter's position is where it blends the
+    # measurement with its prediction).
+    tracker = ByteTracker()
+    for f in range(10):
+        one(tracker, square(4 * f, 50))
+    for _ in range(3):
+        tracker.predict()
+    assert one(tracker, square(36 + 40, 50)) == [1]
+    (track,) = tracker.tracks
+    assert track.kf.mean[4] == pytest.approx(10.0)
+    (first,) = tracker.predict()
+    (second,) = tracker.predict()
+    assert first.box == pytest.approx(square(86, 50), abs=3)
+    assert second.box[0] - first.box[0] == pytest.approx(10.0)
+
+
+def test_after_skipped_frames_a_track_takes_the_aspect_ratio_of_its_detection() -> None:
+    # First seen half in view (15 px wide), then whole (30 px) after two skipped frames:
+    # the predicted box is the whole square, not a sliver the filter widens over many frames.
+    tracker = ByteTracker()
+    assert one(tracker, [0, 50, 15, 80]) == [1]
+    tracker.predict()
+    assert one(tracker, square(10, 50)) == [1]
+    (predicted,) = tracker.predict()
+    assert predicted.box[2] - predicted.box[0] == pytest.approx(30, abs=0.5)
+
+
+@pytest.mark.parametrize("skipped", [True, False])
+def test_a_prediction_a_box_width_off_matches_after_skipped_frames_only(skipped: bool) -> None:
+    # A still square's track; the square reappears 27 px (0.9 of its width) away: IoU 0.05.
+    # After frames the detector skipped the boxes are matched buffered (grown by 0.3 each
+    # side: IoU 0.28) and the id holds; after frames it ran and missed, the match is plain
+    # ByteTrack's, as on every frame: a new track.
+    tracker = ByteTracker(ByteTrackParams(min_hits=1))
+    for _ in range(3):
+        one(tracker, square(100, 50))
+    for _ in range(2):
+        if skipped:
+            tracker.predict()
+        else:
+            tracker.update(np.zeros((0, 4)), np.zeros(0), [])
+    assert one(tracker, square(127, 50)) == ([1] if skipped else [2])
