@@ -451,13 +451,20 @@ class FleetWorker:
         """
         leases = self._leases()
         desired = self.desired_sources()
+        now = time.monotonic()
         for sid, lease in list(leases.abandoned.items()):
             if not lease.lapsed or sid in self._busy:
                 continue
             entry = desired.get(sid)
-            usable = self._publishing(time.monotonic()) and not self._draining and sid not in self.owned
-            if entry is None or not usable or lease.epoch != leases.epoch:
+            if entry is None or self._draining or sid in self.owned or lease.epoch != leases.epoch:
                 lease.lapsed = False  # withdraw_unconfirmed deletes it
+                continue
+            if not self._publishing(now):
+                # The publishing link went with the rest and may answer a moment after the
+                # KV one: wait for it up to a TTL past the deadline. Waiting holds no one up:
+                # a worker that takes the key over meanwhile makes the resume's CAS fail.
+                if now - lease.deadline >= self.ttl:
+                    lease.lapsed = False
                 continue
             self._spawn(sid, self._resume(lease, *entry))
 
