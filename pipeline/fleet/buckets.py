@@ -146,8 +146,9 @@ class BucketView:
 
     async def stop(self) -> None:
         if self._watcher is not None:
+            # Bounded: unsubscribing waits on the connection, which may be stalled or gone.
             with contextlib.suppress(Exception):
-                await self._watcher.stop()
+                await asyncio.wait_for(self._watcher.stop(), 2.0)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -263,7 +263,10 @@ class FleetWorker:
                 await placer
         busy = list(self._busy.values())
         if busy:
-            await asyncio.gather(*busy, return_exceptions=True)
+            # Each claim or release is bounded by its KV timeouts; this bounds them together.
+            _, pending = await asyncio.wait(busy, timeout=2 * self.ttl)
+            for task in pending:
+                task.cancel()
         if self._workers_kv is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._workers_kv.delete(self.id), 2.0)
