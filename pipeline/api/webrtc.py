@@ -85,8 +85,11 @@ class WebRtcRoutes:
         if self._whep is not None:
             await self._whep.close()
 
-    def _guard_offer(self, request: web.Request, offer: str) -> tuple[str, PendingSession] | web.Response:
-        """The offer with only allowed ICE candidates, counted as pending for its client."""
+    async def _read_offer(self, request: web.Request) -> tuple[str, PendingSession] | web.Response:
+        """The request's SDP offer with only allowed ICE candidates, counted as pending for its client."""
+        offer = await read_sdp(request)
+        if isinstance(offer, web.Response):
+            return offer
         try:
             return self.guard.filter_offer(offer), self.guard.admit(request.remote or "")
         except OfferRefused as exc:
@@ -105,10 +108,7 @@ class WebRtcRoutes:
         source = self._whip_source(name)
         if source is None:
             return error(404, f"no whip:// source named {name!r}")
-        offer = await read_sdp(request)
-        if isinstance(offer, web.Response):
-            return offer
-        guarded = self._guard_offer(request, offer)
+        guarded = await self._read_offer(request)
         if isinstance(guarded, web.Response):
             return guarded
         offer, unconnected = guarded
@@ -137,10 +137,7 @@ class WebRtcRoutes:
         sid = request.match_info["id"]
         if sid not in self._runtime.sources:
             return error(404, f"no source {sid!r}")
-        offer = await read_sdp(request)
-        if isinstance(offer, web.Response):
-            return offer
-        guarded = self._guard_offer(request, offer)
+        guarded = await self._read_offer(request)
         if isinstance(guarded, web.Response):
             return guarded
         offer, unconnected = guarded
