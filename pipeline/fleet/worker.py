@@ -476,14 +476,8 @@ class FleetWorker:
         if not await self._leases().resume(lease):
             return  # another worker holds it now
         self.owned[sid] = lease
-        try:
-            self.runtime.add_source(config)
-        except Exception as exc:
-            log.error("fleet %s: source %s cannot start here: %s; lease released", self.name, sid, exc)
-            self._retry_at[sid] = time.monotonic() + 2 * self.ttl
-            await self._release(sid, "removed")
+        if not await self._run_owned(sid, config, revision, "cannot start here: {}; lease released"):
             return
-        self._running[sid] = revision
         self.metrics.takeovers.labels(self.name, "resumed").inc()
         self.metrics.sources_owned.labels(self.name).set(len(self.owned))
         log.info("fleet %s: resumed %s (lease %d: no one took it meanwhile)", self.name, sid, lease.number)
@@ -753,16 +747,22 @@ class FleetWorker:
         lease = self.owned.get(sid)
         if lease is None or not lease.valid():
             return
+        if not await self._run_owned(sid, config, revision, "cannot start with its new settings: {}"):
+            return
+        self.metrics.restarts.labels(self.name).inc()
+        log.info("fleet %s: restarted %s with its changed settings", self.name, sid)
+
+    async def _run_owned(self, sid: str, config: SourceConfig, revision: int, failure: str) -> bool:
+        """Start an owned source; one that cannot start here is released and retried later."""
         try:
             self.runtime.add_source(config)
         except Exception as exc:
-            log.error("fleet %s: source %s cannot start with its new settings: %s", self.name, sid, exc)
+            log.error("fleet %s: source %s %s", self.name, sid, failure.format(exc))
             self._retry_at[sid] = time.monotonic() + 2 * self.ttl
             await self._release(sid, "removed")
-            return
+            return False
         self._running[sid] = revision
-        self.metrics.restarts.labels(self.name).inc()
-        log.info("fleet %s: restarted %s with its changed settings", self.name, sid)
+        return True
 
     async def _release(self, sid: str, reason: str) -> None:
         """Stop ``sid`` (its frames in flight are still published), then give the lease up."""
