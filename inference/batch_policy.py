@@ -22,18 +22,20 @@ Triton's dynamic batcher and are configured per model in ``config.yaml``::
 Batch formation (:func:`next_batch`), evaluated whenever an instance is free:
 
 * ``max_batch_size: 0`` sends one request per execution, as soon as one is pending.
-* With ``max_queue_delay_microseconds: 0`` and other instances idle, this
-  instance counts only its share of the pending requests (rounded up); the
-  rules below apply to that share. **This departs from Triton**, whose first
-  free instance takes a batch that fills a preferred size at once: with
-  preferred ``[4]``, four pending requests and four idle instances, Triton
-  runs one batch of four and vidpipe four batches of one, side by side. On a
-  CPU the instances share the cores, so an idle instance is throughput left
-  unused, and the frames queued behind a batch held by one instance wait for
-  all of it: the one-camera OCR demo, its detector at batch 4, ran at 32
-  frames/s with Triton's rule and 52 with the split (docs/PERFORMANCE.md).
-  Under load no instance is idle and nothing is split; with a queue delay the
-  operator asked for fuller batches, and Triton's rule holds unchanged.
+* With other instances idle and no queue delay left to wait (the model has
+  none, or the oldest request has waited it out), this instance counts only
+  its share of the pending requests (rounded up); the rules below apply to
+  that share. **This departs from Triton**, whose first free instance takes
+  everything up to ``max_batch_size``: with preferred ``[4]``, four pending
+  requests and four idle instances, Triton runs one batch of four and vidpipe
+  four batches of one, side by side. On a CPU the instances share the cores,
+  so an idle instance is throughput left unused, and the frames queued behind a
+  batch held by one instance wait for all of it: the one-camera OCR demo, its
+  detector at batch 4, ran at 32 frames/s with Triton's rule and 52 with the
+  split; two OpenVINO instances fed by four callers with a 2 ms delay ran at
+  half the speed of one instance (docs/PERFORMANCE.md). Under load no instance
+  is idle and nothing is split; a batch that fills a preferred size before the
+  delay runs out is what the operator asked for, and goes whole, as in Triton.
 * If the pending requests (capped at ``max_batch_size``) can fill a preferred
   size, the largest such preferred size is sent at once.
 * Without preferred sizes, a full ``max_batch_size`` batch is sent at once.
@@ -205,13 +207,13 @@ def next_batch(
     ``oldest_enqueue`` is the enqueue time of the oldest of them. Timed-out
     requests must have been expired (:meth:`PendingQueue.expire`) before calling.
 
-    ``idle_instances`` counts the other instances waiting for work. Without a
-    queue delay, the requests waiting are shared with them (the one departure
-    from Triton's rules; the module's docstring says why): four requests and
-    four free instances make four batches of one that run at once, not one batch
-    of four while three instances sit idle. Under load no instance is idle and a
-    free one takes up to ``max_batch_size``, so batches grow as before. With a
-    queue delay the operator asked for bigger batches, and gets them.
+    ``idle_instances`` counts the other instances waiting for work. Once there is
+    no queue delay left to wait, the requests waiting are shared with them (the
+    one departure from Triton's rules; the module's docstring says why): four
+    requests and four free instances make four batches of one that run at once,
+    not one batch of four while three instances sit idle. Under load no instance
+    is idle and a free one takes up to ``max_batch_size``, so batches grow as
+    before. A preferred size filled within the delay goes whole.
     """
     total = sum(pending)
     if total == 0:
@@ -223,11 +225,11 @@ def next_batch(
     limit = policy.max_batch_size
     available = total if total < limit else limit
     delay = policy.max_queue_delay_s
-    if idle_instances and delay == 0:
-        share = -(-total // (idle_instances + 1))  # this instance's share, rounded up
-        available = share if share < available else available
     age = now - oldest_enqueue if oldest_enqueue is not None else 0.0
     delay_exceeded = delay > 0 and age >= delay
+    if idle_instances and (delay == 0 or delay_exceeded):
+        share = -(-total // (idle_instances + 1))  # this instance's share, rounded up
+        available = share if share < available else available
     preferred = policy.preferred_batch_sizes
     if preferred and not delay_exceeded:
         best = 0

@@ -280,6 +280,19 @@ def test_without_delay_the_waiting_requests_are_shared_with_idle_instances() -> 
     assert next_batch(p, [9], 10.0, 10.0, idle_instances=0) == Send(4, (4,))
 
 
-def test_with_a_delay_idle_instances_do_not_split_the_batch() -> None:
+def test_with_a_delay_a_filled_preferred_batch_is_not_split() -> None:
     p = policy(max_batch_size=4, preferred=(4,), delay_s=0.002)
     assert next_batch(p, [4], 10.0, 10.0, idle_instances=3) == Send(4, (4,))
+
+
+def test_once_the_delay_runs_out_the_waiting_requests_are_shared_with_idle_instances() -> None:
+    p = policy(max_batch_size=8, delay_s=0.002)
+    # Within the delay: wait for more, idle instances or not.
+    assert next_batch(p, [4], 10.0, 10.001, idle_instances=1) == Wait(pytest.approx(0.001))
+    # Delay over, one other instance idle: this one takes half; the other takes the rest.
+    assert next_batch(p, [4], 10.0, 10.002, idle_instances=1) == Send(2, (2,))
+    assert next_batch(p, [2], 10.0, 10.002, idle_instances=0) == Send(2, (2,))
+    # Delay over and no instance idle: everything pending, as in Triton.
+    assert next_batch(p, [4], 10.0, 10.002, idle_instances=0) == Send(4, (4,))
+    # A full batch goes at once and whole, before the delay.
+    assert next_batch(p, [8], 10.0, 10.0, idle_instances=1) == Send(8, (8,))
