@@ -389,8 +389,13 @@ class Runtime:
                 return
             self._idle.clear()
             pending = [t for t in intakes if not t.done()]
-            await asyncio.wait([*pending, asyncio.ensure_future(self._idle.wait())],
-                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            changed = asyncio.ensure_future(self._idle.wait())
+            try:
+                await asyncio.wait([*pending, changed], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                # A source that ended leaves this waiter pending: cancel it, or it outlives
+                # the loop ("Task was destroyed but it is pending" at exit).
+                changed.cancel()
 
     def request_stop(self) -> None:
         self._stopping.set()

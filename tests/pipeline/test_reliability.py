@@ -423,3 +423,23 @@ async def test_removing_a_wedged_source_gives_up_after_the_drain_timeout(
     assert "stuck" not in runtime.sources
     assert 'source="stuck"' not in runtime.metrics.render().decode()
     await runtime.stop()
+
+
+async def test_sources_that_end_one_after_another_leave_no_task_behind(tmp_path: Path) -> None:
+    # Each source that ends wakes the wait for the rest; none of those wake-ups may outlive
+    # the run (a pending task at loop close prints "Task was destroyed but it is pending").
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "pipeline: p\nsources:\n"
+        "  - {id: a, url: 'test://?frames=2'}\n  - {id: b, url: 'test://?frames=12'}\n"
+        "  - {id: c, url: 'test://?frames=30'}\n"
+        "stages:\n  - {name: t, type: track}\n"
+    )
+    published: list[str] = []
+    rt = Runtime(load_config(path), nats_url=None, on_published=lambda f: published.append(f.source))
+    await rt.start()
+    await rt.wait(60)
+    await rt.stop()
+    assert sorted(set(published)) == ["a", "b", "c"] and len(published) == 44
+    left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert left == []
