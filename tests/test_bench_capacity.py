@@ -122,6 +122,7 @@ def test_defaults_bench_adds_the_model_with_models_add_and_prints_ratios_against
     assert re.search(r"^#   instances: \d \(measured 1 -> [\d.]+/s", out, re.M), out
     rows = [line for line in out.splitlines() if re.match(r"\| [12] +\|", line)]
     assert [row.split("|")[1].strip() for row in rows] == ["1", "2"]
+    assert "| p50 / request |" in out  # the graph's p50 against a request's latency at the ceiling
     assert re.fullmatch(
         r"defaults_ratio_min=[\d.]+ defaults_latency_max=[\d.]+", out.strip().splitlines()[-1]
     )
