@@ -21,11 +21,21 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from inference.schema import ConfigError, LineDict, build, line_of, raise_errors
 
 T = TypeVar("T")
+
+
+class NamedKind(Protocol):
+    """A class that names its kind and its options, as backends and tasks do."""
+
+    kind: ClassVar[str]
+    options_type: ClassVar[type[Any]]
+
+
+C = TypeVar("C", bound=type[NamedKind])
 
 
 def _identity(value: Any) -> type[Any]:
@@ -150,3 +160,28 @@ class Kinds(Generic[T]):
             errors.append(exc)
         raise_errors(errors)
         return built
+
+
+def _options_type(cls: type[NamedKind]) -> type[Any]:
+    return cls.options_type
+
+
+class ClassKinds(Kinds[C]):
+    """Classes that name their kind and options (backends, tasks), kept in step with ``options``.
+
+    The config loader checks YAML against ``options`` (a :class:`Kinds` of options
+    classes) without importing the classes that run them; :meth:`add` registers a
+    class here and its options there, so the two never disagree.
+    """
+
+    def __init__(self, options: Kinds[Any]) -> None:
+        super().__init__(options.what, tag=options.tag, options=_options_type)
+        self.options_kinds = options
+
+    def add(self, cls: C) -> C:
+        """Make ``cls.kind`` a kind taking ``cls.options_type``; a name taken by another class is an error.
+
+        Register before configs are read.
+        """
+        self.options_kinds.register(cls.kind, cls.options_type)
+        return self.register(cls.kind, cls)

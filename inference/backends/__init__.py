@@ -25,18 +25,14 @@ from inference.backends.openvino import OpenVinoBackend
 from inference.backends.tensorrt import TensorRTBackend
 from inference.backends.triton import TritonBackend
 from inference.config import BACKEND_OPTIONS, ModelConfig
-from inference.kinds import Kinds
+from inference.kinds import ClassKinds
 
 __all__ = ["BACKENDS", "Backend", "BackendError", "TensorSpec", "create_backend", "register_backend"]
 
 
-def _options(cls: type[Backend]) -> type:
-    return cls.options_type
-
-
-# backend name -> the class that runs it; the config loader reads BACKEND_OPTIONS,
-# which register_backend keeps in step.
-BACKENDS: Kinds[type[Backend]] = Kinds("backend", options=_options)
+# backend name -> the class that runs it, in step with BACKEND_OPTIONS (what the config
+# loader reads).
+BACKENDS: ClassKinds[type[Backend]] = ClassKinds(BACKEND_OPTIONS)
 
 
 def register_backend(cls: type[Backend]) -> type[Backend]:
@@ -44,9 +40,7 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
 
     Register before configs are read; a name taken by another class is an error.
     """
-    BACKEND_OPTIONS.register(cls.kind, cls.options_type)
-    BACKENDS.register(cls.kind, cls)
-    return cls
+    return BACKENDS.add(cls)
 
 
 for _cls in (OnnxRuntimeBackend, OpenVinoBackend, TensorRTBackend, TritonBackend):
@@ -58,6 +52,6 @@ def create_backend(config: ModelConfig, model_path: Path, instance: int) -> Back
     cls = BACKENDS.get(config.backend)
     if cls is None:
         # A config built in code; one read from a file was checked against the names.
-        problem, hint = BACKEND_OPTIONS.check(config.backend) or ("", "")
+        problem, hint = BACKENDS.check(config.backend) or ("", "")
         raise config.error("backend", problem, hint)
     return cls(config, model_path, instance)

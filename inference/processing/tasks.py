@@ -45,7 +45,7 @@ from inference.config import (
     YoloOptions,
 )
 from inference.introspect import metadata_labels
-from inference.kinds import Kinds
+from inference.kinds import ClassKinds
 from inference.processing.base import Preprocessor, Task
 from inference.processing.classify import classify
 from inference.processing.ctc import CTCDecoder, parse_dictionary
@@ -257,13 +257,9 @@ class TextRecognizeTask(_ImageTask):
         return [Recognition(text, score) for text, score in decoder.decode(out)]
 
 
-def _options(cls: type[Task]) -> type:
-    return cls.options_type
-
-
-# task.kind -> the class that runs it; the config loader reads TASK_OPTIONS, which
-# register_task keeps in step.
-TASKS: Kinds[type[Task]] = Kinds("task kind", options=_options)
+# task.kind -> the class that runs it, in step with TASK_OPTIONS (what the config loader
+# reads).
+TASKS: ClassKinds[type[Task]] = ClassKinds(TASK_OPTIONS)
 
 
 def register_task(cls: type[Task]) -> type[Task]:
@@ -271,9 +267,7 @@ def register_task(cls: type[Task]) -> type[Task]:
 
     Register before configs are read; a name taken by another class is an error.
     """
-    TASK_OPTIONS.register(cls.kind, cls.options_type)
-    TASKS.register(cls.kind, cls)
-    return cls
+    return TASKS.add(cls)
 
 
 for _cls in (YoloTask, ClassifyTask, TextDetectTask, TextRecognizeTask):
@@ -295,6 +289,6 @@ def create_task(
     cls = TASKS.get(config.task.kind)
     if cls is None:
         # A config built in code; one read from a file was checked against the names.
-        problem, hint = TASK_OPTIONS.check(config.task.kind) or ("", "")
+        problem, hint = TASKS.check(config.task.kind) or ("", "")
         raise config.error("task.kind", problem, hint)
     return cls(config, input_spec, metadata, labels, preprocessor=preprocessor)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from inference.kinds import Kinds
+from inference.kinds import ClassKinds, Kinds
 from inference.schema import ConfigError, build, load_yaml_text, spec
 
 
@@ -86,3 +86,31 @@ def test_a_field_tied_to_kinds_is_built_by_them() -> None:
     assert str(err.value) == (
         "s.yaml:2: filter.amount: belongs to filter sharpen, not blur (hint: filter blur takes: kind, radius)"
     )
+
+
+class Blur:
+    kind = "blur"
+    options_type = BlurOptions
+
+
+class Sharpen:
+    kind = "sharpen"
+    options_type = SharpenOptions
+
+
+class OtherBlur:
+    kind = "blur"
+    options_type = SharpenOptions
+
+
+def test_classes_register_with_their_options_and_the_config_side_sees_them() -> None:
+    options: Kinds[type] = Kinds("filter")
+    classes: ClassKinds[type] = ClassKinds(options)
+    assert classes.add(Blur) is Blur and classes.add(Sharpen) is Sharpen
+    assert classes["sharpen"] is Sharpen and classes.options("sharpen") is SharpenOptions
+    # The options registry (what a config loader reads) holds the same names and classes.
+    assert options.names() == ["blur", "sharpen"] and options["blur"] is BlurOptions
+    assert classes.build({"radius": 2}, "blur", "request", "filter") == BlurOptions(radius=2)
+    with pytest.raises(ValueError, match="filter 'blur' is already"):
+        classes.add(OtherBlur)
+    assert classes["blur"] is Blur and options["blur"] is BlurOptions
