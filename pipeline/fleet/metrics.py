@@ -1,20 +1,22 @@
 """The fleet's Prometheus metrics, on the runtime's registry (docs/operations.md).
 
 ``reason`` label values are fixed sets: takeovers ``new`` (a source never run
-before, or freshly added), ``released`` (handed over by a drain or a rebalance)
-and ``expired`` (its holder stopped renewing); releases ``rebalance``,
-``removed``, ``drain``; losses ``taken`` (another worker wrote the lease),
-``deadline`` (no renewal in time) and ``publish`` (the publishing connection
-could not send in time). ``bucket`` is sources, leases or workers.
+before, or freshly added), ``released`` (handed over by a drain or a rebalance),
+``expired`` (its holder stopped renewing) and ``resumed`` (its own lease, given
+up while NATS was out of reach and taken by no one); releases ``rebalance``,
+``removed``, ``drain``, ``publish`` (the publishing connection did not answer in
+time) and ``failed`` (the source could not start here); losses ``taken``
+(another worker wrote the lease) and ``deadline`` (no renewal in time).
+``bucket`` is sources, leases or workers.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-TAKEOVER_REASONS = ("new", "released", "expired")
-RELEASE_REASONS = ("rebalance", "removed", "drain")
-LOSS_REASONS = ("taken", "deadline", "publish")
+TAKEOVER_REASONS = ("new", "released", "expired", "resumed")
+RELEASE_REASONS = ("rebalance", "removed", "drain", "publish", "failed")
+LOSS_REASONS = ("taken", "deadline")
 BUCKETS = ("sources", "leases", "workers")
 
 RENEW_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

@@ -726,15 +726,8 @@ class FleetWorker:
                 self._views["leases"].note(sid, entry.value, entry.revision or 0)
             return
         self.owned[sid] = lease
-        try:
-            self.runtime.add_source(config)
-        except Exception as exc:
-            log.error("fleet %s: source %s cannot start here: %s; lease released", self.name, sid, exc)
-            self._retry_at[sid] = time.monotonic() + 2 * self.ttl
-            del self.owned[sid]
-            await leases.release(lease)
+        if not await self._run_owned(sid, config, seen.revision, "cannot start here: {}; lease released"):
             return
-        self._running[sid] = seen.revision
         self.metrics.takeovers.labels(self.name, reason).inc()
         self.metrics.sources_owned.labels(self.name).set(len(self.owned))
         log.info(
@@ -759,7 +752,7 @@ class FleetWorker:
         except Exception as exc:
             log.error("fleet %s: source %s %s", self.name, sid, failure.format(exc))
             self._retry_at[sid] = time.monotonic() + 2 * self.ttl
-            await self._release(sid, "removed")
+            await self._release(sid, "failed")
             return False
         self._running[sid] = revision
         return True

@@ -514,9 +514,19 @@ async def test_sources_api_changes_the_fleet_desired_set_and_v1_fleet_shows_owne
 
 @contextlib.asynccontextmanager
 async def one_worker(
-    url: str, tmp_path: Path, sources: list[str], *, fleet: str = "solo", worker_id: str = "only"
+    url: str,
+    tmp_path: Path,
+    sources: list[str],
+    *,
+    fleet: str = "solo",
+    worker_id: str = "only",
+    refuse: set[str] | None = None,
 ) -> AsyncIterator[Any]:
-    """A worker (runtime, fleet worker and API) in this process, lease_ttl 2 s."""
+    """A worker (runtime, fleet worker and API) in this process, lease_ttl 2 s.
+
+    ``refuse``: source ids this host cannot start (its runtime raises for them, as for a
+    file it does not have), for as long as the set holds them.
+    """
     from pipeline.api import ApiServer
     from pipeline.config import HttpConfig, load_config
     from pipeline.fleet.worker import FleetWorker
@@ -530,6 +540,15 @@ async def one_worker(
     assert cfg.fleet is not None
     runtime = Runtime(cfg, nats_url=url)
     await runtime.prepare()
+    if refuse is not None:
+        add_source = runtime.add_source
+
+        def add_or_refuse(config: Any) -> Any:
+            if config.source_id in refuse:
+                raise RuntimeError(f"{config.source_id} is not on this host")
+            return add_source(config)
+
+        runtime.add_source = add_or_refuse  # type: ignore[method-assign]
     worker = FleetWorker(runtime, cfg.fleet, url)
     await worker.start()
     api = ApiServer(runtime, HttpConfig(listen="127.0.0.1:0"), fleet=worker)
@@ -736,6 +755,24 @@ async def test_malformed_store_entries_are_skipped_counted_and_never_stop_placem
             assert worker.owned["cam1"] is held and not held.fenced
     finally:
         await nc.close()
+
+
+async def test_a_source_that_cannot_start_here_is_released_counted_and_retried_later(
+    nats_server: EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    refuse = {"cam2"}
+    with caplog.at_level("ERROR", logger="vidpipe.fleet"):
+        async with one_worker(nats_server.url, tmp_path, ["cam1", "cam2"], refuse=refuse) as (worker, _):
+            failed = worker.metrics.releases.labels("solo", "failed")
+            await until(lambda: failed._value.get() >= 1, "cam2 was never released")
+            assert set(worker.owned) == {"cam1"} and "cam2" not in worker.runtime.sources
+            assert worker.metrics.releases.labels("solo", "removed")._value.get() == 0
+            # Retried after 2 × lease_ttl: once the host can run it, it runs.
+            refuse.clear()
+            await until(lambda: set(worker.owned) == {"cam1", "cam2"}, "cam2 was never retried", 30)
+            assert "cam2" in worker.runtime.sources
+    said = [r.getMessage() for r in caplog.records if "cannot start here" in r.getMessage()]
+    assert said[0] == "fleet solo: source cam2 cannot start here: cam2 is not on this host; lease released"
 
 
 def parse_ok(worker: Any, sid: str) -> bool:
