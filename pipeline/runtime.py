@@ -686,7 +686,7 @@ class Runtime:
         if self._ordered and await self._run_stages(frame, self._ordered) is None:
             return
         try:
-            await self.publisher.publish(frame, run.stream_id)
+            latency = await self.publisher.publish(frame, run.stream_id)
         except Exception as exc:
             run.counters.drop("publish_failed")
             log.error("source %s: frame %d not published: %s", frame.source, frame.index, exc)
@@ -699,7 +699,8 @@ class Runtime:
         if run.last_frame is not None:
             run.last_frame.release()
         run.last_frame = frame
-        run.latencies.add(time.time() - frame.capture_ts)
+        if latency is not None:  # the histogram's own observation, so the report agrees with /metrics
+            run.latencies.add(latency)
         run.stage_clock.add(frame.stage_times)
         if self._on_published is not None:
             try:

@@ -201,12 +201,16 @@ class Publisher:
             await self.js.add_stream(StreamConfig(name=name, subjects=subjects, duplicate_window=120.0))
             log.info("created JetStream stream %s for %s", name, subjects[0])
 
-    async def publish(self, frame: Frame, stream_id: str = "") -> None:
+    async def publish(self, frame: Frame, stream_id: str = "") -> float | None:
         """Publish one frame's message, then its events (called in frame order per source).
 
         ``stream_id`` tells apart runs of the same source (a restart, a source removed
         and added again) whose frame numbers start again at 0, so JetStream's
         de-duplication never mistakes a new frame for a retry of an old one.
+
+        Returns the capture-to-publish latency in seconds, as observed in
+        ``vidpipe_e2e_latency_seconds``, or None when the message did not leave now
+        (queued while NATS is away, or refused by the fleet's fence).
         """
         owner = self.fence.owner(frame.source) if self.fence is not None else None
         message = build_message(self.pipeline, frame, time.time(), owner)
@@ -214,23 +218,23 @@ class Publisher:
             await self._on_message(message)
         for obj in frame.objects:
             self.metrics.objects.labels(self.pipeline, frame.source, obj.label).inc()
+        latency: float | None = max(0.0, message["publish_ts"] - frame.capture_ts)
         if self.url is None:
             # No NATS: the message went to this process only.
             self._sent(frame.source, "detections")
-            self.metrics.e2e_latency.labels(self.pipeline, frame.source).observe(
-                max(0.0, message["publish_ts"] - frame.capture_ts)
+        else:
+            assert self.nc is not None
+            subject = subject_for(self.config.subject_prefix, self.pipeline, frame.source)
+            msg_id = f"{self.pipeline}/{frame.source}/{stream_id}/{frame.index}"
+            sent = await self._send(
+                subject, frame.source, encode(message), msg_id, "detections", f"frame {frame.index}"
             )
-            return
-        assert self.nc is not None
-        subject = subject_for(self.config.subject_prefix, self.pipeline, frame.source)
-        msg_id = f"{self.pipeline}/{frame.source}/{stream_id}/{frame.index}"
-        if await self._send(
-            subject, frame.source, encode(message), msg_id, "detections", f"frame {frame.index}"
-        ):
-            latency = max(0.0, message["publish_ts"] - frame.capture_ts)
+            latency = latency if sent else None
+        if latency is not None:
             self.metrics.e2e_latency.labels(self.pipeline, frame.source).observe(latency)
-        if frame.events:
+        if frame.events and self.url is not None:
             await self.publish_events(frame.source, frame.events, stream_id, str(frame.index))
+        return latency
 
     async def publish_events(self, source: str, events: list[Event], stream_id: str, key: str) -> None:
         """Publish ``events`` of ``source``, one message each, in order.

@@ -166,6 +166,9 @@ async def test_metrics_and_the_report_read_one_set_of_counters(
         {"max_fps": 30},
     )
     assert src.reconnects == 0  # (fps depends on timing; tests/pipeline/test_counters.py pins it)
+    # Capture-to-publish latency: the report's window holds the histogram's own observations.
+    assert len(second.latencies) == value(s, "vidpipe_e2e_latency_seconds_count", **labels) == 15
+    assert sum(second.latencies) == pytest.approx(value(s, "vidpipe_e2e_latency_seconds_sum", **labels))
     # Both runs of the source, as the report totals them.
     assert report.published == runtime.published_total() == 30
 
