@@ -353,7 +353,9 @@ async def test_a_fleet_runs_each_source_once_and_survives_kill_pause_drain_and_j
     assert {s["id"]: s["owner"] for s in status["sources"]} == owners
     assert {w["id"] for w in status["workers"] if w["alive"]} == {a.id, b.id, c.id}
     assert all(w["version"] and w["load"] == 2 for w in status["workers"])
-    listed = run_cli("fleet", "list", "--nats", nats_server.url, "--fleet", "cams", "--json", timeout=30)
+    listed = await asyncio.to_thread(
+        run_cli, "fleet", "list", "--nats", nats_server.url, "--fleet", "cams", "--json", timeout=60
+    )
     assert listed.returncode == 0, listed.stderr
     assert {s["id"]: s["owner"] for s in json.loads(listed.stdout)["sources"]} == owners
 
@@ -407,14 +409,16 @@ async def test_a_fleet_runs_each_source_once_and_survives_kill_pause_drain_and_j
         assert moved is not None and moved - t_term <= 3.0, (source, moved and moved - t_term)
 
     # The desired set changes from the CLI: a 7th source starts somewhere, then stops.
-    added = run_cli("fleet", "add", "test://?id=cam7&width=64&height=48&fps=20",
-                    "--nats", nats_server.url, "--fleet", "cams", timeout=30)  # fmt: skip
+    added = await asyncio.to_thread(run_cli, "fleet", "add", "test://?id=cam7&width=64&height=48&fps=20",
+                                    "--nats", nats_server.url, "--fleet", "cams", timeout=60)  # fmt: skip
     assert added.returncode == 0, added.stderr
     t_add = time.monotonic()
     while not any(m["source"] == "cam7" for _, m in seen.since(t_add)):
         assert time.monotonic() - t_add < 10, "cam7 never published"
         await asyncio.sleep(0.1)
-    removed = run_cli("fleet", "remove", "cam7", "--nats", nats_server.url, "--fleet", "cams", timeout=30)
+    removed = await asyncio.to_thread(
+        run_cli, "fleet", "remove", "cam7", "--nats", nats_server.url, "--fleet", "cams", timeout=60
+    )
     assert removed.returncode == 0, removed.stderr
     await asyncio.sleep(2.0)
     t_gone = time.monotonic()
@@ -723,6 +727,13 @@ async def test_the_desired_set_is_capped(nats_server: EmbeddedNats, tmp_path: Pa
 async def test_malformed_store_entries_are_skipped_counted_and_never_stop_placement(
     nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
+    # Bounded inside the test so that, should an await never return, the traceback names it
+    # (pytest-timeout's would show only the event loop's select).
+    async with asyncio.timeout(150):
+        await malformed_store_entries(nats_server, tmp_path)
+
+
+async def malformed_store_entries(nats_server: EmbeddedNats, tmp_path: Path) -> None:
     import aiohttp
 
     nc = await nats.connect(nats_server.url)
@@ -746,8 +757,10 @@ async def test_malformed_store_entries_are_skipped_counted_and_never_stop_placem
                 status = await r.json()
             assert [w["id"] for w in status["workers"]] == ["only"]
             assert {s["id"]: s["owner"] for s in status["sources"]} == {"cam1": "only", "cam2": "only"}
-            listed = run_cli(
-                "fleet", "list", "--nats", nats_server.url, "--fleet", "solo", "--json", timeout=30
+            # In a thread: a CLI blocking the loop for seconds on a busy machine would stop
+            # the worker renewing its leases (lease_ttl 2 s) and lose them.
+            listed = await asyncio.to_thread(
+                run_cli, "fleet", "list", "--nats", nats_server.url, "--fleet", "solo", "--json", timeout=60
             )
             assert listed.returncode == 0, listed.stderr
             assert json.loads(listed.stdout)["skipped"] == 2
