@@ -143,13 +143,15 @@ class DesiredSources:
 
     async def purge_tombstones(self, older_than: float) -> None:
         """Drop the markers of removed sources older than ``older_than`` seconds."""
-        await self.kv.purge_deletes(olderthan=max(1, int(older_than)))
+        # Bounded: it reads the bucket through a watcher, which can wait for ever for the
+        # end of the initial values; the next round tries again.
+        await asyncio.wait_for(self.kv.purge_deletes(olderthan=max(1, int(older_than))), self.timeout)
 
     async def list(self) -> dict[str, SourceConfig]:
         """Every desired source that decodes; the others are left out (``vidpipe fleet list`` shows ids)."""
         out: dict[str, SourceConfig] = {}
         try:
-            keys = await self.kv.keys()
+            keys = await asyncio.wait_for(self.kv.keys(), self.timeout)
         except NoKeysError:
             return out
         for key in sorted(keys):

@@ -7,6 +7,7 @@ when its last heartbeat (the worker's own clock) is younger than its
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -93,9 +94,10 @@ def source_json(
     }
 
 
-async def _items(kv: KeyValue) -> dict[str, bytes]:
+async def _items(kv: KeyValue, timeout: float = 10.0) -> dict[str, bytes]:
     try:
-        keys = await kv.keys()
+        # Bounded: the key listing reads through a watcher that can wait for ever.
+        keys = await asyncio.wait_for(kv.keys(), timeout)
     except NoKeysError:
         return {}
     out: dict[str, bytes] = {}

@@ -672,7 +672,7 @@ async def test_a_removed_source_stays_removed_and_a_wiped_set_is_seeded_again(
     async with one_worker(nats_server.url, tmp_path, ["cam1", "cam2"], worker_id="next") as (worker, _):
         await until(lambda: set(worker.owned) == {"cam1"}, "cam1 never resumed")
         assert worker.desired is not None
-        assert sorted(await worker.desired.kv.keys()) == ["=seeded", "cam1"]
+        assert sorted(await asyncio.wait_for(worker.desired.kv.keys(), 10)) == ["=seeded", "cam1"]
         # The whole desired set is lost: the worker makes the bucket again and seeds it.
         js = worker._nc.jetstream()
         await js.delete_key_value("vidpipe_fleet_solo_sources")
