@@ -664,6 +664,12 @@ async def test_events_carry_the_worker_and_the_fence(nats_server: EmbeddedNats) 
 async def test_a_removed_source_stays_removed_and_a_wiped_set_is_seeded_again(
     nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
+    # Bounded inside the test so that, should an await never return, the traceback names it.
+    async with asyncio.timeout(120):
+        await removed_stays_removed(nats_server, tmp_path)
+
+
+async def removed_stays_removed(nats_server: EmbeddedNats, tmp_path: Path) -> None:
     async with one_worker(nats_server.url, tmp_path, ["cam1", "cam2"]) as (worker, _):
         await until(lambda: set(worker.owned) == {"cam1", "cam2"}, "never took both")
         assert worker.desired is not None and await worker.desired.remove("cam2")
