@@ -437,7 +437,7 @@ async def churn(run: Run) -> dict[str, Any]:
     """Adds, removes, an update, a join, a drain and a kill, within about 40 s."""
     nc = await nats.connect(servers=run.cluster.urls)
     js = nc.jetstream()
-    desired = DesiredSources(await open_bucket(js, FLEET, "sources"))
+    desired = DesiredSources(js, FLEET, await open_bucket(js, FLEET, "sources"))
     ttl = run.ttl
     added = ["new1", "new2"]
     removed = run.sources[:2]

@@ -867,7 +867,7 @@ async def cmd_fleet(args: argparse.Namespace) -> int:
             status = await read_status(js, args.fleet)
             print(json.dumps(status, indent=2) if args.json else format_status(status))
             return EXIT_OK
-        desired = DesiredSources(await open_bucket(js, args.fleet, "sources"))
+        desired = DesiredSources(js, args.fleet, await open_bucket(js, args.fleet, "sources"))
         if args.fleet_command == "add":
             data = {"url": args.url, **({"id": args.id} if args.id is not None else {})}
             try:

@@ -12,10 +12,11 @@ rate when they do not store one); without it the line shows frames and fps only.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from typing import TextIO
+
+from pipeline.cancel import cancel_and_wait
 
 
 def file_frame_count(path: str) -> int | None:
@@ -84,9 +85,7 @@ class Progress:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
             self._draw()
             self.out.write("\n")

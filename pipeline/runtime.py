@@ -31,6 +31,7 @@ from inference.memory import BufferPool
 from inference.model import ModelState
 from inference.ratelimit import RateLimitedLog
 from inference.repository import ModelRepository
+from pipeline.cancel import cancel_and_wait
 from pipeline.config import PipelineConfig, SourceConfig
 from pipeline.counters import SourceCounters
 from pipeline.fleet.fence import LeaseFence, default_worker_id
@@ -499,12 +500,11 @@ class Runtime:
                     source_id,
                     self.config.runtime.drain_timeout,
                 )
-                tasks = [t for t in (run.publisher, run.intake, *run.frame_tasks) if t is not None]
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await cancel_and_wait(run.publisher, run.intake, *run.frame_tasks)
             except asyncio.CancelledError:
-                pass
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # this removal was cancelled, not only the intake
         run.source.join(timeout=2.0)
         for frame in run.queue.drain():
             frame.release()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import time
 from collections.abc import Callable
@@ -29,8 +30,10 @@ from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
-from nats.js.errors import BucketNotFoundError
-from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NotFoundError
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
+
+from pipeline.cancel import cancel_and_wait
 
 log = logging.getLogger("vidpipe.fleet")
 
@@ -60,6 +63,55 @@ async def open_bucket(
     except Exception:
         # Another worker created it first with other settings: use theirs.
         return await js.key_value(name)
+
+
+async def bucket_keys(js: JetStreamContext, bucket: str) -> list[str]:
+    """Every key of ``bucket`` that holds a message, removed keys' markers included, sorted.
+
+    Read from the stream's subject counts in one request. nats-py's ``KeyValue.keys()``
+    reads through a watcher whose "initial values done" marker races the first
+    delivery: on a busy host it answered "no keys" for a full bucket, or never answered.
+    """
+    prefix = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    return sorted(s[len(prefix) :] for s in (info.state.subjects or {}) if s.startswith(prefix))
+
+
+async def bucket_items(js: JetStreamContext, kv: KeyValue, bucket: str) -> dict[str, bytes]:
+    """Every key of ``bucket`` (``kv``) that holds a value, with the value; removed keys left out."""
+    out: dict[str, bytes] = {}
+    for key in await bucket_keys(js, bucket):
+        try:
+            entry = await kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):
+            continue
+        if entry.value:
+            out[key] = entry.value
+    return out
+
+
+async def purge_markers(js: JetStreamContext, bucket: str, older_than: float) -> list[str]:
+    """Drop the delete and purge markers of ``bucket`` older than ``older_than`` seconds; the keys.
+
+    Each purge stops at the marker's own sequence, so a value written to the key after
+    the marker was read stays (nats-py's ``purge_deletes`` would drop it).
+    """
+    stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
+    now = datetime.datetime.now(datetime.UTC)
+    purged = []
+    for key in await bucket_keys(js, bucket):
+        try:
+            msg = await js.get_last_msg(stream, prefix + key)
+        except NotFoundError:
+            continue  # gone since the listing
+        op = (msg.headers or {}).get(KV_OP)
+        if op not in (KV_DEL, KV_PURGE) or msg.seq is None or msg.time is None:
+            continue
+        if (now - msg.time).total_seconds() < older_than:
+            continue
+        await js.purge_stream(stream, subject=prefix + key, seq=msg.seq + 1)
+        purged.append(key)
+    return purged
 
 
 @dataclass
@@ -149,10 +201,7 @@ class BucketView:
             # Bounded: unsubscribing waits on the connection, which may be stalled or gone.
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._watcher.stop(), 2.0)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        await cancel_and_wait(self._task)
 
 
 class BadEntries:

@@ -23,11 +23,12 @@ import json
 from collections.abc import Container
 from typing import Any
 
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from pipeline.config import SourceConfig, SourcePolicy, parse_source, source_keys
-from pipeline.fleet.buckets import META_PREFIX
+from pipeline.fleet.buckets import META_PREFIX, bucket_keys, bucket_name, purge_markers
 from pipeline.sources.registry import create_source
 
 # Written once, before the config's sources, by the worker that seeds the set.
@@ -95,9 +96,15 @@ class DesiredCache:
 class DesiredSources:
     """Add, remove and list the fleet's desired sources."""
 
-    def __init__(self, kv: KeyValue, timeout: float = 5.0) -> None:
+    def __init__(self, js: JetStreamContext, fleet: str, kv: KeyValue, timeout: float = 5.0) -> None:
+        self.js = js
+        self.bucket = bucket_name(fleet, "sources")
         self.kv = kv
         self.timeout = timeout
+
+    async def keys(self) -> list[str]:
+        """Every key in the bucket (removed ones' markers included), bounded by the timeout."""
+        return await asyncio.wait_for(bucket_keys(self.js, self.bucket), self.timeout)
 
     async def seed(self, configs: list[SourceConfig]) -> list[str]:
         """Add ``configs`` if the set was never seeded and is empty; the ids added."""
@@ -107,10 +114,7 @@ class DesiredSources:
             await asyncio.wait_for(self.kv.create(SEEDED_KEY, b"1"), self.timeout)
         except KeyWrongLastSequenceError:
             return []  # seeded before (by this or another worker): the set is what it is now
-        try:
-            keys = await asyncio.wait_for(self.kv.keys(), self.timeout)
-        except NoKeysError:
-            keys = []
+        keys = await self.keys()
         if any(not k.startswith(META_PREFIX) for k in keys):
             return []  # sources added before seeding was recorded: leave the set alone
         try:
@@ -143,18 +147,12 @@ class DesiredSources:
 
     async def purge_tombstones(self, older_than: float) -> None:
         """Drop the markers of removed sources older than ``older_than`` seconds."""
-        # Bounded: it reads the bucket through a watcher, which can wait for ever for the
-        # end of the initial values; the next round tries again.
-        await asyncio.wait_for(self.kv.purge_deletes(olderthan=max(1, int(older_than))), self.timeout)
+        await asyncio.wait_for(purge_markers(self.js, self.bucket, older_than), self.timeout)
 
     async def list(self) -> dict[str, SourceConfig]:
         """Every desired source that decodes; the others are left out (``vidpipe fleet list`` shows ids)."""
         out: dict[str, SourceConfig] = {}
-        try:
-            keys = await asyncio.wait_for(self.kv.keys(), self.timeout)
-        except NoKeysError:
-            return out
-        for key in sorted(keys):
+        for key in await self.keys():
             if key.startswith(META_PREFIX):
                 continue
             try:

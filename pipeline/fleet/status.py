@@ -7,7 +7,6 @@ when its last heartbeat (the worker's own clock) is younger than its
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import time
@@ -15,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.js import JetStreamContext
-from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NoKeysError
+from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
-from pipeline.fleet.buckets import META_PREFIX, bucket_name
+from pipeline.fleet.buckets import META_PREFIX, bucket_items, bucket_name
 from pipeline.fleet.leases import parse_lease
 
 
@@ -94,23 +93,9 @@ def source_json(
     }
 
 
-async def _items(kv: KeyValue, timeout: float = 10.0) -> dict[str, bytes]:
-    try:
-        # Bounded: the key listing reads through a watcher that can wait for ever.
-        keys = await asyncio.wait_for(kv.keys(), timeout)
-    except NoKeysError:
-        return {}
-    out: dict[str, bytes] = {}
-    for key in sorted(keys):
-        if key.startswith(META_PREFIX):
-            continue
-        try:
-            entry = await kv.get(key)
-        except (KeyNotFoundError, KeyDeletedError):
-            continue
-        if entry.value:
-            out[key] = entry.value
-    return out
+async def _items(js: JetStreamContext, kv: KeyValue, bucket: str) -> dict[str, bytes]:
+    items = await bucket_items(js, kv, bucket)  # one listing request, then one get per key
+    return {k: v for k, v in items.items() if not k.startswith(META_PREFIX)}
 
 
 async def read_status(js: JetStreamContext, fleet: str) -> dict[str, Any]:
@@ -126,7 +111,7 @@ async def read_status(js: JetStreamContext, fleet: str) -> dict[str, Any]:
         except BucketNotFoundError:
             buckets[kind] = {}
             continue
-        buckets[kind] = await _items(kv)
+        buckets[kind] = await _items(js, kv, bucket_name(fleet, kind))
     now = time.time()
     skipped = 0
     workers = []

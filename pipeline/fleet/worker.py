@@ -50,6 +50,7 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from inference.ratelimit import RateLimitedLog
+from pipeline.cancel import cancel_and_wait
 from pipeline.config import FleetConfig, SourceConfig, SourcePolicy
 from pipeline.fleet.buckets import BadEntries, BucketView, bucket_name, open_bucket
 from pipeline.fleet.desired import DesiredCache, DesiredSources
@@ -223,7 +224,10 @@ class FleetWorker:
         for kind in ("sources", "leases", "workers"):
             await self._open(kind)
             self._created[kind] = self._opened[kind]
-        self.desired = DesiredSources(self._kvs["sources"], timeout=max(1.0, self.ttl / 2))
+        assert self._js is not None
+        self.desired = DesiredSources(
+            self._js, self.name, self._kvs["sources"], timeout=max(1.0, self.ttl / 2)
+        )
         self.leases = LeaseTable(self._kvs["leases"], self.id, self.ttl)
         self._workers_kv = self._kvs["workers"]
         self._epoch_floor = await self.leases.load_epoch(self._epoch_floor)
@@ -258,9 +262,7 @@ class FleetWorker:
         self._draining = True
         placer = self._tasks[1] if len(self._tasks) > 1 else None
         if placer is not None:
-            placer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await placer
+            await cancel_and_wait(placer)
         busy = list(self._busy.values())
         if busy:
             # Each claim or release is bounded by its KV timeouts; this bounds them together.
@@ -272,9 +274,7 @@ class FleetWorker:
                 await asyncio.wait_for(self._workers_kv.delete(self.id), 2.0)
         owned = list(self.owned)
         await asyncio.gather(*(self._release(sid, "drain") for sid in owned), return_exceptions=True)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         for view in self._views.values():
             await view.stop()
         if self._nc is not None:
@@ -330,8 +330,8 @@ class FleetWorker:
         A watcher that missed a reconnect would leave a frozen picture of the fleet:
         peers that look dead and leases that look expired.
         """
-        if self._own_heartbeat is None or not self._views:
-            return
+        if self._own_heartbeat is None or not self._views or self._draining:
+            return  # draining: the heartbeat was deleted on purpose, and the views are done with
         revision, written = self._own_heartbeat
         seen = self._views["workers"].entries.get(self.id)
         if seen is not None and seen.revision >= revision:
@@ -511,7 +511,7 @@ class FleetWorker:
             kv = await self._open(kind)
             self.metrics.buckets_recreated.labels(self.name, kind).inc()
             if kind == "sources":
-                self.desired = DesiredSources(kv, timeout=max(1.0, self.ttl / 2))
+                self.desired = DesiredSources(self._js, self.name, kv, timeout=max(1.0, self.ttl / 2))
                 await self._seed()
             elif kind == "leases":
                 self._leases().kv = kv

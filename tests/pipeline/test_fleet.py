@@ -24,7 +24,7 @@ from typing import Any
 import nats
 import pytest
 
-from pipeline.fleet.buckets import open_bucket
+from pipeline.fleet.buckets import bucket_items, bucket_keys, bucket_name, open_bucket, purge_markers
 from pipeline.fleet.fence import default_worker_id
 from pipeline.fleet.leases import EPOCH_KEY, LeaseTable, lease_value, parse_lease
 from pipeline.fleet.placement import LiveSet, place, quotas
@@ -174,6 +174,33 @@ async def test_a_lease_not_renewed_stops_being_valid_before_others_may_take_it(
         await nc.close()
 
 
+async def test_a_bucket_lists_every_key_in_one_request_and_old_markers_are_purged(
+    nats_server: EmbeddedNats,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        kv = await open_bucket(js, "keys", "sources")
+        name = bucket_name("keys", "sources")
+        assert await bucket_keys(js, name) == []
+        await kv.put("a", b"1")
+        await kv.put("b", b"2")
+        await kv.delete("b")
+        await kv.put("c", b"3")
+        await kv.purge("c")
+        await kv.put("d", b"4")
+        await kv.delete("d")
+        await kv.put("d", b"5")  # back after a removal: a value again, never purged
+        assert await bucket_keys(js, name) == ["a", "b", "c", "d"]
+        assert await bucket_items(js, kv, name) == {"a": b"1", "d": b"5"}
+        assert await purge_markers(js, name, older_than=3600) == []  # too young
+        assert await purge_markers(js, name, older_than=0) == ["b", "c"]
+        assert await bucket_keys(js, name) == ["a", "d"]
+        assert (await kv.get("d")).value == b"5"
+    finally:
+        await nc.close()
+
+
 async def test_a_lease_given_up_at_its_deadline_is_deleted_so_no_one_waits_a_ttl(
     nats_server: EmbeddedNats,
 ) -> None:
@@ -192,7 +219,8 @@ async def test_a_lease_given_up_at_its_deadline_is_deleted_so_no_one_waits_a_ttl
             lease.fenced = True
             mine.abandon(lease)
         assert await mine.withdraw_unconfirmed() == 1
-        assert await kv.keys() == ["cam2"]  # ours deleted; the other worker's claim kept
+        items = await bucket_items(nc.jetstream(), kv, bucket_name("race", "leases"))
+        assert list(items) == ["cam2"]  # ours deleted; the other worker's claim kept
         assert parse_lease((await kv.get("cam2")).value or b"").worker == "w2"
         assert mine.abandoned == {}
     finally:
@@ -508,7 +536,8 @@ async def test_sources_api_changes_the_fleet_desired_set_and_v1_fleet_shows_owne
     nc = await nats.connect(nats_server.url)
     try:
         kv = await open_bucket(nc.jetstream(), "api", "leases")
-        assert await kv.keys() == [EPOCH_KEY]  # the bucket's epoch, no lease
+        items = await bucket_items(nc.jetstream(), kv, bucket_name("api", "leases"))
+        assert list(items) == [EPOCH_KEY]  # the bucket's epoch, no lease
     finally:
         await nc.close()
 
@@ -678,7 +707,8 @@ async def removed_stays_removed(nats_server: EmbeddedNats, tmp_path: Path) -> No
     async with one_worker(nats_server.url, tmp_path, ["cam1", "cam2"], worker_id="next") as (worker, _):
         await until(lambda: set(worker.owned) == {"cam1"}, "cam1 never resumed")
         assert worker.desired is not None
-        assert sorted(await asyncio.wait_for(worker.desired.kv.keys(), 10)) == ["=seeded", "cam1"]
+        desired = worker.desired
+        assert list(await bucket_items(desired.js, desired.kv, desired.bucket)) == ["=seeded", "cam1"]
         # The whole desired set is lost: the worker makes the bucket again and seeds it.
         js = worker._nc.jetstream()
         await js.delete_key_value("vidpipe_fleet_solo_sources")
