@@ -50,3 +50,24 @@ async def test_every_task_is_cancelled_and_finished_and_none_is_skipped() -> Non
     await cancel_and_wait(tasks[0], None, tasks[1])
     assert tasks[0].cancelled()
     assert isinstance(tasks[1].exception(), RuntimeError)
+
+
+async def test_a_task_that_lost_its_cancel_is_cancelled_again() -> None:
+    rounds = 0
+
+    async def loses_its_first_cancel() -> None:
+        # What Python 3.11's wait_for does when the awaited call finishes as the cancel lands.
+        nonlocal rounds
+        while True:
+            rounds += 1
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                if rounds == 1:
+                    continue
+                raise
+
+    task = asyncio.create_task(loses_its_first_cancel())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(cancel_and_wait(task), 10)
+    assert task.cancelled() and rounds == 2
