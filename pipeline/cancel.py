@@ -10,7 +10,8 @@ swallows a cancel of the *caller* too: a loop that restarts a watcher this way a
 is itself cancelled meanwhile carries on as if nothing happened. And on Python 3.11
 a cancel can be lost inside the task: ``asyncio.wait_for`` returns its result when
 the awaited call finishes in the same turn as the cancel arrives, so a ``while
-True`` loop of requests goes round again. Whoever waits for either waits for ever.
+True`` loop of requests goes round again (CPython issue 86296, fixed in 3.12).
+Whoever waits for either waits for ever.
 """
 
 from __future__ import annotations
