@@ -65,6 +65,11 @@ async def open_bucket(
         return await js.key_value(name)
 
 
+def bucket_stream(bucket: str) -> str:
+    """The JetStream stream that holds ``bucket``; one subject per key, ``$KV.<bucket>.<key>``."""
+    return f"KV_{bucket}"
+
+
 async def bucket_keys(js: JetStreamContext, bucket: str) -> list[str]:
     """Every key of ``bucket`` that holds a message, removed keys' markers included, sorted.
 
@@ -73,7 +78,7 @@ async def bucket_keys(js: JetStreamContext, bucket: str) -> list[str]:
     delivery: on a busy host it answered "no keys" for a full bucket, or never answered.
     """
     prefix = f"$KV.{bucket}."
-    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    info = await js.stream_info(bucket_stream(bucket), subjects_filter=f"{prefix}>")
     return sorted(s[len(prefix) :] for s in (info.state.subjects or {}) if s.startswith(prefix))
 
 
@@ -96,7 +101,7 @@ async def purge_markers(js: JetStreamContext, bucket: str, older_than: float) ->
     Each purge stops at the marker's own sequence, so a value written to the key after
     the marker was read stays (nats-py's ``purge_deletes`` would drop it).
     """
-    stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
+    stream, prefix = bucket_stream(bucket), f"$KV.{bucket}."
     now = datetime.datetime.now(datetime.UTC)
     purged = []
     for key in await bucket_keys(js, bucket):

@@ -94,7 +94,7 @@ class DesiredCache:
 
 
 class DesiredSources:
-    """Add, remove and list the fleet's desired sources."""
+    """Add and remove the fleet's desired sources; seed the set once; purge old removal markers."""
 
     def __init__(self, js: JetStreamContext, fleet: str, kv: KeyValue, timeout: float = 5.0) -> None:
         self.js = js
@@ -148,18 +148,3 @@ class DesiredSources:
     async def purge_tombstones(self, older_than: float) -> None:
         """Drop the markers of removed sources older than ``older_than`` seconds."""
         await asyncio.wait_for(purge_markers(self.js, self.bucket, older_than), self.timeout)
-
-    async def list(self) -> dict[str, SourceConfig]:
-        """Every desired source that decodes; the others are left out (``vidpipe fleet list`` shows ids)."""
-        out: dict[str, SourceConfig] = {}
-        for key in await self.keys():
-            if key.startswith(META_PREFIX):
-                continue
-            try:
-                entry = await self.kv.get(key)
-            except (KeyNotFoundError, KeyDeletedError):
-                continue
-            if entry.value:
-                with contextlib.suppress(Exception):  # skipped here; a worker counts and logs it
-                    out[key] = decode_source(key, entry.value)
-        return out

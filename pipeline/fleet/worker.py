@@ -52,7 +52,7 @@ from nats.js.kv import KeyValue
 from inference.ratelimit import RateLimitedLog
 from pipeline.cancel import cancel_and_wait
 from pipeline.config import FleetConfig, SourceConfig, SourcePolicy
-from pipeline.fleet.buckets import BadEntries, BucketView, bucket_name, open_bucket
+from pipeline.fleet.buckets import BadEntries, BucketView, bucket_name, bucket_stream, open_bucket
 from pipeline.fleet.desired import DesiredCache, DesiredSources
 from pipeline.fleet.leases import EPOCH_KEY, Lease, LeaseTable, StoredLease, parse_epoch, parse_lease
 from pipeline.fleet.placement import LiveSet, place
@@ -246,7 +246,7 @@ class FleetWorker:
         # Heartbeats of workers that died unannounced are dropped by the server after a while.
         ttl = max(60.0, 10 * self.ttl) if kind == "workers" else None
         kv = await open_bucket(self._js, self.name, kind, ttl=ttl, replicas=self.config.replicas)
-        info = await self._js.stream_info(f"KV_{bucket_name(self.name, kind)}")
+        info = await self._js.stream_info(bucket_stream(bucket_name(self.name, kind)))
         self._opened[kind] = str(info.created)  # recorded in _created once all that follows is done
         self._kvs[kind] = kv
         return kv
@@ -499,7 +499,7 @@ class FleetWorker:
         """Open again a bucket that was deleted (or deleted and made anew by someone else)."""
         assert self._js is not None
         for kind in ("sources", "leases", "workers"):
-            name = f"KV_{bucket_name(self.name, kind)}"
+            name = bucket_stream(bucket_name(self.name, kind))
             try:
                 info = await self._js.stream_info(name)
                 if str(info.created) == self._created.get(kind):
