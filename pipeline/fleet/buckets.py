@@ -130,11 +130,18 @@ class Seen:
 
 
 class BucketView:
-    """Every key of a bucket as this process last saw it, kept current by a watcher."""
+    """Every key of a bucket as this process last saw it, kept current by a watcher.
 
-    def __init__(self, kv: KeyValue, name: str) -> None:
+    Ready once it holds the whole bucket: the watcher has delivered the stream's last
+    message as of the start (or a later one). nats-py's own "initial values done" marker
+    comes after the first pending batch, not the last: with 1500 keys, a view that
+    trusted it held 512, and a worker then released the owned sources it did not see.
+    """
+
+    def __init__(self, js: JetStreamContext, kv: KeyValue, bucket: str) -> None:
+        self.js = js
         self.kv = kv
-        self.name = name
+        self.bucket = bucket
         self.entries: dict[str, Seen] = {}
         self.meta: dict[str, Seen] = {}  # the ``=`` keys
         # Grows whenever a key appears or goes: what was computed from the key set is stale.
@@ -144,20 +151,61 @@ class BucketView:
         self.ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._watcher: KeyValue.KeyWatcher | None = None
+        self._last = 0  # the highest stream sequence (revision) delivered so far
+        self._until: int | None = None  # ready once a revision this high has been delivered
 
-    async def start(self, timeout: float = 5.0) -> None:
+    async def start(self, timeout: float = 30.0) -> None:
+        """Watch the bucket and return once the view holds all of it (``TimeoutError`` past ``timeout``)."""
         self._watcher = await self.kv.watchall()
-        self._task = asyncio.create_task(self._run(), name=f"watch-{self.name}")
-        await asyncio.wait_for(self.ready.wait(), timeout)
+        self._task = asyncio.create_task(self._run(), name=f"watch-{self.bucket}")
+        # Read after the watcher exists: whatever it finds is delivered, as an initial
+        # value or as an update.
+        self._until = await self._last_sequence()
+        self._check_ready()
+        waiter = asyncio.ensure_future(self.ready.wait())
+        try:
+            async with asyncio.timeout(timeout):
+                while not self.ready.is_set():
+                    await asyncio.wait({waiter}, timeout=0.5)
+                    if not self.ready.is_set() and not await self._has(self._until or 0):
+                        # That message left the stream undelivered (a heartbeat past its TTL,
+                        # a purged marker): wait for the stream's last one now instead.
+                        self._until = await self._last_sequence()
+                        self._check_ready()
+        finally:
+            waiter.cancel()
+
+    async def _last_sequence(self) -> int:
+        """The sequence of the stream's last message still held; 0 for an empty bucket.
+
+        Not the stream's ``last_seq``: that stays on a purged message (a removed key's
+        marker, purged), which no watcher will ever deliver.
+        """
+        try:
+            msg = await self.js.get_last_msg(bucket_stream(self.bucket), f"$KV.{self.bucket}.>")
+        except NotFoundError:
+            return 0
+        return int(msg.seq or 0)
+
+    async def _has(self, seq: int) -> bool:
+        try:
+            await self.js.get_msg(bucket_stream(self.bucket), seq)
+        except NotFoundError:
+            return False
+        return True
+
+    def _check_ready(self) -> None:
+        if self._until is not None and self._last >= self._until:
+            self.ready.set()
 
     async def _run(self) -> None:
         assert self._watcher is not None
         async for entry in self._watcher:
-            if entry is None:  # the initial values are all in
-                self.ready.set()
+            if entry is None:  # nats-py's marker: too early to trust (see the class)
                 continue
             self.note(entry.key, entry.value, entry.revision, deleted=entry.operation in (KV_DEL, KV_PURGE))
-            self.ready.set()
+            self._last = max(self._last, entry.revision or 0)
+            self._check_ready()
 
     def note(self, key: str, value: bytes | None, revision: int, *, deleted: bool = False) -> None:
         """Record what the watcher (or a direct read) says about ``key``."""
@@ -199,6 +247,7 @@ class BucketView:
         self.meta.clear()
         self.deleted.clear()
         self.ready = asyncio.Event()
+        self._last, self._until = 0, None
         await self.start()
 
     async def stop(self) -> None:

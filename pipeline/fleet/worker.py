@@ -232,7 +232,10 @@ class FleetWorker:
         self._workers_kv = self._kvs["workers"]
         self._epoch_floor = await self.leases.load_epoch(self._epoch_floor)
         await self._seed()
-        self._views = {kind: BucketView(kv, kind) for kind, kv in self._kvs.items()}
+        assert self._js is not None
+        self._views = {
+            kind: BucketView(self._js, kv, bucket_name(self.name, kind)) for kind, kv in self._kvs.items()
+        }
         for view in self._views.values():
             await view.start()
 
@@ -629,19 +632,24 @@ class FleetWorker:
         self.metrics.workers_alive.labels(self.name).set(len(alive))
         self._note_epoch()
         publishing = self._publishing(now)
+        # A view watching its bucket again holds part of it until it is ready: a source
+        # missing from it is not a removed one.
+        views_ready = all(view.ready.is_set() for view in self._views.values())
         for sid, lease in list(self.owned.items()):
             if sid in self._busy:
                 continue
             if lease.fenced or not lease.valid(now):
                 self._lost(lease, "deadline")
                 self._spawn(sid, self._stop_lost(lease))
+            elif not views_ready:
+                continue
             elif sid not in desired:
                 self._spawn(sid, self._release(sid, "removed"))
             elif not publishing:
                 self._spawn(sid, self._release(sid, "publish"))
             elif desired[sid][0] != self._running.get(sid):
                 self._spawn(sid, self._restart(sid, desired[sid][0], desired[sid][1]))
-        if not stable or not publishing or self._draining or now < self._claim_after:
+        if not views_ready or not stable or not publishing or self._draining or now < self._claim_after:
             return  # act on a view of the fleet that has held still, never on a passing one
         placed = self.placement(now, desired, alive)
         load = len(self.owned) + sum(1 for s in self._busy if s not in self.owned)

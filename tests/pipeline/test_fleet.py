@@ -24,7 +24,14 @@ from typing import Any
 import nats
 import pytest
 
-from pipeline.fleet.buckets import bucket_items, bucket_keys, bucket_name, open_bucket, purge_markers
+from pipeline.fleet.buckets import (
+    BucketView,
+    bucket_items,
+    bucket_keys,
+    bucket_name,
+    open_bucket,
+    purge_markers,
+)
 from pipeline.fleet.fence import default_worker_id
 from pipeline.fleet.leases import EPOCH_KEY, LeaseTable, lease_value, parse_lease
 from pipeline.fleet.placement import LiveSet, place, quotas
@@ -197,6 +204,41 @@ async def test_a_bucket_lists_every_key_in_one_request_and_old_markers_are_purge
         assert await purge_markers(js, name, older_than=0) == ["b", "c"]
         assert await bucket_keys(js, name) == ["a", "d"]
         assert (await kv.get("d")).value == b"5"
+    finally:
+        await nc.close()
+
+
+async def test_a_view_is_ready_only_once_it_holds_every_key_of_the_bucket(nats_server: EmbeddedNats) -> None:
+    # A worker releases an owned source missing from its view of the desired set: a view
+    # that called itself ready with part of the bucket would stop sources that are wanted.
+    nc = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        kv = await open_bucket(js, "many", "sources")
+        filler = "x" * 400  # the initial values then span many reads of the connection
+        for i in range(1500):
+            await kv.put(f"cam{i:04d}", f"{i}{filler}".encode())
+        await kv.delete("cam0007")
+        for _ in range(3):
+            view = BucketView(js, kv, bucket_name("many", "sources"))
+            await view.start()
+            try:
+                assert len(view.entries) == 1499
+                assert "cam0007" not in view.entries
+                assert view.entries["cam1499"].value.startswith(b"1499x")
+            finally:
+                await view.stop()
+        # The last message, the removal's marker, purged: the stream's last sequence now
+        # names a message no watcher delivers, and the view must not wait for it.
+        assert await purge_markers(js, bucket_name("many", "sources"), older_than=0) == ["cam0007"]
+        view = BucketView(js, kv, bucket_name("many", "sources"))
+        await view.start(timeout=10.0)
+        assert len(view.entries) == 1499
+        await view.stop()
+        empty = BucketView(js, await open_bucket(js, "none", "sources"), bucket_name("none", "sources"))
+        await empty.start()  # nothing to wait for
+        assert empty.entries == {}
+        await empty.stop()
     finally:
         await nc.close()
 
