@@ -45,6 +45,7 @@ from types import TracebackType
 from typing import Any
 
 from inference.ratelimit import RateLimitedLog
+from pipeline.cancel import cancel_and_wait
 from pipeline.config import PipelineConfig, load_config, parse_source
 from pipeline.runtime import Runtime
 from pipeline.stats import PipelineReport
@@ -275,8 +276,7 @@ class Pipeline:
             await self.runtime.stop()
         finally:
             self._finish_streams()
-            if self._watch is not None:
-                self._watch.cancel()
+            await cancel_and_wait(self._watch)
 
     def _finish_streams(self) -> None:
         for channel in self._channels:

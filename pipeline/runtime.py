@@ -404,8 +404,7 @@ class Runtime:
     async def stop(self) -> None:
         """Graceful drain: stop intake, finish frames in flight, publish, flush NATS."""
         self._stopping.set()
-        if self._overload_task is not None:
-            self._overload_task.cancel()
+        await cancel_and_wait(self._overload_task)
         for run in self.sources.values():
             run.source.stop()
         intakes = [r.intake for r in self.sources.values() if r.intake is not None]

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 import nats
 
+from pipeline.cancel import cancel_and_wait
 from pipeline.events import EVENT_TYPES
 
 
@@ -128,8 +129,7 @@ class Summary:
             with contextlib.suppress(Exception):
                 await self._nc.flush(timeout=2)
         await asyncio.sleep(0.1)
-        if self._task is not None:
-            self._task.cancel()
+        await cancel_and_wait(self._task)
         self.print_line()
         if self._nc is not None:
             await self._nc.close()

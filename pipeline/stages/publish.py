@@ -54,6 +54,7 @@ from nats.js.api import StreamConfig
 from inference.errors import VidpipeError
 from inference.ratelimit import RateLimitedLog
 from pipeline.backoff import Backoff, backoff_delay
+from pipeline.cancel import cancel_and_wait
 from pipeline.config import NatsConfig
 from pipeline.events import Event, events_subject
 from pipeline.frames import Frame
@@ -366,8 +367,7 @@ class Publisher:
         if self._outbox and self.nc.is_connected:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), timeout)
-        if self._flusher is not None:
-            self._flusher.cancel()
+        await cancel_and_wait(self._flusher)
         for _, source, _, _ in self._outbox:
             self.metrics.publish_errors.labels(self.pipeline, source, "shutdown").inc()
         self._outbox.clear()
