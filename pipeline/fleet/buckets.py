@@ -153,27 +153,39 @@ class BucketView:
         self._watcher: KeyValue.KeyWatcher | None = None
         self._last = 0  # the highest stream sequence (revision) delivered so far
         self._until: int | None = None  # ready once a revision this high has been delivered
+        self._settling: asyncio.Task[None] | None = None
+        self.started_at = 0.0  # monotonic, when the watcher last (re)started
 
-    async def start(self, timeout: float = 30.0) -> None:
-        """Watch the bucket and return once the view holds all of it (``TimeoutError`` past ``timeout``)."""
+    async def start(self, timeout: float | None = 30.0) -> None:
+        """Watch the bucket; with a ``timeout``, return once the view holds all of it.
+
+        ``TimeoutError`` past ``timeout``. Without one it returns at once and :attr:`ready`
+        says when the view is whole (a view watching again must not hold up renewals).
+        """
+        self.started_at = time.monotonic()
         self._watcher = await self.kv.watchall()
         self._task = asyncio.create_task(self._run(), name=f"watch-{self.bucket}")
-        # Read after the watcher exists: whatever it finds is delivered, as an initial
+        # Started after the watcher exists: whatever it finds is delivered, as an initial
         # value or as an update.
-        self._until = await self._last_sequence()
-        self._check_ready()
-        waiter = asyncio.ensure_future(self.ready.wait())
-        try:
+        self._settling = asyncio.create_task(self._settle(), name=f"settle-{self.bucket}")
+        if timeout is not None:
             async with asyncio.timeout(timeout):
-                while not self.ready.is_set():
-                    await asyncio.wait({waiter}, timeout=0.5)
-                    if not self.ready.is_set() and not await self._has(self._until or 0):
-                        # That message left the stream undelivered (a heartbeat past its TTL,
-                        # a purged marker): wait for the stream's last one now instead.
-                        self._until = await self._last_sequence()
-                        self._check_ready()
-        finally:
-            waiter.cancel()
+                await self.ready.wait()
+
+    async def _settle(self) -> None:
+        """Find the message the view is whole at; look again if it leaves the stream undelivered."""
+        while not self.ready.is_set():
+            try:
+                # That message can leave the stream before the watcher delivers it (a
+                # heartbeat past its TTL, a purged marker): then wait for the last one now.
+                if self._until is None or not await self._has(self._until):
+                    self._until = await self._last_sequence()
+                    self._check_ready()
+            except Exception as exc:  # a timeout or a reconnect: ask again
+                log.debug("bucket %s: reading its last message failed: %s", self.bucket, exc)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await self.ready.wait()
 
     async def _last_sequence(self) -> int:
         """The sequence of the stream's last message still held; 0 for an empty bucket.
@@ -248,14 +260,14 @@ class BucketView:
         self.deleted.clear()
         self.ready = asyncio.Event()
         self._last, self._until = 0, None
-        await self.start()
+        await self.start(timeout=None)
 
     async def stop(self) -> None:
         if self._watcher is not None:
             # Bounded: unsubscribing waits on the connection, which may be stalled or gone.
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._watcher.stop(), 2.0)
-        await cancel_and_wait(self._task)
+        await cancel_and_wait(self._task, self._settling)
 
 
 class BadEntries:

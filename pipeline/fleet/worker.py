@@ -335,6 +335,9 @@ class FleetWorker:
         """
         if self._own_heartbeat is None or not self._views or self._draining:
             return  # draining: the heartbeat was deleted on purpose, and the views are done with
+        now = time.monotonic()
+        if any(not v.ready.is_set() and now - v.started_at < self.ttl for v in self._views.values()):
+            return  # a view still reading its bucket gets a TTL before it is judged
         revision, written = self._own_heartbeat
         seen = self._views["workers"].entries.get(self.id)
         if seen is not None and seen.revision >= revision:

@@ -234,6 +234,11 @@ async def test_a_view_is_ready_only_once_it_holds_every_key_of_the_bucket(nats_s
         view = BucketView(js, kv, bucket_name("many", "sources"))
         await view.start(timeout=10.0)
         assert len(view.entries) == 1499
+        # Watching again returns at once (the worker's renewals wait on it), whole later.
+        await view.restart(kv)
+        assert not view.ready.is_set() and view.entries == {}
+        await view.ready.wait()
+        assert len(view.entries) == 1499
         await view.stop()
         empty = BucketView(js, await open_bucket(js, "none", "sources"), bucket_name("none", "sources"))
         await empty.start()  # nothing to wait for
