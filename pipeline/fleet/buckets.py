@@ -70,6 +70,11 @@ def bucket_stream(bucket: str) -> str:
     return f"KV_{bucket}"
 
 
+def key_prefix(bucket: str) -> str:
+    """``$KV.<bucket>.``: a key's subject in the bucket's stream is this and the key."""
+    return f"$KV.{bucket}."
+
+
 async def bucket_keys(js: JetStreamContext, bucket: str) -> list[str]:
     """Every key of ``bucket`` that holds a message, removed keys' markers included, sorted.
 
@@ -77,7 +82,7 @@ async def bucket_keys(js: JetStreamContext, bucket: str) -> list[str]:
     reads through a watcher whose "initial values done" marker races the first
     delivery: on a busy host it answered "no keys" for a full bucket, or never answered.
     """
-    prefix = f"$KV.{bucket}."
+    prefix = key_prefix(bucket)
     info = await js.stream_info(bucket_stream(bucket), subjects_filter=f"{prefix}>")
     return sorted(s[len(prefix) :] for s in (info.state.subjects or {}) if s.startswith(prefix))
 
@@ -101,7 +106,7 @@ async def purge_markers(js: JetStreamContext, bucket: str, older_than: float) ->
     Each purge stops at the marker's own sequence, so a value written to the key after
     the marker was read stays (nats-py's ``purge_deletes`` would drop it).
     """
-    stream, prefix = bucket_stream(bucket), f"$KV.{bucket}."
+    stream, prefix = bucket_stream(bucket), key_prefix(bucket)
     now = datetime.datetime.now(datetime.UTC)
     purged = []
     for key in await bucket_keys(js, bucket):
@@ -194,7 +199,7 @@ class BucketView:
         marker, purged), which no watcher will ever deliver.
         """
         try:
-            msg = await self.js.get_last_msg(bucket_stream(self.bucket), f"$KV.{self.bucket}.>")
+            msg = await self.js.get_last_msg(bucket_stream(self.bucket), key_prefix(self.bucket) + ">")
         except NotFoundError:
             return 0
         return int(msg.seq or 0)
