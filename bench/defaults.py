@@ -1,7 +1,7 @@
 """Defaults against the ceiling: a model onboarded by ``vidpipe models add``, as it comes, at 1-8 streams.
 
     python bench/defaults.py [--gflops 5] [--streams 1,2,4,8] [--rounds 2] [--seconds 10] [--onnx FILE]
-                             [--instances N]
+                             [--instances N] [--admission paced,eager]
 
 1. **The model.** The lane detector of ``bench/capacity.py`` (YOLOv8 output layout,
    a dynamic batch axis) padded with ``--gflops`` of convolutions, so it costs what
@@ -19,11 +19,14 @@
    publish (embedded server), with the config's defaults (``max_in_flight``
    derived). Frames published per second in a window after a warm-up, and the p50
    of each frame's time in the graph (the sum of its stage times: batcher queue,
-   inference, decode of the outputs).
+   inference, decode of the outputs). Each stream count runs once per
+   ``runtime.admission`` of ``--admission`` (default both: ``paced``, the default,
+   and ``eager``, what vidpipe did before it), one after the other.
 
-Every round runs ceiling, 1 stream, ceiling, 2 streams, ceiling, ... so a busy
-machine slows both sides alike; a pipeline run's ratio is against the mean of
-the two ceilings beside it. The last line::
+Every round runs ceiling, 1 stream paced, ceiling, 1 stream eager, ceiling, 2
+streams paced, ... so a busy machine slows both sides alike; a pipeline run's
+ratio is against the mean of the two ceilings beside it. The last line (one per
+admission, the first being the default's)::
 
     defaults_ratio_min=… defaults_latency_max=…   (ratio = pipeline / ceiling; latency in inference times)
 """
@@ -51,6 +54,8 @@ from pipeline.frames import Frame
 from pipeline.nats_server import EmbeddedNats
 from pipeline.runtime import Runtime
 
+Run = tuple[int, str]  # streams, runtime.admission
+
 PIPELINE = """\
 pipeline: defaults
 models: {repo}
@@ -59,6 +64,7 @@ sources:
 stages:
   - {{name: detect, type: infer, model: {model}}}
 nats: {{publish: core}}
+runtime: {{admission: {admission}}}
 """
 
 
@@ -106,14 +112,22 @@ def ceiling(onnx_path: Path, seconds: float) -> tuple[float, float]:
 
 
 async def pipeline(
-    clip: Path, repo: Path, model: str, streams: int, seconds: float, warmup: float, nats_url: str, tmp: Path
-) -> tuple[float, float, int]:
-    """Frames per second published, p50 seconds in the graph, and the derived max_in_flight."""
+    clip: Path,
+    repo: Path,
+    model: str,
+    streams: int,
+    admission: str,
+    seconds: float,
+    warmup: float,
+    nats_url: str,
+    tmp: Path,
+) -> tuple[float, float, int, float]:
+    """Frames/s published, p50 seconds in the graph, the derived max_in_flight, the share of frames paced."""
     sources = "\n".join(
         f"  - {{id: cam{i}, url: {clip}, realtime: false, loop: true}}" for i in range(streams)
     )
     path = tmp / f"defaults-{streams}-{time.monotonic_ns()}.yaml"
-    path.write_text(PIPELINE.format(repo=repo, sources=sources, model=model))
+    path.write_text(PIPELINE.format(repo=repo, sources=sources, model=model, admission=admission))
     published: list[tuple[float, float]] = []
 
     def on_published(frame: Frame) -> None:
@@ -130,11 +144,13 @@ async def pipeline(
     finally:
         await runtime.stop()
     inside = [graph for t, graph in published if start <= t <= end]
-    return len(inside) / (end - start), percentile(inside, 50), in_flight
+    paced = runtime.pacer.paced / max(1, len(published))
+    return len(inside) / (end - start), percentile(inside, 50), in_flight, paced
 
 
 async def measure(args: argparse.Namespace, nats_url: str) -> int:
     counts = [int(n) for n in args.streams.split(",")]
+    admissions = args.admission.split(",")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         if args.onnx:
@@ -152,53 +168,57 @@ async def measure(args: argparse.Namespace, nats_url: str) -> int:
         print("\n".join("#   " + line for line in said.strip().splitlines()))
         infer_ms = ms_per_frame(onnx_path)
         print(f"# inference time (latency hint, batch 1, median): {infer_ms:.1f} ms; frames {WIDTH}x{HEIGHT}")
-        ratios: dict[int, list[float]] = {n: [] for n in counts}
-        latency: dict[int, list[float]] = {n: [] for n in counts}
-        vs_request: dict[int, list[float]] = {n: [] for n in counts}
-        rates: dict[int, list[float]] = {n: [] for n in counts}
+        runs = [(n, a) for n in counts for a in admissions]
+        ratios: dict[Run, list[float]] = {k: [] for k in runs}
+        latency: dict[Run, list[float]] = {k: [] for k in runs}
+        vs_request: dict[Run, list[float]] = {k: [] for k in runs}
+        rates: dict[Run, list[float]] = {k: [] for k in runs}
         ceilings: list[float] = []
         request_ms: list[float] = []
-        in_flight: dict[int, int] = {}
+        in_flight: dict[Run, int] = {}
         for r in range(args.rounds):
             before, before_ms = ceiling(onnx_path, args.seconds)
             ceilings.append(before)
             request_ms.append(before_ms * 1e3)
             print(f"# round {r + 1}: ceiling {before:.2f}/s, request {before_ms * 1e3:.1f} ms", flush=True)
-            for n in counts:
-                fps, p50, in_flight[n] = await pipeline(
-                    clip, repo, model, n, args.seconds, args.warmup, nats_url, tmp
+            for k in runs:
+                n, admission = k
+                fps, p50, in_flight[k], paced = await pipeline(
+                    clip, repo, model, n, admission, args.seconds, args.warmup, nats_url, tmp
                 )
                 after, after_ms = ceiling(onnx_path, args.seconds)
                 ceilings.append(after)
                 request_ms.append(after_ms * 1e3)
                 ref = (before + after) / 2
-                ratios[n].append(fps / ref)
-                latency[n].append(p50 * 1e3 / infer_ms)
-                vs_request[n].append(p50 / ((before_ms + after_ms) / 2))
-                rates[n].append(fps)
+                ratios[k].append(fps / ref)
+                latency[k].append(p50 * 1e3 / infer_ms)
+                vs_request[k].append(p50 / ((before_ms + after_ms) / 2))
+                rates[k].append(fps)
                 print(
-                    f"#   {n} streams: {fps:.2f} frames/s, ceiling {ref:.2f}/s: {fps / ref:.2f}; "
+                    f"#   {n} streams {admission}: {fps:.2f} frames/s, ceiling {ref:.2f}/s: {fps / ref:.2f}; "
                     f"p50 in the graph {p50 * 1e3:.0f} ms = {p50 * 1e3 / infer_ms:.2f} inference times; "
-                    f"{vs_request[n][-1]:.2f} ceiling requests; "
-                    f"max_in_flight {in_flight[n]}; ceiling after {after:.2f}/s; load {describe_load()}",
+                    f"{vs_request[k][-1]:.2f} ceiling requests; "
+                    f"max_in_flight {in_flight[k]}; {paced:.0%} of frames paced; "
+                    f"ceiling after {after:.2f}/s; load {describe_load()}",
                     flush=True,
                 )
                 before, before_ms = after, after_ms
         rows = [
-            [str(n), f"{statistics.median(rates[n]):.2f}", f"{statistics.median(ratios[n]):.2f}",
-             f"{min(ratios[n]):.2f}-{max(ratios[n]):.2f}", f"{statistics.median(latency[n]):.2f}",
-             f"{statistics.median(vs_request[n]):.2f}", str(in_flight[n])]
-            for n in counts
+            [str(k[0]), k[1], f"{statistics.median(rates[k]):.2f}", f"{statistics.median(ratios[k]):.2f}",
+             f"{min(ratios[k]):.2f}-{max(ratios[k]):.2f}", f"{statistics.median(latency[k]):.2f}",
+             f"{statistics.median(vs_request[k]):.2f}", str(in_flight[k])]
+            for k in runs
         ]  # fmt: skip
         print(
             f"# ceiling {statistics.median(ceilings):.2f}/s (median of {len(ceilings)}), "
             f"a request there {statistics.median(request_ms):.1f} ms"
         )
-        header = ["streams", "frames/s", "vs ceiling (median)", "range", "p50 / inference time"]
+        header = ["streams", "admission", "frames/s", "vs ceiling (median)", "range", "p50 / inference time"]
         print(table([*header, "p50 / request", "max_in_flight"], rows))
-        worst = min(statistics.median(ratios[n]) for n in counts)
-        slowest = max(statistics.median(latency[n]) for n in counts)
-        print(f"defaults_ratio_min={worst:.3f} defaults_latency_max={slowest:.2f}")
+        for admission in admissions:
+            worst = min(statistics.median(ratios[(n, admission)]) for n in counts)
+            slowest = max(statistics.median(latency[(n, admission)]) for n in counts)
+            print(f"{admission}: defaults_ratio_min={worst:.3f} defaults_latency_max={slowest:.2f}")
     return 0
 
 
@@ -217,6 +237,9 @@ def main() -> int:
     parser.add_argument("--streams", default="1,2,4,8")
     parser.add_argument(
         "--instances", type=int, default=0, help="passed to models add (default: what its measurement picks)"
+    )
+    parser.add_argument(
+        "--admission", default="paced,eager", help="runtime.admission values to run, in this order"
     )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per run")

@@ -33,6 +33,10 @@ model (a reload starts a new one) counts into the same object, and whoever
 exports metrics or reports reads that object instead of being told each event.
 The observer also hears state changes; it is called from worker threads and must
 be quick and thread-safe.
+
+:meth:`DynamicBatcher.free_in` estimates when an instance could start a request
+queued now (from each running batch's start and the recent compute time of batches
+of its size): what the pipeline's paced admission waits on.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import bisect
 import collections
 import concurrent.futures
 import contextlib
+import heapq
 import logging
 import math
 import threading
@@ -117,6 +122,8 @@ class NullObserver:
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                    1.0, 2.0, 5.0, 10.0)  # fmt: skip
 RECENT = 256  # latest queue and compute times kept for percentiles
+# Weight of the newest batch in the compute estimate of its size: about the last ten batches.
+COMPUTE_WEIGHT = 0.2
 
 
 def _recent() -> collections.deque[float]:
@@ -277,6 +284,12 @@ class DynamicBatcher:
         self._state = _NEW
         self._idle = 0
         self._inflight: list[list[_Request] | None] = [None] * len(self._runners)
+        # When each instance's running batch started (clock), and the recent compute
+        # seconds of a batch per size: what free_in() estimates from.
+        self._started: list[float] = [0.0] * len(self._runners)
+        self._compute: dict[int, float] = {}
+        self._received = 0
+        self._idle_listeners: list[Callable[[], None]] = []
         self._threads: list[threading.Thread] = []
         self._has_timeouts = policy.has_timeouts
         self._ordered = policy.preserve_ordering
@@ -384,6 +397,61 @@ class DynamicBatcher:
         with self._lock:
             return sum(len(b) for b in self._inflight if b)
 
+    def compute_estimate(self, size: int) -> float | None:
+        """Recent seconds of a batch of ``size`` (scaled from the nearest size seen); None before any ran."""
+        with self._lock:
+            return self._estimate_locked(size)
+
+    def _estimate_locked(self, size: int) -> float | None:
+        known = self._compute
+        if size in known:
+            return known[size]
+        if not known:
+            return None
+        nearest = min(known, key=lambda n: (abs(n - size), n))
+        return known[nearest] * size / nearest
+
+    def on_idle(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever an instance finds the queue empty and waits.
+
+        It is called on the worker thread, holding the batcher's lock: it must only
+        hand the news on (``loop.call_soon_threadsafe``), never block or call back in.
+        """
+        with self._lock:
+            self._idle_listeners.append(listener)
+
+    @property
+    def received(self) -> int:
+        """Requests this batcher accepted into its queue (this copy of the model only)."""
+        return self._received
+
+    def free_in(self, *, ahead: int = 0, batch: int = 1) -> float | None:
+        """Seconds until an instance could start a batch of ``batch`` that a request queued now joins.
+
+        Each running batch ends at its start plus the recent compute time of its size.
+        The requests already waiting, and ``ahead`` more that the caller knows are on
+        their way, go first in batches of ``batch``: each full one takes the next
+        instance to come free, and a request queued now joins what is left. None
+        before any batch ran. An estimate: batches vary, and one that runs over its
+        estimate counts as ending now.
+        """
+        with self._lock:
+            if not self._compute or self._state != _RUNNING:
+                return None
+            now = self._clock()
+            ends: list[float] = []
+            for started, running in zip(self._started, self._inflight, strict=True):
+                estimate = self._estimate_locked(len(running)) if running else None
+                ends.append(0.0 if estimate is None else max(0.0, started + estimate - now))
+            size = max(1, min(batch, self.policy.batch_limit))
+            full = (len(self._queue) + ahead) // size
+            if full:
+                seconds = self._estimate_locked(size) or 0.0
+                heapq.heapify(ends)
+                for _ in range(full):
+                    heapq.heapreplace(ends, ends[0] + seconds)
+            return min(ends)
+
     # -- requests ----------------------------------------------------------
 
     async def infer(self, item: Any, *, priority: int | None = None, timeout_us: int | None = None) -> Any:
@@ -422,6 +490,7 @@ class DynamicBatcher:
                 now = self._clock()
                 req.enqueued = now
                 if queue.push(req, level, now, timeout):
+                    self._received += 1
                     if self._ordered:
                         req.seq = self._seq
                         self._seq += 1
@@ -494,11 +563,15 @@ class DynamicBatcher:
                     if decision is not None:
                         batch = queue.take(decision.per_level)
                         self._inflight[index] = batch
+                        self._started[index] = self._clock()
                         if len(queue) and self._idle:
                             self._work_cond.notify()
                         return batch, []
                 elif state == _DRAINING:
                     return None, []
+                else:
+                    for listener in self._idle_listeners:
+                        listener()
                 self._idle += 1
                 try:
                     self._work_cond.wait(wait)
@@ -551,6 +624,10 @@ class DynamicBatcher:
                     st.cancelled += len(skipped)
             if n:
                 st.batch_ran(n, [start - t for t in enqueued], compute, failed)
+                if not failed:
+                    # A failed batch's time says nothing of the next one's (a refused remote call).
+                    last = self._compute.get(n)
+                    self._compute[n] = compute if last is None else last + COMPUTE_WEIGHT * (compute - last)
             deliver = self._order_locked(outcomes, skipped) if self._ordered else outcomes
         self._deliver(deliver)
 

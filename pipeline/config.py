@@ -177,6 +177,12 @@ class RuntimeConfig:
             ge=1, le=256, help="frames of one source processed at once; unset: from instances and sources"
         ),
     )
+    admission: Literal["paced", "eager"] = field(
+        default="paced",
+        metadata=spec(
+            help="paced: a frame enters the graph as the detector is about to be free; eager: once a slot is"
+        ),
+    )
     drain_timeout: float = field(default=10.0, metadata=spec(gt=0))
     max_sources: int = field(default=64, metadata=spec(ge=1, le=4096, help="sources running at once"))
     frame_memory_mb: int = field(

@@ -118,6 +118,18 @@ class Metrics:
             ["pipeline", "source"],
             registry=r,
         )
+        self.admission_held = Counter(
+            "vidpipe_admission_held_total",
+            "Frames held before entering the graph until the detector was about to be free (paced admission)",
+            ["pipeline"],
+            registry=r,
+        )
+        self.admission_held_seconds = Counter(
+            "vidpipe_admission_held_seconds_total",
+            "Seconds frames were held before entering the graph, summed (admission: paced)",
+            ["pipeline"],
+            registry=r,
+        )
         self.objects_skipped = Counter(
             "vidpipe_objects_skipped_total",
             "Objects a cascade stage got no result for, by reason (" + ", ".join(OBJECT_SKIP_REASONS) + ")",

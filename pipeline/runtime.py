@@ -31,6 +31,7 @@ from inference.memory import BufferPool
 from inference.model import ModelState
 from inference.ratelimit import RateLimitedLog
 from inference.repository import ModelRepository
+from pipeline.admission import AdmissionPacer, batch_at_work, paced_models, repository_batchers
 from pipeline.cancel import cancel_and_wait
 from pipeline.config import PipelineConfig, SourceConfig
 from pipeline.counters import SourceCounters
@@ -144,9 +145,7 @@ def derive_graph_limit(config: PipelineConfig, models: dict[str, ModelConfig]) -
 
 def _frames_at_work(model: ModelConfig) -> int:
     """Frames a model's instances work on at once: one batch each, of the preferred size."""
-    # A model without a batch dimension (max_batch_size 0) takes one frame per call.
-    batch = max(model.dynamic_batching.preferred_batch_size, default=1) if model.max_batch_size else 1
-    return model.instance_count * batch
+    return model.instance_count * batch_at_work(model)
 
 
 @dataclass
@@ -280,6 +279,8 @@ class Runtime:
         # Frames of all sources in the graph at once, when derived (derive_graph_limit); set
         # once the models are loaded. Waiters are served in turn, so sources share it evenly.
         self._graph_slots: asyncio.Semaphore | None = None
+        # Holds the next frame until the detector is about to be free (runtime.admission).
+        self.pacer = AdmissionPacer(lambda name: None, {})
         self._unordered: list[Stage] = []
         self._ordered: list[Stage] = []
         self.started_at = 0.0
@@ -313,6 +314,10 @@ class Runtime:
         graph = derive_graph_limit(self.config, self._model_configs())
         if graph is not None:
             self._graph_slots = asyncio.Semaphore(graph)
+        if self.models is not None:
+            self.pacer = AdmissionPacer(
+                repository_batchers(self.models), paced_models(self.config, self._model_configs())
+            )
         ctx = StageContext(config=self.config, models=self.models, metrics=self.metrics, errors=self._errors)
         self.stages = [create_stage(s, ctx) for s in self.config.stages]
         first_ordered = next((i for i, s in enumerate(self.stages) if s.ordered), len(self.stages))
@@ -672,6 +677,11 @@ class Runtime:
         await run.queue.wait_ready()
         await self._graph_slots.acquire()
         run.graph_held += 1
+        # Taken from the source's queue after the wait: a live camera's freshest frame.
+        held = await self.pacer.wait()
+        if held:
+            self.metrics.admission_held.labels(self.config.pipeline).inc()
+            self.metrics.admission_held_seconds.labels(self.config.pipeline).inc(held)
 
     def _give_graph_slot(self, run: SourceRun) -> None:
         if self._graph_slots is not None and run.graph_held:

@@ -121,8 +121,13 @@ def test_defaults_bench_adds_the_model_with_models_add_and_prints_ratios_against
     assert "#   backend: openvino" in out  # what models add writes where OpenVINO is installed
     assert re.search(r"^#   instances: \d \(measured 1 -> [\d.]+/s", out, re.M), out
     rows = [line for line in out.splitlines() if re.match(r"\| [12] +\|", line)]
-    assert [row.split("|")[1].strip() for row in rows] == ["1", "2"]
+    # Each stream count paced (the default) and eager, one after the other.
+    assert [[cell.strip() for cell in row.split("|")[1:3]] for row in rows] == [
+        ["1", "paced"], ["1", "eager"], ["2", "paced"], ["2", "eager"]
+    ]  # fmt: skip
     assert "| p50 / request |" in out  # the graph's p50 against a request's latency at the ceiling
-    assert re.fullmatch(
-        r"defaults_ratio_min=[\d.]+ defaults_latency_max=[\d.]+", out.strip().splitlines()[-1]
-    )
+    assert re.search(r"^#   1 streams eager: .* 0% of frames paced;", out, re.M), out
+    last = out.strip().splitlines()[-2:]
+    assert [line.split(":")[0] for line in last] == ["paced", "eager"]
+    for line in last:
+        assert re.fullmatch(r"\w+: defaults_ratio_min=[\d.]+ defaults_latency_max=[\d.]+", line), line

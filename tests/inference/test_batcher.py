@@ -23,6 +23,7 @@ import pytest
 from inference.backends.base import Backend, TensorSpec
 from inference.batch_policy import BatchPolicy
 from inference.batcher import (
+    COMPUTE_WEIGHT,
     BatcherStats,
     DynamicBatcher,
     InferenceFailed,
@@ -597,3 +598,60 @@ def test_failing_batches_are_all_counted_and_logged_once_per_interval(
     assert [r.getMessage() for r in lines] == [f"{name}: batch of 1 failed on instance 0: bad input 13"]
     assert getattr(lines[0], "model", None) == name
     assert h.stats().failed == 5
+
+
+# -- when an instance comes free (what paced admission waits on) ----------------------------
+
+
+def test_free_in_counts_the_running_batch_the_queue_and_requests_on_their_way() -> None:
+    clock = FakeClock()
+    gate = threading.Event()
+    started: queue.Queue[list[int]] = queue.Queue()
+    idle: list[int] = []
+
+    def runner(items: list[Any]) -> list[Any]:
+        # A batch of n costs n × 100 ms on the clock, spent once the gate opens; the test
+        # moves the clock only while a batch waits at the gate.
+        started.put(list(items))
+        assert gate.wait(WAIT)
+        clock.now += 0.1 * len(items)
+        return items
+
+    b = DynamicBatcher("m", BatchPolicy(max_batch_size=4), [runner], clock=clock)
+    b.on_idle(lambda: idle.append(b.received))
+    b.start()
+    try:
+        assert b.free_in() is None  # no batch has run: nothing to estimate from
+        wait_until(lambda: idle == [0])  # the instance waits for work, and says so
+        gate.set()
+        assert b.submit(1).result(timeout=WAIT) == 1
+        wait_until(lambda: idle == [0, 1])  # and again once its batch was done
+        assert b.compute_estimate(1) == pytest.approx(0.1)
+        assert b.compute_estimate(2) == pytest.approx(0.2)  # scaled from the size seen
+        assert b.free_in() == 0.0  # idle
+        assert b.free_in(ahead=1) == pytest.approx(0.1)  # one on its way takes the instance first
+
+        gate.clear()
+        running = b.submit(2)
+        assert started.get(timeout=WAIT) == [1] and started.get(timeout=WAIT) == [2]
+        clock.now += 0.03
+        assert b.free_in() == pytest.approx(0.07)
+        assert b.free_in(ahead=1) == pytest.approx(0.17)
+        assert b.free_in(ahead=1, batch=2) == pytest.approx(0.07)  # joins the one on its way
+        assert b.free_in(ahead=2, batch=2) == pytest.approx(0.27)  # after a batch of two
+        queued = b.submit(3)
+        assert b.received == 3
+        assert b.free_in() == pytest.approx(0.17)  # behind the queued request
+        clock.now += 0.5
+        assert b.free_in() == pytest.approx(0.1)  # a batch past its estimate counts as ending now
+
+        gate.set()
+        assert running.result(timeout=WAIT) == 2 and queued.result(timeout=WAIT) == 3
+        # Each size's estimate follows its recent batches: 0.63 s, then 0.1 s.
+        after_slow = 0.1 + COMPUTE_WEIGHT * (0.63 - 0.1)
+        assert b.compute_estimate(1) == pytest.approx(after_slow + COMPUTE_WEIGHT * (0.1 - after_slow))
+        wait_until(lambda: idle[-1] == 3)
+    finally:
+        gate.set()
+        b.stop()
+    assert b.free_in() is None  # stopped

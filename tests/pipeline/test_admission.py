@@ -1,0 +1,215 @@
+"""``runtime.admission: paced``: a frame enters the graph as the detector is about to be free.
+
+The pacer runs here against a real :class:`DynamicBatcher` whose instance is a plain
+function held at a gate, on a fake clock: the seam where batcher timing is pinned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import pipeline.admission as admission
+from inference.batch_policy import BatchPolicy
+from inference.batcher import DynamicBatcher
+from inference.repository import read_source
+from pipeline.admission import LEAD_MIN_S, LEAD_SHARE, STALE_S, AdmissionPacer, paced_models
+from pipeline.config import load_config
+from pipeline.frames import Frame
+from pipeline.runtime import Runtime
+from samples.make_clip import write_clip
+
+WAIT = 10.0  # seconds; only ever reached when something is broken
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 500.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Instance:
+    """One instance: a batch of n costs ``cost × n`` seconds on the clock, spent once ``gate`` opens."""
+
+    def __init__(self, clock: Clock, cost: float) -> None:
+        self.clock = clock
+        self.cost = cost
+        self.gate = threading.Event()
+        self.started = threading.Semaphore(0)
+
+    def __call__(self, items: list[Any]) -> list[Any]:
+        self.started.release()
+        assert self.gate.wait(WAIT)
+        self.clock.now += self.cost * len(items)
+        return items
+
+
+@pytest.fixture
+def held() -> Any:
+    """A started batcher with one instance that has run one batch (its estimate: 0.1 s)."""
+    clock = Clock()
+    instance = Instance(clock, 0.1)
+    batcher = DynamicBatcher("detector", BatchPolicy(max_batch_size=8), [instance], clock=clock)
+    batcher.start()
+    instance.gate.set()
+    assert batcher.submit("warm").result(timeout=WAIT) == "warm"
+    assert instance.started.acquire(timeout=WAIT)
+    instance.gate.clear()
+    yield clock, instance, batcher
+    instance.gate.set()
+    batcher.stop()
+
+
+def lead(batch_seconds: float) -> float:
+    return max(LEAD_MIN_S, LEAD_SHARE * batch_seconds)
+
+
+def test_a_frame_waits_for_the_running_batch_and_the_next_one_for_the_frame_before_it(held: Any) -> None:
+    clock, instance, batcher = held
+    pacer = AdmissionPacer(lambda name: batcher, {"detector": 1}, clock=clock)
+    assert pacer.wait_seconds() == 0.0  # an idle instance: in at once
+    # That frame reaches the batcher and runs; 30 ms of its 100 have passed.
+    running = batcher.submit("a")
+    assert instance.started.acquire(timeout=WAIT)
+    clock.now += 0.03
+    # The next frame enters as the running batch is about to end; one deciding in the
+    # same instant counts the first as ahead and waits for its batch too.
+    assert pacer.wait_seconds() == pytest.approx(0.07 - lead(0.1))
+    assert pacer.wait_seconds() == pytest.approx(0.17 - lead(0.1))
+    # The first of them reaches the batcher: it is queued now and no longer "on its way".
+    queued = batcher.submit("b")
+    assert pacer.wait_seconds() == pytest.approx(0.27 - lead(0.1))
+    # Frames admitted but never seen by the model (dropped on the way) stop counting
+    # STALE_S after they were due in.
+    clock.now += 0.3 + STALE_S
+    assert pacer.wait_seconds() == pytest.approx(0.1 - lead(0.1))  # the queued one, its batch overdue
+    instance.gate.set()
+    assert running.result(timeout=WAIT) == "a" and queued.result(timeout=WAIT) == "b"
+
+
+def test_a_batch_of_the_preferred_size_fills_before_the_next_frame_waits_for_another_instance(
+    held: Any,
+) -> None:
+    clock, instance, batcher = held
+    pacer = AdmissionPacer(lambda name: batcher, {"detector": 4}, clock=clock)
+    running = batcher.submit("a")
+    assert instance.started.acquire(timeout=WAIT)
+    # Four frames deciding together make one batch of four at the end of the running one;
+    # the fifth waits for that batch as well (0.4 s: four times the size seen).
+    waits = [pacer.wait_seconds() for _ in range(5)]
+    assert waits[:4] == [pytest.approx(0.1 - lead(0.4))] * 4
+    assert waits[4] == pytest.approx(0.5 - lead(0.4))
+    instance.gate.set()
+    assert running.result(timeout=WAIT) == "a"
+
+
+def test_nothing_to_pace_on_means_no_wait() -> None:
+    clock = Clock()
+    instance = Instance(clock, 0.1)
+    batcher = DynamicBatcher("detector", BatchPolicy(max_batch_size=8), [instance], clock=clock)
+    batcher.start()
+    try:
+        assert AdmissionPacer(lambda name: batcher, {"detector": 1}, clock=clock).wait_seconds() == 0.0
+        assert AdmissionPacer(lambda name: None, {"detector": 1}, clock=clock).wait_seconds() == 0.0
+    finally:
+        batcher.stop()
+
+
+async def test_an_instance_that_comes_free_early_lets_the_held_frame_in(
+    held: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock, instance, batcher = held
+    # A batch that took 1000 s: the estimate is now so long that only the instance coming
+    # free can end the wait.
+    instance.cost = 1000.0
+    instance.gate.set()
+    assert batcher.submit("slow").result(timeout=WAIT) == "slow"
+    assert instance.started.acquire(timeout=WAIT)
+    instance.gate.clear()
+    monkeypatch.setattr(admission, "MAX_WAIT_S", 3600.0)
+    pacer = AdmissionPacer(lambda name: batcher, {"detector": 1}, clock=clock)
+    await pacer.wait()  # idle: in at once, and the pacer now hears the instance
+    running = batcher.submit("a")
+    assert instance.started.acquire(timeout=WAIT)
+    waiting = asyncio.create_task(pacer.wait())
+    await asyncio.sleep(0)
+    assert not waiting.done() and pacer.paced == 1
+    instance.gate.set()  # the batch ends (the instance finds its queue empty)
+    await asyncio.wait_for(waiting, WAIT)
+    assert pacer.woken == 1
+    assert await asyncio.wrap_future(running) == "a"
+
+
+PIPELINE = """\
+pipeline: paced
+models: {models}
+sources:
+  - {{id: cam, url: {clip}}}
+stages:
+  - {{name: objects, type: infer, model: squares{interval}}}
+{runtime}"""
+
+
+def config(tmp_path: Path, models: Path, clip: Path, runtime: str = "", interval: str = "") -> Any:
+    path = tmp_path / "p.yaml"
+    path.write_text(PIPELINE.format(models=models, clip=clip, runtime=runtime, interval=interval))
+    return load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("runtime", "interval", "expected"),
+    [
+        ("", "", {"squares": 8}),  # the default; the sample's preferred batch is [4, 8]
+        ("runtime: {admission: eager}\n", "", {}),
+        ("runtime: {max_in_flight: 2}\n", "", {}),  # a limit set by hand is kept as it is
+        ("", ", interval: 2", {}),  # the detector skips frames: holding them would be for nothing
+        ("", ", interval: auto", {}),
+    ],
+)
+def test_which_pipelines_are_paced(
+    tmp_path: Path, sample_models: Path, runtime: str, interval: str, expected: dict[str, int]
+) -> None:
+    cfg = config(tmp_path, sample_models, tmp_path / "c.mp4", runtime, interval)
+    models = {"squares": read_source(sample_models, "squares").config}
+    assert paced_models(cfg, models) == expected
+
+
+async def test_a_paced_pipeline_publishes_what_an_eager_one_does(tmp_path: Path, sample_models: Path) -> None:
+    # One instance taking single frames (the graph holds two): the second frame of every
+    # pair is held until the first's batch is about to end.
+    repo = tmp_path / "models"
+    (repo / "squares").mkdir(parents=True)
+    for f in (sample_models / "squares").iterdir():
+        (repo / "squares" / f.name).write_bytes(f.read_bytes())
+    conf = repo / "squares" / "config.yaml"
+    conf.write_text(conf.read_text().replace("preferred_batch_size: [4, 8]", "preferred_batch_size: []"))
+    clip = write_clip(tmp_path / "c.mp4", frames=40, fps=30, width=320, height=240)
+    published: dict[str, list[tuple[int, list[Any]]]] = {}
+    pacers: dict[str, AdmissionPacer] = {}
+    for mode in ("paced", "eager"):
+        out = published[mode] = []
+
+        def keep(frame: Frame, out: list[tuple[int, list[Any]]] = out) -> None:
+            boxes = [(o.label, [round(v, 1) for v in o.bbox]) for o in frame.objects]
+            out.append((frame.index, boxes))
+
+        rt = Runtime(
+            config(tmp_path, repo, clip, f"runtime: {{admission: {mode}}}\n"),
+            nats_url=None,
+            on_published=keep,
+        )
+        await rt.start()
+        await rt.wait(120)
+        await rt.stop()
+        pacers[mode] = rt.pacer
+    assert [i for i, _ in published["paced"]] == list(range(40))
+    assert published["paced"] == published["eager"]
+    assert sum(len(boxes) for _, boxes in published["paced"]) >= 40  # the squares were found
+    assert pacers["paced"].names == ["squares"] and pacers["eager"].names == []
+    assert pacers["eager"].paced == 0
