@@ -24,6 +24,10 @@ from pipeline.sources.base import SourceError
 
 log = logging.getLogger("vidpipe.api")
 
+# How long a request that changes the desired set waits for a view of it being read
+# again (after a reconnect) before it is answered 503.
+VIEW_WAIT_S = 5.0
+
 
 class FleetRoutes:
     """``GET /v1/fleet`` (404 outside a fleet) and the desired set behind the sources API."""
@@ -44,10 +48,28 @@ class FleetRoutes:
         assert self._fleet is not None
         return self._fleet.desired_ids()
 
+    async def unsure(self) -> web.Response | None:
+        """A 503 while this worker's view of the desired set is not whole (after a short wait)."""
+        fleet = self._fleet
+        assert fleet is not None
+        if await fleet.desired_whole(VIEW_WAIT_S):
+            return None
+        answer = error(
+            503,
+            f"fleet {fleet.name}: this worker is still reading the desired sources "
+            "(after a reconnect to NATS); retry in a few seconds",
+        )
+        answer.headers["Retry-After"] = "5"
+        return answer
+
     async def add(self, config: SourceConfig) -> web.Response:
         """Add to the fleet's desired sources; the worker placement picks starts it (202)."""
         fleet = self._fleet
         assert fleet is not None and fleet.desired is not None
+        # The cap counts the whole set, never the part a view being read again holds.
+        unsure = await self.unsure()
+        if unsure is not None:
+            return unsure
         taken = fleet.desired_ids()
         sid = config.source_id
         if len(taken) >= fleet.max_desired and sid not in taken:

@@ -89,6 +89,9 @@ class SourceRoutes:
         sources = runtime.sources
         taken: Collection[str] = sources
         if self._fleet.active and not (isinstance(data, dict) and data.get("id") is not None):
+            unsure = await self._fleet.unsure()
+            if unsure is not None:
+                return unsure
             taken = self._fleet.taken_ids()
         try:
             config = parse_source(data, base_dir=base_dir, taken_ids=taken, policy=policy, file="request")

@@ -588,6 +588,27 @@ class FleetWorker:
         self.decoded.forget(entries)
         return out
 
+    async def desired_whole(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until the view of the desired set holds the whole bucket.
+
+        A view being read again (a reconnect, a bucket made anew) holds part of the set
+        until then: a cap or an id checked against it could be wrong.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            view = self._views.get("sources")
+            if view is None:
+                return False  # not started, or stopping
+            if view.ready.is_set():
+                return True
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            # A restart replaces the view's event: look again at least twice a second.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(view.ready.wait(), min(left, 0.5))
+
     def desired_ids(self) -> Any:
         """The ids in the desired set (a live view of the keys: no copy per request)."""
         return self._views["sources"].entries.keys() if self._views else {}.keys()

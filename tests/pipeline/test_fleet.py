@@ -24,6 +24,7 @@ from typing import Any
 import nats
 import pytest
 
+import pipeline.api.fleet as fleet_api
 from pipeline.fleet.buckets import (
     BucketView,
     bucket_items,
@@ -795,8 +796,12 @@ async def test_an_update_restarts_the_owned_source_and_an_invalid_one_is_refused
         assert "cam10" not in worker.desired_ids()
 
 
-async def test_the_desired_set_is_capped(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+async def test_the_desired_set_is_capped(
+    nats_server: EmbeddedNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import aiohttp
+
+    monkeypatch.setattr(fleet_api, "VIEW_WAIT_S", 0.2)
 
     async with one_worker(nats_server.url, tmp_path, ["cam1"]) as (worker, api):
         worker.max_desired = 1
@@ -805,6 +810,24 @@ async def test_the_desired_set_is_capped(nats_server: EmbeddedNats, tmp_path: Pa
             async with http.post(f"{api.url}/v1/sources", json=body) as r:
                 assert r.status == 429
                 assert "holds 1 sources (fleet.max_desired)" in (await r.json())["error"]
+            # While the view of the set is being read again it holds part of it (here:
+            # nothing) and is not ready: the cap and a derived id are not judged on it.
+            view = worker._views["sources"]
+            view.ready.clear()
+            view.entries.clear()
+            for request in (body, {**body, "id": "cam2"}):
+                async with http.post(f"{api.url}/v1/sources", json=request) as r:
+                    assert r.status == 503
+                    assert r.headers["Retry-After"] == "5"
+                    assert (await r.json())["error"] == (
+                        f"fleet {worker.name}: this worker is still reading the desired sources "
+                        "(after a reconnect to NATS); retry in a few seconds"
+                    )
+            # Read again whole, the cap holds.
+            await view.restart(view.kv)
+            async with http.post(f"{api.url}/v1/sources", json={**body, "id": "cam2"}) as r:
+                assert r.status == 429
+        assert sorted(worker.desired_ids()) == ["cam1"]
 
 
 async def test_malformed_store_entries_are_skipped_counted_and_never_stop_placement(
