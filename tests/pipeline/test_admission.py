@@ -21,7 +21,7 @@ from pipeline.admission import LEAD_MIN_S, LEAD_SHARE, STALE_S, AdmissionPacer, 
 from pipeline.config import load_config
 from pipeline.frames import Frame
 from pipeline.runtime import Runtime
-from samples.make_clip import write_clip
+from samples.make_clip import Plate, write_clip
 
 WAIT = 10.0  # seconds; only ever reached when something is broken
 
@@ -152,13 +152,17 @@ models: {models}
 sources:
   - {{id: cam, url: {clip}}}
 stages:
-  - {{name: objects, type: infer, model: squares{interval}}}
+  - {{name: objects, type: infer, model: {model}{interval}}}
 {runtime}"""
 
 
-def config(tmp_path: Path, models: Path, clip: Path, runtime: str = "", interval: str = "") -> Any:
+def config(
+    tmp_path: Path, models: Path, clip: Path, runtime: str = "", interval: str = "", model: str = "squares"
+) -> Any:
     path = tmp_path / "p.yaml"
-    path.write_text(PIPELINE.format(models=models, clip=clip, runtime=runtime, interval=interval))
+    path.write_text(
+        PIPELINE.format(models=models, clip=clip, runtime=runtime, interval=interval, model=model)
+    )
     return load_config(path)
 
 
@@ -180,36 +184,43 @@ def test_which_pipelines_are_paced(
     assert paced_models(cfg, models) == expected
 
 
-async def test_a_paced_pipeline_publishes_what_an_eager_one_does(tmp_path: Path, sample_models: Path) -> None:
-    # One instance taking single frames (the graph holds two): the second frame of every
-    # pair is held until the first's batch is about to end.
+async def test_a_paced_pipeline_holds_frames_and_publishes_what_an_eager_one_does(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    # The real text detector with one instance taking single frames (the graph holds
+    # two): it takes tens of milliseconds a frame on any CPU, so the frame behind the
+    # running one is held until that one is about to end, from the first batch on.
     repo = tmp_path / "models"
-    (repo / "squares").mkdir(parents=True)
-    for f in (sample_models / "squares").iterdir():
-        (repo / "squares" / f.name).write_bytes(f.read_bytes())
-    conf = repo / "squares" / "config.yaml"
-    conf.write_text(conf.read_text().replace("preferred_batch_size: [4, 8]", "preferred_batch_size: []"))
-    clip = write_clip(tmp_path / "c.mp4", frames=40, fps=30, width=320, height=240)
+    (repo / "ppocr_det").mkdir(parents=True)
+    conf = (sample_models / "ppocr_det" / "config.yaml").read_text()
+    conf = conf.replace("preferred_batch_size: [16]", "preferred_batch_size: []")
+    conf = conf.replace(
+        "instance_group: [{count: 2, kind: KIND_CPU}]", "instance_group: [{count: 1, kind: KIND_CPU}]"
+    )
+    (repo / "ppocr_det" / "config.yaml").write_text(conf)
+    plates = (Plate("KA05 MX2231", start=0, y=70, x=100), Plate("GATE B7", start=0, y=200, x=300))
+    clip = write_clip(tmp_path / "c.mp4", frames=10, fps=10, plates=plates)
     published: dict[str, list[tuple[int, list[Any]]]] = {}
-    pacers: dict[str, AdmissionPacer] = {}
+    runtimes: dict[str, Runtime] = {}
     for mode in ("paced", "eager"):
         out = published[mode] = []
 
         def keep(frame: Frame, out: list[tuple[int, list[Any]]] = out) -> None:
-            boxes = [(o.label, [round(v, 1) for v in o.bbox]) for o in frame.objects]
+            boxes = [(o.label, [round(v) for v in o.bbox]) for o in frame.objects]
             out.append((frame.index, boxes))
 
-        rt = Runtime(
-            config(tmp_path, repo, clip, f"runtime: {{admission: {mode}}}\n"),
-            nats_url=None,
-            on_published=keep,
-        )
+        cfg = config(tmp_path, repo, clip, f"runtime: {{admission: {mode}}}\n", model="ppocr_det")
+        rt = runtimes[mode] = Runtime(cfg, nats_url=None, on_published=keep)
         await rt.start()
         await rt.wait(120)
         await rt.stop()
-        pacers[mode] = rt.pacer
-    assert [i for i, _ in published["paced"]] == list(range(40))
+    assert [i for i, _ in published["paced"]] == list(range(10))
     assert published["paced"] == published["eager"]
-    assert sum(len(boxes) for _, boxes in published["paced"]) >= 40  # the squares were found
-    assert pacers["paced"].names == ["squares"] and pacers["eager"].names == []
-    assert pacers["eager"].paced == 0
+    assert [len(boxes) for _, boxes in published["paced"]] == [2] * 10  # both plates, every frame
+    paced, eager = runtimes["paced"], runtimes["eager"]
+    assert paced.pacer.names == ["ppocr_det"] and eager.pacer.names == []
+    # Frames 3-10 each decided while another frame was running (the first two went in
+    # before any batch had run: nothing to estimate from).
+    assert paced.pacer.paced >= 1 and eager.pacer.paced == 0
+    held = paced.metrics.registry.get_sample_value("vidpipe_admission_held_total", {"pipeline": "paced"})
+    assert held == paced.pacer.paced
