@@ -31,6 +31,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from inference.batcher import DynamicBatcher
 from inference.config import ModelConfig
@@ -59,6 +60,11 @@ def batch_at_work(model: ModelConfig) -> int:
     return max(model.dynamic_batching.preferred_batch_size, default=1) if model.max_batch_size else 1
 
 
+def whole_frame_stages(config: PipelineConfig) -> list[Any]:
+    """The stages running a model on whole frames (no ``on``): what admission is sized and paced by."""
+    return [s for s in config.stages if getattr(s, "on", None) is None and s.models()]
+
+
 def paced_models(config: PipelineConfig, models: dict[str, ModelConfig]) -> dict[str, int]:
     """The models whose instances pace admission, with the batch each counts on; empty when it does not apply.
 
@@ -69,7 +75,7 @@ def paced_models(config: PipelineConfig, models: dict[str, ModelConfig]) -> dict
     runtime = config.runtime
     if runtime.admission != "paced" or runtime.max_in_flight is not None:
         return {}
-    whole_frame = [s for s in config.stages if getattr(s, "on", None) is None and s.models()]
+    whole_frame = whole_frame_stages(config)
     if not whole_frame or any(getattr(s, "interval", 0) for s in whole_frame):
         return {}
     return {m: batch_at_work(models[m]) for s in whole_frame for m in s.models() if m in models}
@@ -118,7 +124,6 @@ class AdmissionPacer:
         self._clock = clock
         self._paces = {name: _Pace(batch) for name, batch in paced.items()}
         self.paced = 0  # admissions held (what a test or a benchmark reads)
-        self.held_seconds = 0.0
         self.woken = 0  # of those, let in early by an instance that came free
         # Admissions held now, first come first woken: an instance that comes free before
         # its estimate lets the first of them in at once.
@@ -175,9 +180,7 @@ class AdmissionPacer:
         finally:
             if woken in self._sleepers:
                 self._sleepers.remove(woken)
-        held = loop.time() - started
-        self.held_seconds += held
-        return held
+        return loop.time() - started
 
     def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
         def came_free() -> None:  # on the batcher's worker thread

@@ -31,7 +31,13 @@ from inference.memory import BufferPool
 from inference.model import ModelState
 from inference.ratelimit import RateLimitedLog
 from inference.repository import ModelRepository
-from pipeline.admission import AdmissionPacer, batch_at_work, paced_models, repository_batchers
+from pipeline.admission import (
+    AdmissionPacer,
+    batch_at_work,
+    paced_models,
+    repository_batchers,
+    whole_frame_stages,
+)
 from pipeline.cancel import cancel_and_wait
 from pipeline.config import PipelineConfig, SourceConfig
 from pipeline.counters import SourceCounters
@@ -136,7 +142,7 @@ def derive_graph_limit(config: PipelineConfig, models: dict[str, ModelConfig]) -
     """
     if config.runtime.max_in_flight is not None:
         return None
-    whole_frame = [m for s in config.stages if getattr(s, "on", None) is None for m in s.models()]
+    whole_frame = [m for s in whole_frame_stages(config) for m in s.models()]
     names = [m for m in whole_frame or config.models_used() if m in models]
     if not names:
         return 2
