@@ -138,14 +138,21 @@ async def pipeline(
     try:
         await asyncio.sleep(warmup)
         start = time.perf_counter()
+        held, taken = runtime.pacer.paced, accepted(runtime)
         await asyncio.sleep(seconds)
         end = time.perf_counter()
+        # Of the frames the graph took in the window, the share whose admission was held.
+        paced = (runtime.pacer.paced - held) / max(1, accepted(runtime) - taken)
         in_flight = runtime.max_in_flight(streams)
     finally:
         await runtime.stop()
     inside = [graph for t, graph in published if start <= t <= end]
-    paced = runtime.pacer.paced / max(1, len(published))
     return len(inside) / (end - start), percentile(inside, 50), in_flight, paced
+
+
+def accepted(runtime: Runtime) -> int:
+    """Frames the graph has taken from all sources' queues."""
+    return sum(run.counters.accepted for run in runtime.sources.values())
 
 
 async def measure(args: argparse.Namespace, nats_url: str) -> int:

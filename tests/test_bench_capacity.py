@@ -127,6 +127,9 @@ def test_defaults_bench_adds_the_model_with_models_add_and_prints_ratios_against
     ]  # fmt: skip
     assert "| p50 / request |" in out  # the graph's p50 against a request's latency at the ceiling
     assert re.search(r"^#   1 streams eager: .* 0% of frames paced;", out, re.M), out
+    # A share of the frames the graph took in the measured window: never over all of them.
+    shares = [int(share) for share in re.findall(r"(\d+)% of frames paced;", out)]
+    assert len(shares) == 4 and all(share <= 100 for share in shares), shares
     last = out.strip().splitlines()[-2:]
     assert [line.split(":")[0] for line in last] == ["paced", "eager"]
     for line in last:
