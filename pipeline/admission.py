@@ -18,8 +18,10 @@ so two frames deciding at once do not both count on the same instance. An
 instance that finds its queue empty before its estimate lets the first held
 frame in at once (:meth:`~inference.batcher.DynamicBatcher.on_idle`).
 
-Pacing applies only where every whole-frame ``infer`` stage runs on every frame
-(no ``interval``): a frame the detector skips would be held for nothing.
+With a fixed ``interval: N`` only the frames the detector runs on (every N+1th
+of a source) are held; the frames it skips go in at once. ``interval: auto``
+decides in the stage, on the tracks, so it is not paced: a frame it lets through
+would be held for nothing.
 """
 
 from __future__ import annotations
@@ -65,27 +67,45 @@ def whole_frame_stages(config: PipelineConfig) -> list[Any]:
     return [s for s in config.stages if getattr(s, "on", None) is None and s.models()]
 
 
-def paced_models(config: PipelineConfig, models: dict[str, ModelConfig]) -> dict[str, int]:
-    """The models whose instances pace admission, with the batch each counts on; empty when it does not apply.
+@dataclass(frozen=True)
+class PacedModel:
+    """A model that paces admission: the batch it counts on, and the frames it runs on."""
+
+    batch: int
+    # A frame's model runs when its index is a multiple of one of these (interval + 1):
+    # (1,) is every frame.
+    every: tuple[int, ...] = (1,)
+
+    def runs_on(self, index: int) -> bool:
+        return any(index % n == 0 for n in self.every)
+
+
+def paced_models(config: PipelineConfig, models: dict[str, ModelConfig]) -> dict[str, PacedModel]:
+    """The models whose instances pace admission; empty when pacing does not apply.
 
     Those of the whole-frame ``infer`` stages, when ``runtime.admission`` is
-    ``paced``, ``runtime.max_in_flight`` is derived and every such stage runs on
-    every frame.
+    ``paced``, ``runtime.max_in_flight`` is derived and no such stage has
+    ``interval: auto``.
     """
     runtime = config.runtime
     if runtime.admission != "paced" or runtime.max_in_flight is not None:
         return {}
     whole_frame = whole_frame_stages(config)
-    if not whole_frame or any(getattr(s, "interval", 0) for s in whole_frame):
+    if any(getattr(s, "interval", 0) == "auto" for s in whole_frame):
         return {}
-    return {m: batch_at_work(models[m]) for s in whole_frame for m in s.models() if m in models}
+    every: dict[str, set[int]] = {}
+    for stage in whole_frame:
+        for name in stage.models():
+            if name in models:
+                every.setdefault(name, set()).add(getattr(stage, "interval", 0) + 1)
+    return {name: PacedModel(batch_at_work(models[name]), tuple(sorted(n))) for name, n in every.items()}
 
 
 @dataclass
 class _Pace:
     """One model's admissions that its batcher may not have seen yet."""
 
-    batch: int
+    model: PacedModel
     batcher: DynamicBatcher | None = None
     listening: DynamicBatcher | None = None  # the batcher that wakes this pacer's sleepers
     # (when the frame enters the graph, the batcher's received count once it has it)
@@ -115,14 +135,14 @@ class AdmissionPacer:
     def __init__(
         self,
         batchers: Callable[[str], DynamicBatcher | None],
-        paced: dict[str, int],
+        paced: dict[str, PacedModel],
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         # The model's batcher now (a reload replaces it), None while it is not ready.
         self._batchers = batchers
         self._clock = clock
-        self._paces = {name: _Pace(batch) for name, batch in paced.items()}
+        self._paces = {name: _Pace(model) for name, model in paced.items()}
         self.paced = 0  # admissions held (what a test or a benchmark reads)
         self.woken = 0  # of those, let in early by an instance that came free
         # Admissions held now, first come first woken: an instance that comes free before
@@ -133,24 +153,28 @@ class AdmissionPacer:
     def names(self) -> list[str]:
         return list(self._paces)
 
-    def wait_seconds(self) -> float:
+    def wait_seconds(self, index: int | None = None) -> float:
         """How long the next admission should wait now (0: at once), reserving its place.
 
-        Frames already admitted, or waiting to be, count as ahead of it until the
-        model's batcher has them: two frames deciding in the same instant do not both
-        take the instance that comes free first.
+        ``index`` is the frame's number in its source, when known: only the models
+        that run on it (``interval``) hold it. Frames already admitted, or waiting to
+        be, count as ahead of it until the model's batcher has them: two frames
+        deciding in the same instant do not both take the instance that comes free first.
         """
         now = self._clock()
         wait = 0.0
         reserved: list[_Pace] = []
         for name, pace in self._paces.items():
+            if index is not None and not pace.model.runs_on(index):
+                continue  # the stage skips this frame: nothing to wait for
             batcher = self._batchers(name)
             if batcher is None:
                 continue  # unloaded or reloading: nothing to pace on
-            free_in = batcher.free_in(ahead=pace.ahead(batcher, now), batch=pace.batch)
+            batch = pace.model.batch
+            free_in = batcher.free_in(ahead=pace.ahead(batcher, now), batch=batch)
             if free_in is None:
                 continue  # no batch has run yet
-            batch_seconds = batcher.compute_estimate(pace.batch) or 0.0
+            batch_seconds = batcher.compute_estimate(batch) or 0.0
             wait = max(wait, free_in - max(LEAD_MIN_S, LEAD_SHARE * batch_seconds))
             reserved.append(pace)
         wait = min(wait, MAX_WAIT_S)
@@ -158,12 +182,12 @@ class AdmissionPacer:
             pace.reserve(now + wait)
         return wait
 
-    async def wait(self) -> float:
-        """Sleep until the next frame should enter the graph, or an instance comes free.
+    async def wait(self, index: int | None = None) -> float:
+        """Sleep until the next frame (number ``index``) should enter the graph, or an instance comes free.
 
         Returns the seconds it held the frame (0.0 when it went in at once).
         """
-        seconds = self.wait_seconds()
+        seconds = self.wait_seconds(index)
         loop = asyncio.get_running_loop()
         self._listen(loop)
         if seconds < MIN_WAIT_S:

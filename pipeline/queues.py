@@ -125,6 +125,11 @@ class FrameQueue(Generic[T]):
                 self._waiting = True
             await self._ready.wait()
 
+    def peek(self) -> T | EndOfStream | None:
+        """The item :meth:`get` would return now, left in the queue; None when empty."""
+        with self._cond:
+            return self._items[0] if self._items else None
+
     async def get(self) -> T | EndOfStream:
         """Wait for the next frame (or :data:`END`)."""
         while True:

@@ -684,7 +684,10 @@ class Runtime:
         await self._graph_slots.acquire()
         run.graph_held += 1
         # Taken from the source's queue after the wait: a live camera's freshest frame.
-        held = await self.pacer.wait()
+        head = run.queue.peek()
+        if not isinstance(head, Frame):
+            return  # the end of the stream: nothing to pace
+        held = await self.pacer.wait(head.index)
         if held:
             self.metrics.admission_held.labels(self.config.pipeline).inc()
             self.metrics.admission_held_seconds.labels(self.config.pipeline).inc(held)

@@ -17,7 +17,7 @@ import pipeline.admission as admission
 from inference.batch_policy import BatchPolicy
 from inference.batcher import DynamicBatcher
 from inference.repository import read_source
-from pipeline.admission import LEAD_MIN_S, LEAD_SHARE, STALE_S, AdmissionPacer, paced_models
+from pipeline.admission import LEAD_MIN_S, LEAD_SHARE, STALE_S, AdmissionPacer, PacedModel, paced_models
 from pipeline.config import load_config
 from pipeline.frames import Frame
 from pipeline.runtime import Runtime
@@ -72,7 +72,7 @@ def lead(batch_seconds: float) -> float:
 
 def test_a_frame_waits_for_the_running_batch_and_the_next_one_for_the_frame_before_it(held: Any) -> None:
     clock, instance, batcher = held
-    pacer = AdmissionPacer(lambda name: batcher, {"detector": 1}, clock=clock)
+    pacer = AdmissionPacer(lambda name: batcher, {"detector": PacedModel(1)}, clock=clock)
     assert pacer.wait_seconds() == 0.0  # an idle instance: in at once
     # That frame reaches the batcher and runs; 30 ms of its 100 have passed.
     running = batcher.submit("a")
@@ -97,7 +97,7 @@ def test_a_batch_of_the_preferred_size_fills_before_the_next_frame_waits_for_ano
     held: Any,
 ) -> None:
     clock, instance, batcher = held
-    pacer = AdmissionPacer(lambda name: batcher, {"detector": 4}, clock=clock)
+    pacer = AdmissionPacer(lambda name: batcher, {"detector": PacedModel(4)}, clock=clock)
     running = batcher.submit("a")
     assert instance.started.acquire(timeout=WAIT)
     # Four frames deciding together make one batch of four at the end of the running one;
@@ -109,14 +109,31 @@ def test_a_batch_of_the_preferred_size_fills_before_the_next_frame_waits_for_ano
     assert running.result(timeout=WAIT) == "a"
 
 
+def test_with_an_interval_only_the_frames_the_detector_runs_on_wait(held: Any) -> None:
+    clock, instance, batcher = held
+    # interval: 2, frames 0, 3, 6, ... of each source run the detector.
+    pacer = AdmissionPacer(lambda name: batcher, {"detector": PacedModel(1, every=(3,))}, clock=clock)
+    running = batcher.submit("a")
+    assert instance.started.acquire(timeout=WAIT)
+    clock.now += 0.03
+    # Frames 1 and 2 skip the detector: in at once, and they take no place in its queue.
+    assert pacer.wait_seconds(1) == 0.0
+    assert pacer.wait_seconds(2) == 0.0
+    assert pacer.wait_seconds(3) == pytest.approx(0.07 - lead(0.1))
+    assert pacer.wait_seconds(6) == pytest.approx(0.17 - lead(0.1))  # behind frame 3
+    instance.gate.set()
+    assert running.result(timeout=WAIT) == "a"
+
+
 def test_nothing_to_pace_on_means_no_wait() -> None:
     clock = Clock()
     instance = Instance(clock, 0.1)
     batcher = DynamicBatcher("detector", BatchPolicy(max_batch_size=8), [instance], clock=clock)
     batcher.start()
     try:
-        assert AdmissionPacer(lambda name: batcher, {"detector": 1}, clock=clock).wait_seconds() == 0.0
-        assert AdmissionPacer(lambda name: None, {"detector": 1}, clock=clock).wait_seconds() == 0.0
+        paced = {"detector": PacedModel(1)}
+        assert AdmissionPacer(lambda name: batcher, paced, clock=clock).wait_seconds() == 0.0
+        assert AdmissionPacer(lambda name: None, paced, clock=clock).wait_seconds() == 0.0
     finally:
         batcher.stop()
 
@@ -133,7 +150,7 @@ async def test_an_instance_that_comes_free_early_lets_the_held_frame_in(
     assert instance.started.acquire(timeout=WAIT)
     instance.gate.clear()
     monkeypatch.setattr(admission, "MAX_WAIT_S", 3600.0)
-    pacer = AdmissionPacer(lambda name: batcher, {"detector": 1}, clock=clock)
+    pacer = AdmissionPacer(lambda name: batcher, {"detector": PacedModel(1)}, clock=clock)
     await pacer.wait()  # idle: in at once, and the pacer now hears the instance
     running = batcher.submit("a")
     assert instance.started.acquire(timeout=WAIT)
@@ -169,15 +186,15 @@ def config(
 @pytest.mark.parametrize(
     ("runtime", "interval", "expected"),
     [
-        ("", "", {"squares": 8}),  # the default; the sample's preferred batch is [4, 8]
+        ("", "", {"squares": PacedModel(8)}),  # the default; the sample's preferred batch is [4, 8]
         ("runtime: {admission: eager}\n", "", {}),
         ("runtime: {max_in_flight: 2}\n", "", {}),  # a limit set by hand is kept as it is
-        ("", ", interval: 2", {}),  # the detector skips frames: holding them would be for nothing
-        ("", ", interval: auto", {}),
+        ("", ", interval: 2", {"squares": PacedModel(8, every=(3,))}),  # frames 0, 3, 6, ... only
+        ("", ", interval: auto", {}),  # decided on the tracks in the stage, after admission
     ],
 )
 def test_which_pipelines_are_paced(
-    tmp_path: Path, sample_models: Path, runtime: str, interval: str, expected: dict[str, int]
+    tmp_path: Path, sample_models: Path, runtime: str, interval: str, expected: dict[str, PacedModel]
 ) -> None:
     cfg = config(tmp_path, sample_models, tmp_path / "c.mp4", runtime, interval)
     models = {"squares": read_source(sample_models, "squares").config}
@@ -224,3 +241,59 @@ async def test_a_paced_pipeline_holds_frames_and_publishes_what_an_eager_one_doe
     assert paced.pacer.paced >= 1 and eager.pacer.paced == 0
     held = paced.metrics.registry.get_sample_value("vidpipe_admission_held_total", {"pipeline": "paced"})
     assert held == paced.pacer.paced
+
+
+async def test_with_an_interval_the_pipeline_holds_only_frames_the_detector_runs_on(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    # Three sources share a graph of two frames on one instance of the real text
+    # detector: the third source's frame 0 decides while another source's frame runs.
+    repo = tmp_path / "models"
+    (repo / "ppocr_det").mkdir(parents=True)
+    conf = (sample_models / "ppocr_det" / "config.yaml").read_text()
+    conf = conf.replace("preferred_batch_size: [16]", "preferred_batch_size: []")
+    conf = conf.replace(
+        "instance_group: [{count: 2, kind: KIND_CPU}]", "instance_group: [{count: 1, kind: KIND_CPU}]"
+    )
+    (repo / "ppocr_det" / "config.yaml").write_text(conf)
+    plates = (Plate("GATE B7", start=0, y=200, x=300),)
+    clip = write_clip(tmp_path / "c.mp4", frames=9, fps=10, plates=plates)
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        f"""\
+pipeline: interval
+models: {repo}
+sources: [{{id: a, url: {clip}}}, {{id: b, url: {clip}}}, {{id: c, url: {clip}}}]
+stages:
+  - {{name: text, type: infer, model: ppocr_det, interval: 2}}
+"""
+    )
+    published: list[tuple[str, int, int]] = []
+    rt = Runtime(
+        load_config(path),
+        nats_url=None,
+        on_published=lambda f: published.append((f.source, f.index, len(f.objects))),
+    )
+    await rt.prepare()
+    # A spy on the pacer: which frame numbers it was asked about, and which it held.
+    asked: list[tuple[int, bool]] = []  # (-1: no frame number given)
+    wait = rt.pacer.wait
+
+    async def spy(index: int | None = None) -> float:
+        held = await wait(index)
+        asked.append((-1 if index is None else index, held > 0))
+        return held
+
+    rt.pacer.wait = spy  # type: ignore[method-assign]
+    rt.start_sources()
+    await rt.wait(120)
+    await rt.stop()
+    for source in "abc":
+        # Every frame published in order; the plate on the frames the detector ran on.
+        assert [(i, n) for s, i, n in published if s == source] == [
+            (i, 1 if i % 3 == 0 else 0) for i in range(9)
+        ]
+    assert sorted(i for i, _ in asked) == sorted(list(range(9)) * 3)
+    held = [i for i, was_held in asked if was_held]
+    assert held and all(i % 3 == 0 for i in held), asked
+    assert rt.pacer.paced == len(held)
