@@ -1,7 +1,7 @@
 """Defaults against the ceiling: a model onboarded by ``vidpipe models add``, as it comes, at 1-8 streams.
 
     python bench/defaults.py [--gflops 5] [--streams 1,2,4,8] [--rounds 2] [--seconds 10] [--onnx FILE]
-                             [--instances N] [--admission paced,eager]
+                             [--instances N] [--admission paced,eager] [--interval N]
 
 1. **The model.** The lane detector of ``bench/capacity.py`` (YOLOv8 output layout,
    a dynamic batch axis) padded with ``--gflops`` of convolutions, so it costs what
@@ -21,7 +21,9 @@
    of each frame's time in the graph (the sum of its stage times: batcher queue,
    inference, decode of the outputs). Each stream count runs once per
    ``runtime.admission`` of ``--admission`` (default both: ``paced``, the default,
-   and ``eager``, what vidpipe did before it), one after the other.
+   and ``eager``, what vidpipe did before it), one after the other. With
+   ``--interval N`` the stage has ``interval: N``: frames/s and the p50 then count
+   only the frames the detector ran on (every N+1th of a source).
 
 Every round runs ceiling, 1 stream paced, ceiling, 1 stream eager, ceiling, 2
 streams paced, ... so a busy machine slows both sides alike; a pipeline run's
@@ -62,7 +64,7 @@ models: {repo}
 sources:
 {sources}
 stages:
-  - {{name: detect, type: infer, model: {model}}}
+  - {{name: detect, type: infer, model: {model}, interval: {interval}}}
 nats: {{publish: core}}
 runtime: {{admission: {admission}}}
 """
@@ -121,17 +123,21 @@ async def pipeline(
     warmup: float,
     nats_url: str,
     tmp: Path,
+    interval: int = 0,
 ) -> tuple[float, float, int, float]:
-    """Frames/s published, p50 seconds in the graph, the derived max_in_flight, the share of frames paced."""
+    """Frames/s detected, their p50 seconds in the graph, the derived max_in_flight, the share paced."""
     sources = "\n".join(
         f"  - {{id: cam{i}, url: {clip}, realtime: false, loop: true}}" for i in range(streams)
     )
     path = tmp / f"defaults-{streams}-{time.monotonic_ns()}.yaml"
-    path.write_text(PIPELINE.format(repo=repo, sources=sources, model=model, admission=admission))
+    path.write_text(
+        PIPELINE.format(repo=repo, sources=sources, model=model, admission=admission, interval=interval)
+    )
     published: list[tuple[float, float]] = []
 
     def on_published(frame: Frame) -> None:
-        published.append((time.perf_counter(), sum(frame.stage_times.values())))
+        if frame.index % (interval + 1) == 0:  # a frame the detector ran on
+            published.append((time.perf_counter(), sum(frame.stage_times.values())))
 
     runtime = Runtime(load_config(path), nats_url=nats_url, on_published=on_published)
     await runtime.start()
@@ -175,6 +181,8 @@ async def measure(args: argparse.Namespace, nats_url: str) -> int:
         print("\n".join("#   " + line for line in said.strip().splitlines()))
         infer_ms = ms_per_frame(onnx_path)
         print(f"# inference time (latency hint, batch 1, median): {infer_ms:.1f} ms; frames {WIDTH}x{HEIGHT}")
+        if args.interval:
+            print(f"# interval: {args.interval}: frames/s and p50 of the frames the detector ran on")
         runs = [(n, a) for n in counts for a in admissions]
         ratios: dict[Run, list[float]] = {k: [] for k in runs}
         latency: dict[Run, list[float]] = {k: [] for k in runs}
@@ -191,7 +199,7 @@ async def measure(args: argparse.Namespace, nats_url: str) -> int:
             for k in runs:
                 n, admission = k
                 fps, p50, in_flight[k], paced = await pipeline(
-                    clip, repo, model, n, admission, args.seconds, args.warmup, nats_url, tmp
+                    clip, repo, model, n, admission, args.seconds, args.warmup, nats_url, tmp, args.interval
                 )
                 after, after_ms = ceiling(onnx_path, args.seconds)
                 ceilings.append(after)
@@ -247,6 +255,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--admission", default="paced,eager", help="runtime.admission values to run, in this order"
+    )
+    parser.add_argument(
+        "--interval", type=int, default=0, help="the stage's interval (0: the detector runs on every frame)"
     )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per run")

@@ -138,15 +138,25 @@ def derive_graph_limit(config: PipelineConfig, models: dict[str, ModelConfig]) -
     that can take the most): a batch at work on each instance and the next one ready,
     so no instance waits for a frame to be pre-processed, and no frame waits behind
     more than one batch. More frames in flight only wait in the batcher's queue:
-    latency without throughput.
+    latency without throughput. A detector with ``interval: N`` runs on one frame in
+    N+1, so N+1 times as many frames: the frames it skips hold their slots until the
+    frame before them is published.
     """
     if config.runtime.max_in_flight is not None:
         return None
-    whole_frame = [m for s in whole_frame_stages(config) for m in s.models()]
-    names = [m for m in whole_frame or config.models_used() if m in models]
-    if not names:
+    # (model, frames per frame the detector runs on)
+    whole_frame = [(m, _frames_per_run(s)) for s in whole_frame_stages(config) for m in s.models()]
+    named = [(m, every) for m, every in whole_frame or [(m, 1) for m in config.models_used()] if m in models]
+    if not named:
         return 2
-    return 2 * max(_frames_at_work(models[name]) for name in names)
+    return 2 * max(_frames_at_work(models[name]) * every for name, every in named)
+
+
+def _frames_per_run(stage: Any) -> int:
+    """Frames of a source per frame a whole-frame stage runs its model on (``interval: N``: N+1)."""
+    interval = getattr(stage, "interval", 0)
+    # interval: auto runs on a share the scene decides; it is sized like every frame.
+    return interval + 1 if isinstance(interval, int) else 1
 
 
 def _frames_at_work(model: ModelConfig) -> int:

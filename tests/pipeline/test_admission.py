@@ -246,8 +246,9 @@ async def test_a_paced_pipeline_holds_frames_and_publishes_what_an_eager_one_doe
 async def test_with_an_interval_the_pipeline_holds_only_frames_the_detector_runs_on(
     tmp_path: Path, sample_models: Path
 ) -> None:
-    # Three sources share a graph of two frames on one instance of the real text
-    # detector: the third source's frame 0 decides while another source's frame runs.
+    # Three sources on one instance of the real text detector, two frames each in the
+    # graph (the derived six, for a detector on one frame in three): frame 3 of the
+    # first source decides as soon as its frame 0 is out, while the others' frames 0 run.
     repo = tmp_path / "models"
     (repo / "ppocr_det").mkdir(parents=True)
     conf = (sample_models / "ppocr_det" / "config.yaml").read_text()
