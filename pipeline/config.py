@@ -32,7 +32,7 @@ from pipeline.names import NAME_HELP, check_name
 from pipeline.sources.schemes import SCHEME_OPTIONS, SCHEMES, resolve_live, scheme_of, url_check
 from pipeline.stages.base import StageOptions
 from pipeline.stages.registry import stage_kinds
-from pipeline.urls import derive_id, normalise_url, resolve_url, scheme_name
+from pipeline.urls import derive_id, normalise_url, resolve_url, scheme_name, whip_name
 from pipeline.webrtc_guard import parse_network
 
 # 8K UHD: the largest picture any camera or clip in scope sends. A frame over it is
@@ -561,12 +561,24 @@ def _check_graph(
 
     raw_sources = raw.get("sources") if isinstance(raw, dict) else None
     ids: dict[str, int] = {}
+    whip_names: dict[str, int] = {}
     for i, src in zip(source_index, cfg.sources, strict=True):
         line = line_of(raw_sources, i) if raw_sources is not None else None
         sid = src.source_id
         if sid in ids:
             err(f"sources[{i}].id", line, f"duplicate source id {sid!r}", "give each source a unique id")
         ids[sid] = i
+        if src.scheme == "whip":
+            # Publishers reach a WHIP source by its name (/whip/<name>): a second one would never be reached.
+            name = whip_name(src.url)
+            if name in whip_names:
+                err(
+                    f"sources[{i}].url",
+                    line,
+                    f"whip name {name!r} is already used by sources[{whip_names[name]}]",
+                    "give each WHIP source its own name: whip://door, whip://yard",
+                )
+            whip_names.setdefault(name, i)
     limit = cfg.runtime.max_sources
     if len(cfg.sources) > limit:
         line = line_of(raw_sources, limit) if raw_sources is not None else None
@@ -933,6 +945,7 @@ def load_config(
         and cfg.http is None
         and cfg.fleet is None
         and "sources" not in {e.path.split("[")[0] for e in errors}
+        and not any(e.file == "--source" for e in errors)  # a --source refused says it all
     ):
         errors.append(
             ConfigError(

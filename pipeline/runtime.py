@@ -63,6 +63,7 @@ from pipeline.stats import (
     StageClock,
     percentiles_ms,
 )
+from pipeline.urls import whip_name
 
 log = logging.getLogger("vidpipe.runtime")
 
@@ -81,6 +82,14 @@ class PipelineStartError(VidpipeError):
         self.line = line
         where = f"{file}:{line}: " if file and line else f"{file}: " if file else ""
         super().__init__(f"{where}{key + ': ' if key else ''}{problem}")
+
+
+class WhipNameTaken(ValueError):
+    """A WHIP source's name is used by another running source: publishers could not reach it."""
+
+
+def _ended(run: SourceRun) -> bool:
+    return run.intake is not None and run.intake.done()
 
 
 class SourceLimitError(VidpipeError):
@@ -470,6 +479,9 @@ class Runtime:
             self._forget(existing)  # an ended run with the same id makes room
         if len(self.sources) >= self.config.runtime.max_sources:
             raise SourceLimitError(self.config.runtime.max_sources)
+        owner = self.whip_owner(config)
+        if owner is not None:
+            raise WhipNameTaken(f"whip name {whip_name(config.url)!r} is already used by source {owner!r}")
         self.source_ids_seen.add(sid)
         loop = asyncio.get_running_loop()
         policy: OverflowPolicy = "drop_oldest" if config.live else "block"
@@ -501,6 +513,16 @@ class Runtime:
         source.start(queue)
         self._idle.set()
         return run
+
+    def whip_owner(self, config: SourceConfig) -> str | None:
+        """The running source that publishers of ``config``'s WHIP name reach, if any (None: free)."""
+        if config.scheme != "whip":
+            return None
+        name = whip_name(config.url)
+        for sid, run in self.sources.items():
+            if run.config.scheme == "whip" and whip_name(run.config.url) == name and not _ended(run):
+                return sid
+        return None
 
     async def remove_source(self, source_id: str) -> bool:
         """Stop a source and wait for its frames in flight; False if unknown."""

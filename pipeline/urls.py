@@ -64,6 +64,8 @@ MAX_URL_CHARS = 4096
 # C0 controls, DEL and C1 controls.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+# What urlsplit takes for a scheme: the letters before the first ':' (no '//' needed).
+_SCHEME_NAME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 
 # FFmpeg protocols each scheme needs, and nothing more. RTSP opens its control
 # connection over tcp (tls for rtsps) and, with transport: udp, its media over
@@ -167,6 +169,33 @@ def url_problem(url: str) -> UrlProblem | None:
         return UrlProblem(
             "the URL's user or password contains a raw '@'; percent-encode it as %40", _PERCENT_ENCODE_HINT
         )
+    return _address_problem(scheme.group(1).lower(), authority)
+
+
+# Schemes that connect to a host: the URL must name one (udp://, rtp:// and srt:// may
+# leave it out to listen on every address).
+_NEEDS_HOST = ("rtsp", "rtsps", "http", "https")
+_PORTED = (*_NEEDS_HOST, "udp", "rtp", "srt")
+
+
+def _address_problem(scheme: str, authority: str) -> UrlProblem | None:
+    """A host and port that can never be connected to (before any attempt is made)."""
+    if scheme not in _PORTED:
+        return None
+    hostport = authority.rpartition("@")[2]  # never look at (or echo) the userinfo
+    try:
+        parts = urlsplit(f"{scheme}://{hostport}")
+        port = parts.port  # ValueError: not a number, or outside 0-65535
+    except ValueError:
+        return UrlProblem(
+            f"the URL's host and port {hostport!r} are malformed",
+            "write HOST, HOST:PORT or [IPv6]:PORT with a port of 1-65535",
+        )
+    if port == 0:
+        return UrlProblem(f"the URL's port in {hostport!r} is 0", "use a port of 1-65535")
+    if scheme in _NEEDS_HOST and not parts.hostname:
+        example = "192.168.1.20:554/stream" if scheme.startswith("rtsp") else "192.168.1.20/video.mjpg"
+        return UrlProblem(f"the {scheme}:// URL names no host", f"e.g. {scheme}://{example}")
     return None
 
 
@@ -179,7 +208,7 @@ V4L2_PATH = re.compile(r"/dev/video\d+")
 def normalise_url(url: str) -> str:
     """``url`` as the scheme check should see it: a plain path that is a webcam once
     normalised (``/dev/./video0``, ``/dev/video0/``) becomes that device's path."""
-    if not urlsplit(url).scheme and url.startswith("/dev/"):
+    if url.startswith("/dev/"):  # a path: no scheme
         normal = posixpath.normpath(url)
         if V4L2_PATH.fullmatch(normal):
             return normal
@@ -188,7 +217,9 @@ def normalise_url(url: str) -> str:
 
 def scheme_name(url: str) -> str:
     """The scheme a source URL names: ``rtsp``, ``file`` for a plain path, ``v4l2`` for ``/dev/videoN``."""
-    scheme = urlsplit(url).scheme.lower()
+    # The scheme alone: a malformed rest of the URL (an unclosed '[') is url_problem's to report.
+    found = _SCHEME_NAME.match(url)
+    scheme = found.group(1).lower() if found else ""
     if not scheme and V4L2_PATH.fullmatch(normalise_url(url)):
         return "v4l2"
     # No scheme, or one letter (a Windows drive, C:\clips\a.mp4): a file path.

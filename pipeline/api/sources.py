@@ -25,7 +25,7 @@ from pipeline.api.answers import error
 from pipeline.api.bodies import parse_json
 from pipeline.api.fleet import FleetRoutes
 from pipeline.config import HttpConfig, SourcePolicy, SourceRefused, parse_source
-from pipeline.runtime import Runtime, SourceLimitError
+from pipeline.runtime import Runtime, SourceLimitError, WhipNameTaken
 from pipeline.sources.base import SourceError
 from pipeline.stats import SourceReport
 
@@ -109,6 +109,8 @@ class SourceRoutes:
             return error(429, str(exc))
         except SourceError as exc:
             return error(400, f"sources.url: {exc}")
+        except WhipNameTaken as exc:
+            return error(409, f"sources.url: {exc}; give this publisher another name")
         except ValueError as exc:
             return error(409, f"sources.id: {exc}")
         log.info("source %s added over the API (%s)", sid, run.source.display_url)

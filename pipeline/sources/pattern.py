@@ -14,12 +14,12 @@ Each frame shows a dim gradient and a white square whose box is
 from __future__ import annotations
 
 import time
-from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 
 from pipeline.config import SourceConfig
 from pipeline.sources.base import SourceContext, SourceError, ThreadedSource
+from pipeline.sources.schemes import parse_test_url
 
 __all__ = ["TestPatternSource", "pattern_background", "pattern_square_box"]
 
@@ -33,17 +33,13 @@ class TestPatternSource(ThreadedSource):
 
     def __init__(self, config: SourceConfig, context: SourceContext | None = None) -> None:
         super().__init__(config, context)
-        params = dict(parse_qsl(urlsplit(config.url).query))
         try:
-            self.width = int(params.get("width", 640))
-            self.height = int(params.get("height", 360))
-            self.fps = float(params.get("fps", 25))
-            frames = params.get("frames")
-            self.frames = int(frames) if frames is not None else None
+            pattern = parse_test_url(config.url)  # checked with the config too; an embedder may skip that
         except ValueError as exc:
-            raise SourceError(self.id, f"bad test:// parameter ({exc})") from None
-        if not (16 <= self.width <= 7680 and 16 <= self.height <= 4320 and 0 < self.fps <= 240):
-            raise SourceError(self.id, "test:// needs 16<=width<=7680, 16<=height<=4320, 0<fps<=240")
+            raise SourceError(self.id, str(exc)) from None
+        self.width, self.height, self.fps, self.frames = (
+            pattern.width, pattern.height, pattern.fps, pattern.frames
+        )  # fmt: skip
 
     def run(self) -> None:
         base = pattern_background(self.width, self.height)

@@ -178,6 +178,61 @@ def _stream_query_problem(url: str) -> UrlProblem | None:
     return None
 
 
+@dataclass(frozen=True)
+class TestPattern:
+    """What a ``test://`` URL asks for: ``test://?width=640&height=360&fps=25&frames=N&id=NAME``."""
+
+    __test__ = False  # not a pytest class
+
+    width: int = 640
+    height: int = 360
+    fps: float = 25.0
+    frames: int | None = None  # None: it never ends
+
+
+TEST_OPTIONS = ("width", "height", "fps", "frames", "id")
+
+
+def parse_test_url(url: str) -> TestPattern:
+    """The pattern a ``test://`` URL asks for; ValueError says which parameter is wrong and how."""
+    params = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
+    for key in params:
+        if key not in TEST_OPTIONS:
+            close = difflib.get_close_matches(key, TEST_OPTIONS, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"use {', '.join(TEST_OPTIONS)}"
+            raise ValueError(f"unknown test:// parameter {key!r}; {hint}")
+    bounds = {"width": (16, 7680), "height": (16, 4320), "frames": (1, 1 << 40)}
+    values: dict[str, int | float] = {}
+    for key, (low, high) in bounds.items():
+        if key in params:
+            try:
+                values[key] = int(params[key])
+            except ValueError:
+                raise ValueError(f"test:// parameter {key}={params[key]!r} is not a whole number") from None
+            if not low <= values[key] <= high:
+                raise ValueError(f"test:// parameter {key}={params[key]} is out of range; use {low}-{high}")
+    if "fps" in params:
+        try:
+            fps = float(params["fps"])
+        except ValueError:
+            fps = float("nan")
+        if not 0 < fps <= 240:  # NaN fails this too
+            raise ValueError(
+                f"test:// parameter fps={params['fps']!r} is out of range; use a number in (0, 240]"
+            )
+        values["fps"] = fps
+    return TestPattern(**values)  # type: ignore[arg-type]
+
+
+def _test_problem(url: str) -> UrlProblem | None:
+    try:
+        parse_test_url(url)
+    except ValueError as exc:
+        problem, _, hint = str(exc).partition("; ")
+        return UrlProblem(problem, hint)
+    return None
+
+
 def _whip_problem(url: str) -> UrlProblem | None:
     if "@" in urlsplit(url).netloc:
         # The name is what publishers put in /whip/<name>: it has no user or password.
@@ -195,7 +250,7 @@ SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in (
         Scheme("file", live=False, options=("loop", "realtime", "decode")),
-        Scheme("test", live=True),
+        Scheme("test", live=True, check=_test_problem),
         Scheme("rtsp", live=True, options=_RTSP_OPTIONS),
         Scheme("rtsps", live=True, options=_RTSP_OPTIONS),
         Scheme("whip", live=True, options=("open_timeout", "stall_timeout"), check=_whip_problem),

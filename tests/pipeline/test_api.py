@@ -105,7 +105,18 @@ async def test_add_and_remove_sources_while_running(
             400,
             "sources.transport: expected one of 'tcp', 'udp', got 'tcpp' (hint: did you mean 'tcp'?)",
         ),
-        ({"url": "test://?width=100000"}, 400, "sources.url: source test: test:// needs 16<=width<=7680"),
+        (
+            {"url": "test://?width=100000"},
+            400,
+            "sources.url: test:// parameter width=100000 is out of range (hint: use 16-7680)",
+        ),
+        (
+            {"url": "rtsp://u:secret@[::1/x"},
+            400,
+            "sources.url: the URL's host and port '[::1' are malformed "
+            "(hint: write HOST, HOST:PORT or [IPv6]:PORT with a port of 1-65535)",
+        ),
+        ({"url": "rtsp://u:secret@/x"}, 400, "sources.url: the rtsp:// URL names no host"),
         ({"queue_size": 4}, 400, "sources: missing required key 'url'"),
         ([1, 2], 400, "sources: expected a mapping at the top level, got a list"),
         ('{"url": "test://", "max_fps": NaN}', 400, "body: not valid JSON (NaN is not allowed)"),
@@ -306,6 +317,12 @@ async def test_readyz_follows_nats_and_sources(tmp_path: Path, nats_server: Embe
         assert await stack.json("GET", "/readyz") == (503, {"ready": False, "reasons": ["no sources"]})
         status, _ = await stack.json("POST", "/v1/sources", json={"url": "whip://door"})
         assert status == 201
+        # A second source publishers of whip://door would never reach.
+        assert await stack.json("POST", "/v1/sources", json={"url": "whip://door", "id": "back"}) == (
+            409,
+            {"error": "sources.url: whip name 'door' is already used by source 'door'; "
+                      "give this publisher another name"},
+        )  # fmt: skip
         assert await stack.json("GET", "/readyz") == (
             503,
             {"ready": False, "reasons": ["no source is up (door connecting)"]},
