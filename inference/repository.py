@@ -268,16 +268,23 @@ class ModelRepository:
                 self._report(name, ModelState.UNLOADED, "unloaded")
             return self._status_of(name)
 
-    async def reload(self, name: str) -> ModelStatus:
+    async def reload(self, name: str, fits: Callable[[Model], str | None] | None = None) -> ModelStatus:
         """Build a fresh copy of ``name`` and swap it in once ready; then drain the old copy.
 
-        If the fresh copy fails while an old one is serving, the old one keeps
-        serving and the status reason says the reload failed.
+        ``fits`` says why a fresh copy that loaded cannot serve its users (a
+        pipeline's stages), or None; such a copy counts as failed. If the fresh
+        copy fails while an old one is serving, the old one keeps serving and the
+        status reason says the reload failed.
         """
         async with self._lock(name):
             old = self._models.get(name)
             serving = old is not None and old.ready
             built = await self._build(name, quiet=serving)
+            misfit = fits(built) if fits is not None and isinstance(built, Model) and built.ready else None
+            if misfit is not None:
+                assert isinstance(built, Model)
+                await asyncio.to_thread(built.stop, drain=True)
+                built = misfit
             if isinstance(built, Model) and built.ready:
                 # One dict assignment: get() returns either the old or the new model, never neither.
                 self._models[name] = built

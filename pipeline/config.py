@@ -19,13 +19,14 @@ import contextlib
 import dataclasses
 import difflib
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from inference.model import load_labels, resolve_model_file
+from inference.processing.tasks import finds_objects
 from inference.repository import CONFIG_FILE, read_source
 from inference.schema import ConfigError, LineDict, build, line_of, load_yaml, raise_errors, spec
 from pipeline.names import NAME_HELP, check_name
@@ -661,7 +662,6 @@ def _check_resources(
         )
         return errors
     names = sorted(p.name for p in root.iterdir() if (p / CONFIG_FILE).is_file())
-    labels: dict[str, list[str] | None] = {}
     for name, i in sorted(used.items(), key=lambda kv: kv[1]):
         if name not in names:
             close = difflib.get_close_matches(name, names, n=1)
@@ -675,26 +675,47 @@ def _check_resources(
         except ConfigError as exc:
             errors.extend(exc.errors)
             continue
-        # Without labels in the config, a text detector says "text"; other models name
-        # their classes inside the model file, which validation does not open.
-        labels[name] = found or (["text"] if model.config.task.kind == "text_detect" else None)
+        # Other models name their classes inside the model file, which validation does not open.
+        for key, problem, hint in model_misfits(stages, name, model.config.task.kind, found):
+            err(key, problem, hint)
+    return errors
+
+
+def model_misfits(
+    stages: Sequence[tuple[int, StageOptions]], name: str, kind: str, labels: Sequence[str] | None
+) -> list[tuple[str, str, str]]:
+    """Why model ``name`` (its task kind, its labels if known) cannot serve the stages that use it.
+
+    Each as (key, problem, hint). An ``infer`` stage on whole frames needs a model
+    that finds objects; its ``classes:`` must be labels of the model they filter
+    (the stage's own, or in a cascade the one of the stage named by ``on:``).
+    What ``vidpipe validate`` checks, and a model reload before the new copy serves.
+    """
+    # Without labels in the config, a text detector says "text".
+    known = list(labels or (["text"] if kind == "text_detect" else []))
     by_name = {s.name: s for _, s in stages}
+    out: list[tuple[str, str, str]] = []
     for i, stage in stages:
-        classes = getattr(stage, "classes", None)
-        parent = by_name.get(getattr(stage, "on", None) or "", stage)
-        if not classes or stage.type != "infer" or not parent.models():
+        if stage.type != "infer":
             continue
-        model_name = parent.models()[0]
-        known = labels.get(model_name)
-        if not known:
+        on = getattr(stage, "on", None)
+        if on is None and name in stage.models() and not finds_objects(kind):
+            out.append((
+                f"stages[{i}].model",
+                f"model {name!r} is a {kind} model: it finds no objects, so it cannot run on whole frames",
+                "run it on the objects of a detector stage: on: <that stage's name>",
+            ))  # fmt: skip
+        classes = getattr(stage, "classes", None)
+        parent = by_name.get(on or "", stage)
+        if not classes or not known or name not in parent.models()[:1]:
             continue
         for c in classes:
             if c not in known:
                 close = difflib.get_close_matches(c, known, n=1)
                 shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
                 hint = f"did you mean {close[0]!r}?" if close else f"its labels: {shown}"
-                err(f"stages[{i}].classes", f"{c!r} is not a label of model {model_name!r}", hint)
-    return errors
+                out.append((f"stages[{i}].classes", f"{c!r} is not a label of model {name!r}", hint))
+    return out
 
 
 def _build_sources(

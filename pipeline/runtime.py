@@ -28,9 +28,10 @@ from inference.batcher import BatcherStats
 from inference.config import ModelConfig
 from inference.errors import VidpipeError
 from inference.memory import BufferPool
-from inference.model import ModelState
+from inference.model import Model, ModelState
 from inference.ratelimit import RateLimitedLog
 from inference.repository import ModelRepository
+from inference.schema import ConfigError
 from pipeline.admission import (
     AdmissionPacer,
     batch_at_work,
@@ -39,7 +40,7 @@ from pipeline.admission import (
     whole_frame_stages,
 )
 from pipeline.cancel import cancel_and_wait
-from pipeline.config import PipelineConfig, SourceConfig
+from pipeline.config import PipelineConfig, SourceConfig, model_misfits
 from pipeline.counters import SourceCounters
 from pipeline.fleet.fence import LeaseFence, default_worker_id
 from pipeline.fleet.metrics import FleetMetrics
@@ -513,6 +514,21 @@ class Runtime:
         source.start(queue)
         self._idle.set()
         return run
+
+    def model_misfit(self, model: Model) -> str | None:
+        """Why a fresh copy of a model (a reload) cannot serve this pipeline's stages, or None.
+
+        The checks of ``vidpipe validate`` (:func:`~pipeline.config.model_misfits`):
+        a new task kind that finds no objects under a whole-frame stage, labels
+        that no longer hold a stage's ``classes``.
+        """
+        cfg = self.config
+        stages = list(enumerate(cfg.stages))
+        problems = model_misfits(stages, model.name, model.config.task.kind, model.labels)
+        if not problems:
+            return None
+        errors = [ConfigError(cfg.file, cfg.line(key), key, problem, hint) for key, problem, hint in problems]
+        return "; ".join(e.render() for e in errors)
 
     def whip_owner(self, config: SourceConfig) -> str | None:
         """The running source that publishers of ``config``'s WHIP name reach, if any (None: free)."""

@@ -49,6 +49,9 @@ class Task(ABC):
 
     kind: ClassVar[str]
     options_type: ClassVar[type[TaskConfig]] = TaskConfig
+    # True for a detector: it finds objects in a whole frame (a list of Detection per image),
+    # so it can run without ``on:``; other kinds describe objects another stage found.
+    finds_objects: ClassVar[bool] = False
 
     def __init__(
         self,

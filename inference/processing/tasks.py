@@ -91,6 +91,7 @@ class YoloTask(_ImageTask):
 
     kind = "yolo"
     options_type = YoloOptions
+    finds_objects = True
 
     def __init__(
         self,
@@ -170,6 +171,7 @@ class TextDetectTask(_ImageTask):
 
     kind = "text_detect"
     options_type = TextDetectOptions
+    finds_objects = True
 
     def __init__(
         self,
@@ -272,6 +274,12 @@ def register_task(cls: type[Task]) -> type[Task]:
 
 for _cls in (YoloTask, ClassifyTask, TextDetectTask, TextRecognizeTask):
     register_task(_cls)
+
+
+def finds_objects(kind: str) -> bool:
+    """Whether models of task kind ``kind`` find objects in whole frames (unknown kinds: assumed so)."""
+    cls = TASKS.get(kind)
+    return cls is None or cls.finds_objects
 
 
 def create_task(

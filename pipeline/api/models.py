@@ -82,7 +82,8 @@ class ModelRoutes:
     async def _reload(self, name: str) -> tuple[int, dict[str, Any]]:
         repo = self._runtime.models
         assert repo is not None
-        status = await repo.reload(name)
+        # A copy the pipeline's stages cannot use is refused like one that fails to load.
+        status = await repo.reload(name, fits=self._runtime.model_misfit)
         body = jsonable(status)
         if status.state is not ModelState.READY or status.reason:
             body["error"] = status.reason or f"model {name} is {status.state.value}"

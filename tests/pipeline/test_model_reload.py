@@ -16,7 +16,8 @@ http: {{listen: "127.0.0.1:0"}}
 sources:
   - {{id: cam, url: "test://?fps=20&width=320&height=240"}}
 stages:
-  - {{name: objects, type: infer, model: squares}}
+  - {{name: objects, type: infer, model: squares,
+      classes: [square]}}
 """
 
 
@@ -53,6 +54,32 @@ async def test_reload_swaps_a_model_without_stopping_the_stream(
         )
         seen = len(collector.messages)
         await until(lambda: len(collector.messages) >= seen + 5, what="messages after the refused reload")
+
+        # Copies that load but that the pipeline's stages cannot use are refused alike, with
+        # the pipeline's FILE:LINE: a classifier under a whole-frame stage would drop every
+        # frame; a renamed label would leave `classes: [square]` matching nothing.
+        good = config.read_text().replace("max_batch_size: lots", "max_batch_size: 8")
+        pipeline_file = str(stack.runtime.config.file)
+        for change, problem in [
+            (
+                good.replace("  kind: yolo\n  layout: yolov8\n  confidence: 1.0\n", "  kind: classify\n"),
+                f"{pipeline_file}:7: stages[0].model: model 'squares' is a classify model: it finds no "
+                "objects, so it cannot run on whole frames (hint: run it on the objects of a detector "
+                "stage: on: <that stage's name>)",
+            ),
+            (
+                good.replace("labels: [square]", "labels: [box]"),
+                f"{pipeline_file}:8: stages[0].classes: 'square' is not a label of model 'squares' "
+                "(hint: its labels: box)",
+            ),
+        ]:
+            assert change != good
+            config.write_text(change)
+            status, body = await stack.json("POST", "/v1/models/squares/reload", json={})
+            assert (status, body["state"]) == (422, "ready"), body
+            assert body["error"] == f"reload failed, still serving the previous load: {problem}"
+        seen = len(collector.messages)
+        await until(lambda: len(collector.messages) >= seen + 5, what="messages after the refused reloads")
 
         frames = [m["frame"] for m in collector.messages]
         assert frames == sorted(frames) and len(set(frames)) == len(frames)
