@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import pipeline
-from inference.schema import MAX_REPORTED_ERRORS, ConfigError
+from inference.schema import MAX_REPORTED_ERRORS, ConfigError, raise_errors
 from pipeline.config import HttpConfig, PipelineConfig, load_config
 from pipeline.redact import redact_url
 from pipeline.sources.schemes import SCHEME_OPTIONS
@@ -346,6 +346,7 @@ def _say(
 def cmd_validate(args: argparse.Namespace) -> int:
     # Everything `run` would refuse, the model repository and source files included.
     cfg = load_config(args.config, require_sources=True, check_resources=True)
+    _check_settings(_with_http(cfg, None), args)
     _say(
         args,
         f"{args.config}: ok (pipeline {cfg.pipeline}: {len(cfg.sources)} source(s), "
@@ -588,23 +589,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.publish:
         cfg = dataclasses.replace(cfg, nats=dataclasses.replace(cfg.nats, publish=args.publish))
     cfg = _with_fleet(cfg, args.fleet)
-    env_token = os.environ.get("VIDPIPE_HTTP_TOKEN")
-    if args.http:
-        token = env_token or (cfg.http.token if cfg.http else None)
-        # --http moves the server; the file's other http settings (limits, roots) stay.
-        http = cfg.http or HttpConfig()
-        cfg = dataclasses.replace(cfg, http=dataclasses.replace(http, listen=args.http, token=token))
-    elif cfg.http is not None and env_token:
-        cfg = dataclasses.replace(cfg, http=dataclasses.replace(cfg.http, token=env_token))
-    if cfg.http is not None:
-        # Refuse an exposed API without a token before anything starts (usage error, exit 2).
-        from pipeline.api import ApiConfigError, check_http_config
-
-        try:
-            check_http_config(cfg.http)
-        except ApiConfigError as exc:
-            raise ConfigError("--http" if args.http else cfg.file, None, "", str(exc)) from None
-    _check_nats_port(cfg, args)
+    cfg = _with_http(cfg, args.http)
+    _check_settings(cfg, args)
+    _check_nats_port_free(cfg, args)
     if args.max_frames is not None and args.max_frames < 1:
         raise ConfigError("--max-frames", None, "", "must be at least 1")
     if args.duration is not None and args.duration <= 0:
@@ -718,23 +705,66 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_nats_port(cfg: PipelineConfig, args: argparse.Namespace) -> None:
-    """A port for the embedded server needs no server named elsewhere, and must be free (exit 2)."""
+def _with_http(cfg: PipelineConfig, listen: str | None) -> PipelineConfig:
+    """The http settings a run uses: ``--http`` moves the server, ``VIDPIPE_HTTP_TOKEN`` gives the token."""
+    env_token = os.environ.get("VIDPIPE_HTTP_TOKEN")
+    if listen:
+        token = env_token or (cfg.http.token if cfg.http else None)
+        # --http moves the server; the file's other http settings (limits, roots) stay.
+        http = cfg.http or HttpConfig()
+        return dataclasses.replace(cfg, http=dataclasses.replace(http, listen=listen, token=token))
+    if cfg.http is not None and env_token:
+        return dataclasses.replace(cfg, http=dataclasses.replace(cfg.http, token=env_token))
+    return cfg
+
+
+def _check_settings(cfg: PipelineConfig, args: argparse.Namespace) -> None:
+    """What ``run`` refuses before anything starts and ``validate`` reports too (exit 2): an
+    exposed API without a good token, a listen address it cannot use, a port for the
+    embedded NATS server beside a server named elsewhere."""
+    errors: list[ConfigError] = []
+    if cfg.http is not None:
+        from pipeline.api import ApiConfigError, check_http_config
+
+        try:
+            check_http_config(cfg.http)
+        except ApiConfigError as exc:
+            if getattr(args, "http", None):
+                errors.append(ConfigError("--http", None, "", str(exc)))
+            else:
+                line = cfg.line(exc.key) or cfg.line("http")
+                # The message names its key ("http.listen: ...", "http.token is ..."): shown once.
+                text = str(exc)
+                key, problem = (
+                    (exc.key, text.removeprefix(f"{exc.key}: "))
+                    if text.startswith(f"{exc.key}:")
+                    else ("", text)
+                )
+                errors.append(ConfigError(cfg.file, line, key, problem))
+    nats_port = getattr(args, "nats_port", None)
+    port = nats_port or cfg.nats.port
+    where, line = ("--nats-port", None) if nats_port else (cfg.file, cfg.line("nats.port"))
+    key = "" if nats_port else "nats.port"
+    if nats_port is not None and not 1 <= nats_port <= 65535:
+        errors.append(ConfigError(where, line, key, f"must be a port (1-65535), got {nats_port}"))
+    elif port is not None and (getattr(args, "nats", None) or cfg.nats.url):
+        named = "--nats" if getattr(args, "nats", None) else "nats.url"
+        errors.append(ConfigError(
+            where, line, key, f"applies to the embedded NATS server only, and {named} names a server",
+            "drop one of them",
+        ))  # fmt: skip
+    raise_errors(errors)
+
+
+def _check_nats_port_free(cfg: PipelineConfig, args: argparse.Namespace) -> None:
+    """A port asked for the embedded server must be free when the run starts (exit 2)."""
     from pipeline.nats_server import port_is_free
 
     port = args.nats_port or cfg.nats.port
     where, line = ("--nats-port", None) if args.nats_port else (cfg.file, cfg.line("nats.port"))
     key = "" if args.nats_port else "nats.port"
-    if args.nats_port is not None and not 1 <= args.nats_port <= 65535:
-        raise ConfigError(where, line, key, f"must be a port (1-65535), got {args.nats_port}")
-    if port is None:
+    if port is None or args.nats or cfg.nats.url:
         return
-    if args.nats or cfg.nats.url:
-        named = "--nats" if args.nats else "nats.url"
-        raise ConfigError(
-            where, line, key, f"applies to the embedded NATS server only, and {named} names a server",
-            "drop one of them",
-        )  # fmt: skip
     if not port_is_free(port):
         raise ConfigError(
             where, line, key, f"port {port} on 127.0.0.1 is in use",

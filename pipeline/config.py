@@ -30,6 +30,7 @@ from inference.processing.tasks import finds_objects
 from inference.repository import CONFIG_FILE, read_source
 from inference.schema import ConfigError, LineDict, build, line_of, load_yaml, raise_errors, spec
 from pipeline.names import NAME_HELP, check_name
+from pipeline.redact import redact_url
 from pipeline.sources.schemes import SCHEME_OPTIONS, SCHEMES, resolve_live, scheme_of, url_check
 from pipeline.stages.base import StageOptions
 from pipeline.stages.registry import stage_kinds
@@ -149,6 +150,23 @@ class SourceConfig:
         return self.id
 
 
+# The schemes the NATS client connects with (TLS: tls://; websockets: ws://, wss://).
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def nats_url_problem(urls: str | list[str]) -> tuple[str, str] | None:
+    """Why a NATS server URL (or each of a list) cannot be connected to, with a hint; None if fine."""
+    for url in [urls] if isinstance(urls, str) else urls:
+        # HOST:PORT alone is a nats:// URL to the client.
+        scheme = url.split("://", 1)[0].lower() if "://" in url else "nats"
+        if scheme not in NATS_SCHEMES:
+            return (
+                f"{redact_url(url)!r} is not a NATS server URL",
+                f"use {', '.join(s + '://' for s in NATS_SCHEMES)}, e.g. nats://127.0.0.1:4222",
+            )
+    return None
+
+
 @dataclass(frozen=True)
 class NatsConfig:
     """Where detections go. No ``url`` (and no ``servers``) starts an embedded nats-server on loopback.
@@ -157,8 +175,8 @@ class NatsConfig:
     learns the rest from the server): ``servers: [nats://n1:4222, nats://n2:4222]``.
     """
 
-    url: str | None = None
-    servers: list[str] = field(default_factory=list)
+    url: str | None = field(default=None, metadata=spec(check=nats_url_problem))
+    servers: list[str] = field(default_factory=list, metadata=spec(check=nats_url_problem))
     publish: Literal["core", "jetstream"] = "core"
     subject_prefix: str = field(default="vidpipe", metadata=spec(check=check_name))
     outbox_size: int = field(default=1000, metadata=spec(ge=1))

@@ -35,8 +35,10 @@ class ApiConfigError(VidpipeError):
 def parse_listen(listen: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` for IPv6) into its parts."""
     host, sep, port_text = listen.rpartition(":")
-    if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+    if not sep or not port_text.isdigit():
         raise ApiConfigError(f"http.listen: expected HOST:PORT, got {listen!r}")
+    if int(port_text) > 65535:
+        raise ApiConfigError(f"http.listen: port {port_text} in {listen!r} is out of range; use 1-65535")
     host = host.strip("[]")
     if not host:
         raise ApiConfigError(f"http.listen: {listen!r} has no host; use 127.0.0.1:PORT or 0.0.0.0:PORT")

@@ -324,6 +324,33 @@ def test_a_chosen_nats_port_that_cannot_be_used_is_a_usage_error(
     )
 
 
+def test_validate_refuses_the_settings_run_refuses(tmp_path: Path, squares_config: Path) -> None:
+    # Each of these passed validate and was refused only by run (exit 2) or, for an
+    # http:// NATS URL, only timed out there.
+    settings = tmp_path / "settings.yaml"
+    settings.write_text(
+        squares_config.read_text()
+        + "http: {listen: '10.255.255.1:18082', token: short}\n"
+        + "nats: {url: 'http://user:pw@127.0.0.1:9', port: 4333}\n"
+    )
+    proc = run_cli("validate", str(settings))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"{settings}:6: nats.url: 'http://***@127.0.0.1:9' is not a NATS server URL "
+        "(hint: use nats://, tls://, ws://, wss://, e.g. nats://127.0.0.1:4222)",
+    ]
+    settings.write_text(settings.read_text().replace("http://user:pw@", "nats://user:pw@"))
+    proc = run_cli("validate", str(settings))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"{settings}:5: http.token is 5 characters; off loopback it must have at least 16 "
+        "(e.g. python3 -c 'import secrets; print(secrets.token_urlsafe(24))')",
+        f"{settings}:6: nats.port: applies to the embedded NATS server only, and nats.url names a server "
+        "(hint: drop one of them)",
+    ]
+    assert "pw" not in proc.stderr
+
+
 # -- feedback ------------------------------------------------------------------------------
 
 
