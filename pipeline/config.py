@@ -325,6 +325,19 @@ class FleetConfig:
 ClipEvent = Literal["track_start", "detection", "zone_enter", "zone_exit", "line_cross"]
 
 
+def encoder_problem(codec: str) -> tuple[str, str] | None:
+    """Why ``codec`` cannot encode video here (FFmpeg has no such video encoder), with a hint."""
+    import av
+
+    try:
+        found = av.codec.Codec(codec, "w")
+    except Exception:  # UnknownCodecError, or a name FFmpeg cannot parse
+        found = None
+    if found is None or found.type != "video":
+        return f"FFmpeg has no video encoder {codec!r}", "e.g. libx264 (H.264), libx265, mpeg4 or libvpx-vp9"
+    return None
+
+
 @dataclass(frozen=True)
 class FileOutputConfig:
     """``{type: file, path: "out/{source}.mp4"}``: every published frame of a source, as video."""
@@ -332,7 +345,9 @@ class FileOutputConfig:
     type: Literal["file"]
     path: str = field(metadata=spec(help='"{source}" in it becomes the source id, e.g. out/{source}.mp4'))
     annotate: bool = field(default=True, metadata=spec(help="draw boxes, labels and tracks on the frames"))
-    codec: str = field(default="libx264", metadata=spec(help="an FFmpeg video encoder, e.g. libx264"))
+    codec: str = field(
+        default="libx264", metadata=spec(check=encoder_problem, help="an FFmpeg video encoder, e.g. libx264")
+    )
     crf: int = field(default=23, metadata=spec(ge=0, le=51, help="quality: lower is better and bigger"))
     sources: list[str] = field(default_factory=list, metadata=spec(help="source ids; all when empty"))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -40,7 +41,7 @@ from pipeline.admission import (
     whole_frame_stages,
 )
 from pipeline.cancel import cancel_and_wait
-from pipeline.config import PipelineConfig, SourceConfig, model_misfits
+from pipeline.config import FileOutputConfig, PipelineConfig, SourceConfig, model_misfits
 from pipeline.counters import SourceCounters
 from pipeline.fleet.fence import LeaseFence, default_worker_id
 from pipeline.fleet.metrics import FleetMetrics
@@ -336,6 +337,7 @@ class Runtime:
         """Everything but the sources: models, stages, the NATS connection."""
         self.started_at = time.time()
         check_device(self.config)
+        self._make_output_folders()
         await self._load_models()
         graph = derive_graph_limit(self.config, self._model_configs())
         if graph is not None:
@@ -359,6 +361,26 @@ class Runtime:
             self.publisher.display_url,
             self.publisher.mode,
         )
+
+    def _make_output_folders(self) -> None:
+        """Create the recordings' and clips' folders now: one that cannot be is a start error
+        naming its line, not an error on every frame later."""
+        cfg = self.config
+        for i, out in enumerate(cfg.outputs):
+            key = f"outputs[{i}].path" if isinstance(out, FileOutputConfig) else f"outputs[{i}].dir"
+            template = out.path if isinstance(out, FileOutputConfig) else out.dir + "/"
+            # The folder up to the first placeholder ({source}, {start}); the rest is made per source.
+            fixed = template.split("{", 1)[0]
+            folder = Path(cfg.base_dir) / fixed.rsplit("/", 1)[0] if "/" in fixed else Path(cfg.base_dir)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=folder, prefix=".vidpipe-"):
+                    pass  # a file can be made there (root can make one where access() cannot tell)
+            except OSError as exc:
+                raise PipelineStartError(
+                    f"cannot write to {folder}: {exc.strerror or exc}",
+                    key=key, file=cfg.file, line=cfg.line(key) or cfg.line(f"outputs[{i}]"),
+                ) from None  # fmt: skip
 
     def start_sources(self) -> None:
         for src in self.config.sources:

@@ -13,8 +13,14 @@ copy (:mod:`pipeline.annotate`), feeds the source's recordings and offers the
 result to live viewers through the :class:`FrameRelay`:
 
 - a recording needs every frame: a file source waits for the worker (nothing is
-  lost, as decoding waits for the graph); a live source drops the frame from the
-  recording when the worker is ``MAX_PENDING`` frames behind (``recording_dropped``);
+  lost, as decoding waits for the graph); a live source's frames past the
+  ``MAX_PENDING`` the worker holds are copied out of the frame pool, up to
+  ``BACKLOG_FRAMES`` (and ``BACKLOG_BYTES``) of them (a burst after a slow first
+  inference, the encoder opening), and only beyond that dropped from the
+  recording (``recording_dropped``);
+- a recording that cannot be written (a folder that cannot be created, an
+  encoder this FFmpeg lacks) is said once, with its path, and stopped for that
+  source; the others go on;
 - viewers need only the newest frame, at most as often as the fastest viewer
   asks: frames above that rate, or while the worker is busy, are not drawn.
 
@@ -28,6 +34,7 @@ so the clip rings let their packets go.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -42,7 +49,7 @@ from pipeline.config import ClipsOutputConfig, FileOutputConfig, PipelineConfig,
 from pipeline.frames import Frame
 from pipeline.outputs.clips import ClipInfo, ClipRecorder
 from pipeline.outputs.relay import FrameRelay, LiveFrame
-from pipeline.outputs.video_file import VideoFileWriter
+from pipeline.outputs.video_file import RecordingError, VideoFileWriter
 from pipeline.sources.base import PacketListener
 
 log = logging.getLogger("vidpipe.outputs")
@@ -53,6 +60,11 @@ CLIPS_SCHEMA = "vidpipe.clips/v1"
 # Frames a source's worker may hold (each keeps a pooled buffer): the frame pool has
 # four spare buffers beyond the queue and frames in flight, and the snapshot keeps one.
 MAX_PENDING = 2
+# Copied frames a live source's recording may have waiting beyond those, at most so many
+# bytes (per source): a burst of about two seconds at 15 fps, a second of 720p at 15 fps.
+# A longer one drops frames from the recording; a stop waits for at most these.
+BACKLOG_FRAMES = 30
+BACKLOG_BYTES = 48 * 1024 * 1024
 
 
 def clips_subject(prefix: str, pipeline: str, source: str) -> str:
@@ -71,7 +83,9 @@ class _SourceOutputs:
     writers: list[tuple[FileOutputConfig, VideoFileWriter]]
     clips: list[ClipRecorder]
     worker: ThreadPoolExecutor | None = None
-    pending: int = 0
+    pending: int = 0  # frames at the worker holding a pooled buffer
+    copied: int = 0  # frames at the worker copied out of the pool (BACKLOG_FRAMES)
+    copied_bytes: int = 0  # their bytes (BACKLOG_BYTES)
     room: asyncio.Event = field(default_factory=asyncio.Event)
     last_view: float = 0.0
     recording_dropped: int = 0
@@ -159,28 +173,41 @@ class Outputs:
         record = bool(out.writers)
         if not (view or record):
             return
+        copied = 0
         if out.pending >= MAX_PENDING:
             if not record:
                 return  # viewers get a later frame
             if out.live:
-                out.recording_dropped += 1
-                if self._on_recording_drop is not None:
-                    self._on_recording_drop(frame.source)
-                return
-            while out.pending >= MAX_PENDING:
+                copied = frame.image.nbytes
+                if out.copied >= BACKLOG_FRAMES or out.copied_bytes + copied > BACKLOG_BYTES:
+                    out.recording_dropped += 1
+                    if self._on_recording_drop is not None:
+                        self._on_recording_drop(frame.source)
+                    return
+                # The pool's buffer goes back now; the worker draws on a copy.
+                frame = dataclasses.replace(frame, image=frame.image.copy(), buffer=None)
+            while out.pending >= MAX_PENDING and not copied:
                 out.room.clear()
                 await out.room.wait()
         if view:
             out.last_view = now
-        buffer = frame.buffer.retain() if frame.buffer is not None else None
-        out.pending += 1
+        buffer = frame.buffer.retain() if frame.buffer is not None and not copied else None
+        if copied:
+            out.copied += 1
+            out.copied_bytes += copied
+        else:
+            out.pending += 1
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(out.executor(), self._draw, out, frame, view)
 
         def done(f: asyncio.Future[LiveFrame | None]) -> None:
             if buffer is not None:
                 buffer.release()
-            out.pending -= 1
+            if copied:
+                out.copied -= 1
+                out.copied_bytes -= copied
+            else:
+                out.pending -= 1
             out.room.set()
             if f.cancelled():
                 return
@@ -201,7 +228,12 @@ class Outputs:
         if view or any(o.annotate for o, _ in out.writers):
             drawn = annotate(frame, plain.copy() if not all(o.annotate for o, _ in out.writers) else plain)
         for options, writer in out.writers:
-            writer.write(drawn if options.annotate else plain, frame.pts)
+            if writer.failed:
+                continue
+            try:
+                writer.write(drawn if options.annotate else plain, frame.pts)
+            except RecordingError as exc:
+                log.error("source %s: %s; this recording is stopped, the source goes on", out.source, exc)
         return LiveFrame(frame.source, frame.index, frame.pts, drawn) if view else None
 
     def _close_source(self, out: _SourceOutputs) -> None:

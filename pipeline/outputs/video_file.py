@@ -29,7 +29,12 @@ import numpy as np
 
 log = logging.getLogger("vidpipe.outputs")
 
-__all__ = ["FRAGMENT_S", "VideoFileWriter", "recording_path"]
+__all__ = ["FRAGMENT_S", "RecordingError", "VideoFileWriter", "recording_path"]
+
+
+class RecordingError(Exception):
+    """A recording cannot go on (its folder, its file, its encoder); the message names the path."""
+
 
 # 90 kHz, as MPEG and RTP count: fine enough for any frame rate's pts.
 TIME_BASE = Fraction(1, 90000)
@@ -75,6 +80,8 @@ class VideoFileWriter:
         self.codec = codec
         self.crf = crf
         self.frames = 0
+        # Set once the recording could not be opened or written: later frames are not tried.
+        self.failed = False
         self._container: Any = None
         self._stream: Any = None
         self._first_pts: float | None = None
@@ -88,28 +95,62 @@ class VideoFileWriter:
     def _open(self, image: np.ndarray) -> None:
         import av
 
-        self.path = path = recording_path(self.template)
+        try:
+            self.path = path = recording_path(self.template)
+        except OSError as exc:
+            self.failed = True
+            raise RecordingError(
+                f"cannot record to {self.template}: {exc.strerror or exc} ({self.template.parent})"
+            ) from None
         fragmented = path.suffix.lower() in (".mp4", ".m4v", ".mov")
-        self._container = av.open(str(path), "w", options=FRAGMENTED if fragmented else {})
-        log.info("recording to %s", path)
-        options = {}
-        if self.codec in ("libx264", "libx265"):
-            # zerolatency: no lookahead and no B-frames, so every frame encoded so far is in
-            # the file (a kill loses at most the last fragment, not the encoder's queue).
-            options = {"crf": str(self.crf), "tune": "zerolatency"}
-        stream = self._container.add_stream(self.codec, rate=25, options=options)
-        stream.width = image.shape[1] - image.shape[1] % 2
-        stream.height = image.shape[0] - image.shape[0] % 2
-        stream.pix_fmt = "yuv420p"
-        stream.time_base = TIME_BASE
-        stream.codec_context.time_base = TIME_BASE
+        try:
+            self._container = av.open(str(path), "w", options=FRAGMENTED if fragmented else {})
+            options = {}
+            if self.codec in ("libx264", "libx265"):
+                # zerolatency: no lookahead and no B-frames, so every frame encoded so far is in
+                # the file (a kill loses at most the last fragment, not the encoder's queue).
+                options = {"crf": str(self.crf), "tune": "zerolatency"}
+            stream = self._container.add_stream(self.codec, rate=25, options=options)
+            stream.width = image.shape[1] - image.shape[1] % 2
+            stream.height = image.shape[0] - image.shape[0] % 2
+            stream.pix_fmt = "yuv420p"
+            stream.time_base = TIME_BASE
+            stream.codec_context.time_base = TIME_BASE
+        except Exception as exc:
+            # Nothing was written: leave no empty file behind.
+            self._abandon()
+            path.unlink(missing_ok=True)
+            raise RecordingError(f"cannot record to {path}: {_reason(exc)}") from None
         self._stream = stream
+        log.info("recording to %s", path)
+
+    def _abandon(self) -> None:
+        self.failed = True
+        container, self._container = self._container, None
+        if container is not None:
+            try:
+                container.close()
+            except Exception as exc:  # a half-set-up container may not close cleanly
+                log.debug("closing a failed recording: %r", exc)
 
     def write(self, image: np.ndarray, pts: float) -> None:
-        """Add a BGR frame shown at ``pts`` seconds (on the source's timeline)."""
+        """Add a BGR frame shown at ``pts`` seconds (on the source's timeline).
+
+        Raises :class:`RecordingError` when the recording cannot be opened or written;
+        it is then :attr:`failed` and takes no more frames.
+        """
+        if self.failed:
+            return
         if self._container is None:
             self._open(image)
             self._first_pts = pts
+        try:
+            self._write(image, pts)
+        except Exception as exc:
+            self._abandon()
+            raise RecordingError(f"cannot write {self.path}: {_reason(exc)}") from None
+
+    def _write(self, image: np.ndarray, pts: float) -> None:
         assert self._first_pts is not None
         ticks = round((pts - self._first_pts) / TIME_BASE)
         if self._held is not None:
@@ -149,3 +190,14 @@ class VideoFileWriter:
         self._mux(self._stream.encode(None))
         self._container.close()
         self._container = None
+
+
+def _reason(exc: BaseException) -> str:
+    """An FFmpeg or OS error as one readable phrase (an unknown encoder says which)."""
+    import av
+
+    if isinstance(exc, av.codec.codec.UnknownCodecError):
+        return f"FFmpeg has no encoder {exc.args[0] if exc.args else ''!r}; use e.g. codec: libx264"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__

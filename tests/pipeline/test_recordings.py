@@ -1,0 +1,130 @@
+"""Recordings under a burst of frames, and recordings that cannot be written."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import av
+import pytest
+
+from pipeline.config import load_config
+from pipeline.frames import Frame
+from pipeline.runtime import PipelineStartError, Runtime
+from pipeline.stages.base import Stage, StageContext, StageOptions
+from tests.pipeline.stack import stage_kinds, until
+
+DROPPED = "vidpipe_recording_frames_dropped_total"
+
+
+class FirstFrameGate(Stage):
+    """Holds each source's first frame until ``open`` is set (a seam, not a model): the
+    frames queued behind it are then published in a burst, as after a slow first inference."""
+
+    kind = "first_frame_gate"
+
+    def __init__(self, options: StageOptions, context: StageContext) -> None:
+        super().__init__(options, context)
+        self.open = asyncio.Event()
+        self.waiting = 0
+
+    async def process(self, frame: Frame) -> None:
+        if frame.index == 0:
+            self.waiting += 1
+            await self.open.wait()
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def frames_in(path: Path) -> int:
+    with av.open(str(path)) as container:
+        return sum(1 for _ in container.decode(video=0))
+
+
+async def test_a_burst_after_a_slow_start_is_recorded_whole_on_a_live_source(tmp_path: Path) -> None:
+    # A live camera whose first frame is held while 20 more queue up behind it (its queue
+    # holds all 40, so none is dropped there): the burst that follows is more than the
+    # worker holds in pooled buffers, and before the backlog of copies the recording left
+    # all but two of those frames out.
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "pipeline: rec\n"
+        "sources: [{id: cam, url: 'test://?fps=30&width=320&height=240&frames=40', queue_size: 64}]\n"
+        "stages: [{name: gate, type: first_frame_gate}]\n"
+        "outputs: [{type: file, path: 'out/{source}.mp4', annotate: false}]\n"
+    )
+    published: list[int] = []
+    with stage_kinds(FirstFrameGate):
+        rt = Runtime(load_config(path), nats_url=None, on_published=lambda f: published.append(f.index))
+        await rt.start()
+    gate = next(s for s in rt.stages if isinstance(s, FirstFrameGate))
+    try:
+        await until(lambda: gate.waiting == 1 and len(rt.sources["cam"].queue) >= 20, 60, "a queue behind")
+        gate.open.set()
+        await rt.wait(60)
+    finally:
+        await rt.stop()
+    assert published == list(range(40))
+    assert rt.metrics.registry.get_sample_value(DROPPED, {"pipeline": "rec", "source": "cam"}) in (None, 0)
+    assert frames_in(tmp_path / "out" / "cam.mp4") == 40
+
+
+async def test_a_recording_that_cannot_be_written_is_said_once_and_the_sources_go_on(tmp_path: Path) -> None:
+    # A file stands where source a's folder would be made; b records as usual.
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "a").write_bytes(b"")
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "pipeline: rec\n"
+        "sources:\n"
+        "  - {id: a, url: 'test://?fps=30&width=160&height=120&frames=20'}\n"
+        "  - {id: b, url: 'test://?fps=30&width=160&height=120&frames=20'}\n"
+        "outputs: [{type: file, path: 'out/{source}/rec.mp4'}]\n"
+    )
+    handler = Records()
+    logger = logging.getLogger("vidpipe.outputs")
+    logger.addHandler(handler)
+    published = {"a": 0, "b": 0}
+
+    def count(frame: Frame) -> None:
+        published[frame.source] += 1
+
+    rt = Runtime(load_config(path), nats_url=None, on_published=count)
+    try:
+        await rt.start()
+        await rt.wait(60)
+        await rt.stop()
+    finally:
+        logger.removeHandler(handler)
+    assert published == {"a": 20, "b": 20}
+    errors = [r.getMessage() for r in handler.records if r.levelno >= logging.ERROR]
+    assert errors == [
+        f"source a: cannot record to {tmp_path / 'out' / 'a' / 'rec.mp4'}: File exists ({tmp_path / 'out' / 'a'}); "
+        "this recording is stopped, the source goes on"
+    ]
+    assert frames_in(tmp_path / "out" / "b" / "rec.mp4") == 20
+
+
+async def test_an_output_folder_that_cannot_be_made_stops_the_start_at_its_line(tmp_path: Path) -> None:
+    (tmp_path / "taken").write_bytes(b"")
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "pipeline: rec\nsources: [{url: 'test://?frames=1'}]\noutputs:\n  - {type: clips, dir: taken/clips}\n"
+    )
+    rt = Runtime(load_config(path), nats_url=None)
+    try:
+        with pytest.raises(PipelineStartError) as info:
+            await rt.start()
+    finally:
+        await rt.stop()
+    assert str(info.value) == (
+        f"{path}:4: outputs[0].dir: cannot write to {tmp_path / 'taken' / 'clips'}: Not a directory"
+    )
