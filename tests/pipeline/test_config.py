@@ -74,6 +74,9 @@ BROKEN = [
     pytest.param(GOOD.replace("- url: test://?frames=3", "- {url: 'whip://door'}\n  - {url: 'whip://door', id: back}"),
                  5, "sources[1].url: whip name 'door' is already used by sources[0] (hint: give each WHIP "
                  "source its own name: whip://door, whip://yard)", id="duplicate-whip-name"),
+    pytest.param(GOOD + "outputs: [{type: file, path: out.mp4, codec: bogus264}]\n", 7,
+                 "outputs[0].codec: FFmpeg has no video encoder 'bogus264' (hint: e.g. libx264 (H.264), "
+                 "libx265, mpeg4 or libvpx-vp9)", id="unknown-encoder"),
     pytest.param(GOOD + "nats: {publish: jetstrem}\n", 7,
                  "nats.publish: expected one of 'core', 'jetstream', got 'jetstrem' (hint: did you mean 'jetstream'?)",
                  id="publish-typo"),
