@@ -528,11 +528,50 @@ async def _connect_client(servers: str) -> Any:
     )
 
 
-async def cmd_subscribe(args: argparse.Namespace) -> int:
+async def _wait_for_server(servers: str, problems: list[str]) -> Any:
+    """A client that keeps trying until a server answers, and reconnects for as long as it runs:
+    a subscriber may start before the pipeline and outlive a server restart. The first
+    failure to connect is said once on stderr; ``problems`` gets each one."""
+    import nats
 
+    connected = False
+
+    async def on_error(exc: Exception) -> None:
+        log.debug("nats: %s", exc)
+        if not connected:
+            if not problems:
+                print(
+                    f"vidpipe: waiting for NATS at {redact_url(servers)} ({exc or type(exc).__name__}); "
+                    "Ctrl-C to stop",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            problems.append(str(exc) or type(exc).__name__)
+
+    nc = await nats.connect(
+        servers=servers.split(","),
+        connect_timeout=2,
+        reconnect_time_wait=1,
+        max_reconnect_attempts=-1,
+        error_cb=on_error,
+    )
+    connected = True
+    return nc
+
+
+async def cmd_subscribe(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    problems: list[str] = []
     try:
-        nc = await _connect_client(args.nats)
-    except Exception as exc:
+        nc = await asyncio.wait_for(_wait_for_server(args.nats, problems), timeout=args.timeout)
+    except TimeoutError:
+        why = f": {problems[-1]}" if problems else ""
+        print(
+            f"vidpipe: cannot connect to NATS at {redact_url(args.nats)} in {args.timeout:g}s{why}",
+            file=sys.stderr,
+        )
+        return EXIT_RUNTIME
+    except Exception as exc:  # a URL the client refuses outright
         print(f"vidpipe: cannot connect to NATS at {redact_url(args.nats)}: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
     done = asyncio.Event()
@@ -555,9 +594,9 @@ async def cmd_subscribe(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)
-    started = time.monotonic()
+    remaining = None if args.timeout is None else max(0.0, args.timeout - (time.monotonic() - started))
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(done.wait(), timeout=args.timeout)
+        await asyncio.wait_for(done.wait(), timeout=remaining)
     await nc.close()
     if received == 0:
         # Silence is the one answer a newcomer cannot read: say what was listened to, and where.

@@ -171,12 +171,51 @@ def test_unreachable_nats_is_a_runtime_error_with_a_hint(squares_config: Path, t
     assert "Traceback" not in proc.stderr
 
 
-def test_subscribe_to_an_unreachable_server_says_so_in_one_line() -> None:
+def test_subscribe_to_an_unreachable_server_waits_for_its_timeout_and_says_so() -> None:
     proc = run_cli("subscribe", "--nats", "nats://127.0.0.1:9", "--timeout", "3")
     assert proc.returncode == 1
+    refused = "[Errno 111] Connect call failed ('127.0.0.1', 9)"
     assert proc.stderr.splitlines() == [
-        "vidpipe: cannot connect to NATS at nats://127.0.0.1:9: nats: no servers available for connection"
+        f"vidpipe: waiting for NATS at nats://127.0.0.1:9 ({refused}); Ctrl-C to stop",
+        f"vidpipe: cannot connect to NATS at nats://127.0.0.1:9 in 3s: {refused}",
     ]
+
+
+async def test_a_subscriber_started_before_its_server_receives_once_the_server_is_up() -> None:
+    import nats
+
+    server = EmbeddedNats()  # its port is chosen now; the server starts later
+    sub = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pipeline.cli", "subscribe", "--nats", server.url, "--timeout", "120",
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert sub.stdout is not None and sub.stderr is not None
+    try:
+        waiting = (await asyncio.wait_for(sub.stderr.readline(), 60)).decode()
+        assert waiting.startswith(f"vidpipe: waiting for NATS at {server.url} ("), waiting
+        server.start()
+        nc = await nats.connect(server.url)
+        try:
+            for _ in range(600):  # until the subscriber has connected and listens
+                await nc.publish("vidpipe.p.cam.detections", b'{"frame": 7}')
+                try:
+                    line = await asyncio.wait_for(sub.stdout.readline(), 0.2)
+                    break
+                except TimeoutError:
+                    continue
+            else:
+                raise AssertionError("the subscriber never received a message")
+        finally:
+            await nc.close()
+        assert json.loads(line) == {"frame": 7}
+        sub.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(sub.communicate(), 30)
+        assert sub.returncode == 0
+    finally:
+        if sub.returncode is None:
+            sub.kill()
+            await sub.wait()
+        server.stop()
 
 
 async def test_subscribe_prints_json_lines(
