@@ -703,6 +703,14 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
                 # A server waiting for sources added through the API.
                 runtime.keep_running()
         await runtime.wait(args.duration)
+        # Why each source that never published is not up (read before the stop overwrites it).
+        silent = {
+            sid: f"{run.source.state.value}: {run.source.reason}"
+            if run.source.reason
+            else run.source.state.value
+            for sid, run in runtime.sources.items()
+            if run.counters.published == 0 and run.source.state.value in ("connecting", "backoff")
+        }
         if fleet is not None:
             await fleet.stop()  # hand every source over before the runtime closes
         await runtime.stop()
@@ -734,10 +742,11 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     published = runtime.published_total()
     failed = [r.source.id for r in runtime.sources.values() if r.source.state.value == "failed"]
     log.info(
-        "done: %d frame(s) published from %d source(s)%s",
+        "done: %d frame(s) published from %d source(s)%s%s",
         published,
         len(runtime.source_ids_seen),
         f"; failed: {', '.join(failed)}" if failed else "",
+        "".join(f"; {sid} never up ({why})" for sid, why in silent.items()),
     )
     if published == 0 and runtime.sources:
         return EXIT_RUNTIME

@@ -171,6 +171,24 @@ def test_unreachable_nats_is_a_runtime_error_with_a_hint(squares_config: Path, t
     assert "Traceback" not in proc.stderr
 
 
+def test_a_run_that_published_nothing_says_why_each_source_never_came_up(squares_config: Path) -> None:
+    proc = run_cli(
+        "run", str(squares_config), "--source", "rtsp://user:pw@127.0.0.1:9/stream1", "--duration", "5",
+    )  # fmt: skip
+    assert proc.returncode == 1
+    done = [line for line in proc.stderr.splitlines() if " done: " in line]
+    assert len(done) == 1, proc.stderr
+    assert (
+        done[0]
+        .split(" done: ", 1)[1]
+        .startswith(
+            "0 frame(s) published from 1 source(s); stream1 never up "
+            "(backoff: cannot connect to rtsp://***@127.0.0.1:9/stream1: connection refused; retry "
+        )
+    ), done
+    assert "pw" not in proc.stderr
+
+
 def test_subscribe_to_an_unreachable_server_waits_for_its_timeout_and_says_so() -> None:
     proc = run_cli("subscribe", "--nats", "nats://127.0.0.1:9", "--timeout", "3")
     assert proc.returncode == 1
