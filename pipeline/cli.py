@@ -324,6 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(str(exc), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
+        if args.command == "run":
+            # Ctrl-C before the run could stop gracefully (while it started): nothing ran.
+            _say(args, "vidpipe: stopped while starting; nothing was processed", stream=sys.stderr)
         return EXIT_OK
     except Exception as exc:
         if args.debug:
