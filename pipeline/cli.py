@@ -31,8 +31,10 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import difflib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -461,6 +463,18 @@ def cmd_models_quantize(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_model(repo: Path, name: str) -> None:
+    """A model of ``repo`` whose config.yaml reads (exit 2 with FILE:LINE, or a did-you-mean)."""
+    from inference.repository import CONFIG_FILE, read_source
+
+    names = sorted(p.name for p in repo.iterdir() if (p / CONFIG_FILE).is_file())
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"it has: {', '.join(names) or 'no models'}"
+        raise ConfigError(str(repo), None, "", f"no model {name!r} in this repository", hint)
+    read_source(repo, name)  # a config.yaml that does not read fails here, at its line
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from inference.tuning import TrialResult, tune, write_tuned_config
 
@@ -469,8 +483,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         ("--seconds", args.seconds),
         ("--trial-inferences", args.trial_inferences),
     ):
-        if value <= 0:
-            raise ConfigError(flag, None, "", "must be greater than 0")
+        if not value > 0 or not math.isfinite(value):  # NaN fails both comparisons
+            raise ConfigError(flag, None, "", "must be a finite number greater than 0")
     if args.latency_budget_ms is not None and args.latency_budget_ms <= 0:
         raise ConfigError("--latency-budget-ms", None, "", "must be greater than 0")
     if args.streams is not None:
@@ -482,6 +496,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise ConfigError(args.source, None, "", "video file not found", "check the path")
     if not Path(args.repo).is_dir():
         raise ConfigError(args.repo, None, "", "model repository folder not found", "check the path")
+    _check_model(Path(args.repo), args.model)
 
     def progress(n: int, r: TrialResult) -> None:
         outcome = (

@@ -84,15 +84,30 @@ def test_tune_searches_prints_the_table_and_writes_only_the_tuned_keys(
 
 
 def test_tune_refuses_bad_arguments_as_usage_errors(tmp_path: Path, sample_models: Path) -> None:
-    proc = run_cli("tune", str(sample_models), "squares", "--seconds", "0")
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == "--seconds: must be greater than 0"
+    for seconds in ("0", "nan", "inf"):
+        proc = run_cli("tune", str(sample_models), "squares", "--seconds", seconds)
+        assert proc.returncode == 2
+        assert proc.stderr.strip() == "--seconds: must be a finite number greater than 0"
     proc = run_cli("tune", str(tmp_path / "nope"), "squares")
     assert proc.returncode == 2
     assert (
         proc.stderr.strip()
         == f"{tmp_path / 'nope'}: model repository folder not found (hint: check the path)"
     )
+    proc = run_cli("tune", str(sample_models), "sqares")
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == f"{sample_models}: no model 'sqares' in this repository (hint: did you mean 'squares'?)"
+    )
+    # A model whose config.yaml does not read is refused at its line, before any trial.
+    broken = tmp_path / "repo" / "squares"
+    shutil.copytree(sample_models / "squares", broken)
+    config = broken / "config.yaml"
+    config.write_text(config.read_text().replace("max_batch_size: 8", "max_batch_size: lots"))
+    proc = run_cli("tune", str(tmp_path / "repo"), "squares")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"{config}:6: max_batch_size: expected an integer, got 'lots'"
 
 
 def test_tune_skips_the_batches_a_fixed_batch_model_refuses_and_measures_under_stream_load(
