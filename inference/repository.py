@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -475,6 +476,10 @@ class AddedModel:
     status: ModelStatus
 
 
+# A model folder's name, as `models add` makes one: a path part with no surprises.
+MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+
+
 async def add_model(
     model: Path,
     root: Path,
@@ -497,8 +502,11 @@ async def add_model(
     root = Path(root)
     desc = describe_model(model)  # before anything is written: an unusable file leaves no trace
     name = name or model.stem
-    if not name or "/" in name or name.startswith(".") or not name.isprintable():
-        raise ModelIntrospectionError(f"{name!r} is not a usable model name; pass --name")
+    if not MODEL_NAME.fullmatch(name):
+        raise ModelIntrospectionError(
+            f"{name!r} is not a usable model name (1-64 letters, digits, '_', '-' or '.', "
+            "not starting with '.' or '-'); pass --name"
+        )
     folder = root / name
     if folder.exists():
         raise ModelIntrospectionError(f"{folder} already exists; pass --name or remove it first")

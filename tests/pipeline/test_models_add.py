@@ -196,6 +196,14 @@ def test_models_add_never_overwrites_a_model(tmp_path: Path) -> None:
     again = run_cli("models", "add", str(export), "--repo", str(repo))
     assert again.returncode == 2
     assert again.stderr == f"vidpipe: {repo / 'sq'} already exists; pass --name or remove it first\n"
+    for name in ("bad name", "../escape", ".hidden", "a:b"):
+        refused = run_cli("models", "add", str(export), "--repo", str(repo), "--name", name)
+        assert refused.returncode == 2
+        assert refused.stderr == (
+            f"vidpipe: {name!r} is not a usable model name (1-64 letters, digits, '_', '-' or '.', "
+            "not starting with '.' or '-'); pass --name\n"
+        )
+    assert sorted(p.name for p in repo.iterdir()) == ["sq"]
 
 
 def test_models_list_shows_task_and_labels_and_exits_1_when_a_model_is_unavailable(tmp_path: Path) -> None:
