@@ -368,6 +368,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.models_command == "quantize":
         return cmd_models_quantize(args)
     repo = Path(args.repo)
+    if repo.exists() and not repo.is_dir():
+        raise ConfigError(str(repo), None, "", "is a file, not a model repository folder", "give the folder")
     if not repo.is_dir():
         raise ConfigError(str(repo), None, "", "model repository folder not found", "check the path")
     table = describe_repository(repo)
@@ -382,11 +384,23 @@ def cmd_models_add(args: argparse.Namespace) -> int:
     from inference.tuning import TrialPoint, choose_instances, write_tuned_config
 
     model = Path(args.model)
+    if model.is_dir():
+        raise ConfigError(str(model), None, "", "is a folder, not a model file", "give the .onnx file")
     if not model.is_file():
         raise ConfigError(str(model), None, "", "model file not found", "check the path")
     if args.instances is not None and args.instances < 1:
         raise ConfigError("--instances", None, "", "must be at least 1")
     repo = Path(args.repo)
+    if repo.exists() and not repo.is_dir():
+        raise ConfigError(
+            str(repo), None, "", "--repo is a file, not a folder", "give the model repository folder"
+        )
+    try:
+        repo.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            str(repo), None, "", f"cannot create the model repository folder: {exc.strerror or exc}"
+        ) from None
     try:
         added = asyncio.run(
             add_model(

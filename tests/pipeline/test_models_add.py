@@ -221,3 +221,23 @@ def test_models_list_shows_task_and_labels_and_exits_1_when_a_model_is_unavailab
     assert proc.returncode == 1
     assert proc.stdout.splitlines()[1].split()[:3] == ["sq", "1", "unavailable"]
     assert f"sq: {repo / 'sq' / 'config.yaml'}:" in proc.stdout and "model file not found" in proc.stdout
+
+
+def test_models_add_and_list_say_which_path_is_of_the_wrong_kind(tmp_path: Path) -> None:
+    export = ultralytics_export(tmp_path / "sq.onnx", "yolov8")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    cases = [
+        (("models", "add", str(tmp_path), "--repo", str(tmp_path / "m")),
+         f"{tmp_path}: is a folder, not a model file (hint: give the .onnx file)"),
+        (("models", "add", str(export), "--repo", str(a_file)),
+         f"{a_file}: --repo is a file, not a folder (hint: give the model repository folder)"),
+        (("models", "add", str(export), "--repo", str(a_file / "m")),
+         f"{a_file / 'm'}: cannot create the model repository folder: Not a directory"),
+        (("models", "list", str(a_file)),
+         f"{a_file}: is a file, not a model repository folder (hint: give the folder)"),
+    ]  # fmt: skip
+    for args, message in cases:
+        proc = run_cli(*args)
+        assert (proc.returncode, proc.stderr.strip()) == (2, message), args
+    assert not (tmp_path / "m").exists()
