@@ -663,6 +663,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _with_http(cfg, args.http)
     _check_settings(cfg, args)
     _check_nats_port_free(cfg, args)
+    _check_http_port_free(cfg, args)
     if args.max_frames is not None and args.max_frames < 1:
         raise ConfigError("--max-frames", None, "", "must be at least 1")
     if args.duration is not None and args.duration <= 0:
@@ -834,6 +835,28 @@ def _check_settings(cfg: PipelineConfig, args: argparse.Namespace) -> None:
             "drop one of them",
         ))  # fmt: skip
     raise_errors(errors)
+
+
+def _check_http_port_free(cfg: PipelineConfig, args: argparse.Namespace) -> None:
+    """The API's address must be free before models load and sources connect (exit 2)."""
+    if cfg.http is None:
+        return
+    from pipeline.api import ApiConfigError, parse_listen
+    from pipeline.api.listen import bind
+
+    host, port = parse_listen(cfg.http.listen)
+    if port == 0:
+        return  # any free port
+    where, line, key = (
+        ("--http", None, "") if args.http else (cfg.file, cfg.line("http.listen"), "http.listen")
+    )
+    try:
+        bind(host, port, cfg.http.listen).close()
+    except ApiConfigError as exc:
+        raise ConfigError(
+            where, line, key, str(exc).removeprefix("http.listen "),
+            "stop what listens there or choose another port",
+        ) from None  # fmt: skip
 
 
 def _check_nats_port_free(cfg: PipelineConfig, args: argparse.Namespace) -> None:

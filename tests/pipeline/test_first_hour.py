@@ -16,6 +16,7 @@ import pty
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -321,6 +322,19 @@ def test_a_chosen_nats_port_that_cannot_be_used_is_a_usage_error(
     assert proc.stderr == (
         f"{both}:7: nats.port: applies to the embedded NATS server only, and nats.url names a server "
         "(hint: drop one of them)\n"
+    )
+
+
+def test_an_http_port_in_use_is_a_usage_error_before_anything_starts(squares_config: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_cli("run", str(squares_config), "--source", "test://", "--http", f"127.0.0.1:{port}")
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"--http: 127.0.0.1:{port}: cannot bind: Address already in use "
+        "(hint: stop what listens there or choose another port)\n"
     )
 
 
