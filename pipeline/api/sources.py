@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Iterable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -66,10 +67,18 @@ class SourceRoutes:
     def add_to(self, router: web.UrlDispatcher) -> None:
         router.add_get("/v1/sources", self.list_sources)
         router.add_post("/v1/sources", self.add_source)
+        router.add_get("/v1/sources/{id}", self.get_source)
         router.add_delete("/v1/sources/{id}", self.delete_source)
 
     async def list_sources(self, request: web.Request) -> web.Response:
         return web.json_response([source_json(s) for s in self._runtime.report().sources])
+
+    async def get_source(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        run = self._runtime.sources.get(sid)
+        if run is None:
+            return error(404, f"no source {sid!r}")
+        return web.json_response(source_json(run.report()))
 
     async def add_source(self, request: web.Request) -> web.Response:
         # JSON only: a cross-site form or no-cors fetch cannot send this type without a
@@ -99,7 +108,15 @@ class SourceRoutes:
             hint = f" (hint: {exc.hint})" if exc.hint else ""
             return error(403 if isinstance(exc, SourceRefused) else 400, f"{exc.path}: {exc.problem}{hint}")
         if self._fleet.active:
-            return await self._fleet.add(config)
+            return await self._fleet.add(config)  # a file may be on another worker's disk
+        if config.scheme == "file":
+            # Inside http.file_roots (the policy checked that): a missing file is the caller's
+            # mistake, said now rather than as a source that fails at once.
+            path = Path(config.url)
+            if path.is_dir():
+                return error(400, f"sources.url: {path} is a folder, not a video file")
+            if not path.is_file():
+                return error(400, f"sources.url: file not found: {path}")
         sid = config.source_id
         if sid in sources:
             return error(409, f"sources.id: source {sid!r} already exists; DELETE it first")

@@ -495,8 +495,23 @@ async def test_files_outside_file_roots_cannot_be_probed(
         (clips / "link.mp4").symlink_to(outside)
         assert await stack.json("POST", "/v1/sources", json={"url": "clips/link.mp4"}) == refusal
         assert stack.runtime.sources == {}
+        # Inside a root, a file that is not there (or a folder) is refused at once, not started.
+        assert await stack.json("POST", "/v1/sources", json={"url": "clips/nope.mp4"}) == (
+            400,
+            {"error": f"sources.url: file not found: {clips / 'nope.mp4'}"},
+        )
+        (clips / "sub").mkdir()
+        assert await stack.json("POST", "/v1/sources", json={"url": "clips/sub"}) == (
+            400,
+            {"error": f"sources.url: {clips / 'sub'} is a folder, not a video file"},
+        )
+        assert stack.runtime.sources == {}
         status, body = await stack.json("POST", "/v1/sources", json={"url": "clips/demo.mp4"})
         assert (status, body["id"]) == (201, "demo"), body
+        # One source by its id, as the list shows it.
+        status, one = await stack.json("GET", "/v1/sources/demo")
+        assert (status, one["id"], one["url"]) == (200, "demo", str(clips / "demo.mp4")), one
+        assert await stack.json("GET", "/v1/sources/nope") == (404, {"error": "no source 'nope'"})
     finally:
         await stack.close()
 
