@@ -636,7 +636,9 @@ def _check_graph(
         path = f"stages[{i}]"
 
         def at(key: str, _item: Any = item, _path: str = path) -> tuple[str, int | None]:
-            return f"{_path}.{key}", line_of(_item, key) or line_of(_item)
+            # A nested key (zones[0].polygon) has its own line in the file, as a top-level one.
+            full = f"{_path}.{key}"
+            return full, cfg.line(full) or line_of(_item, key) or line_of(_item)
 
         if stage.name in seen:
             err(*at("name"), f"duplicate stage name {stage.name!r}", "stage names must be unique")

@@ -113,12 +113,50 @@ def _shape_problem(key: str, points: list[list[float]], normalized: bool) -> str
         return "every point is [x, y]"
     if key == "polygon" and len(points) < 3:
         return f"a polygon needs 3 corners at least, got {len(points)}"
+    if key == "polygon":
+        corners = [(float(x), float(y)) for x, y in points]
+        crossing = _edges_crossing(corners)
+        if crossing is not None:
+            a, b = crossing
+            return (
+                f"the polygon's edges {a + 1} and {b + 1} cross each other; list the corners in order "
+                "around the zone"
+            )
+        if _area(corners) == 0:
+            return "the polygon has no area: its corners are on one line"
     if key == "points" and len(points) != 2:
         return f"a line is two points, got {len(points)}"
     if key == "points" and points[0] == points[1]:
         return "the two points are the same"
     if normalized and any(not 0 <= v <= 1 for p in points for v in p):
         return "with normalized: true, coordinates are between 0 and 1"
+    return None
+
+
+def _area(corners: list[tuple[float, float]]) -> float:
+    """The polygon's area (shoelace formula)."""
+    n = len(corners)
+    return abs(sum(corners[i][0] * corners[(i + 1) % n][1] - corners[(i + 1) % n][0] * corners[i][1]
+                   for i in range(n))) / 2  # fmt: skip
+
+
+def _edges_crossing(corners: list[tuple[float, float]]) -> tuple[int, int] | None:
+    """Two edges (by index: edge i runs from corner i to i+1) that cross, or None."""
+
+    def side(p: tuple[float, float], q: tuple[float, float], r: tuple[float, float]) -> float:
+        return (q[0] - p[0]) * (r[1] - p[1]) - (q[1] - p[1]) * (r[0] - p[0])
+
+    n = len(corners)
+    edges = [(corners[i], corners[(i + 1) % n]) for i in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            if j == i + 1 or (i == 0 and j == n - 1):
+                continue  # neighbours share a corner
+            (p1, p2), (q1, q2) = edges[i], edges[j]
+            d1, d2 = side(q1, q2, p1), side(q1, q2, p2)
+            d3, d4 = side(p1, p2, q1), side(p1, p2, q2)
+            if d1 * d2 < 0 and d3 * d4 < 0:  # a proper crossing (touching is allowed)
+                return i, j
     return None
 
 

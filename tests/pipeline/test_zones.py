@@ -206,6 +206,10 @@ async def test_track_events_and_zone_events_with_normalized_coordinates(tmp_path
     [
         ("zones: [{name: a, polygon: [[0, 0], [1, 1]]}]", "stages[1].zones[0].polygon",
          "a polygon needs 3 corners at least, got 2"),
+        ("zones: [{name: a, polygon: [[0, 0], [5, 5], [10, 10]]}]", "stages[1].zones[0].polygon",
+         "the polygon has no area: its corners are on one line"),
+        ("zones: [{name: a, polygon: [[0, 0], [10, 0], [0, 10], [10, 10]]}]", "stages[1].zones[0].polygon",
+         "the polygon's edges 2 and 4 cross each other; list the corners in order around the zone"),
         ("lines: [{name: a, points: [[0, 0], [1, 1], [2, 2]]}]", "stages[1].lines[0].points",
          "a line is two points, got 3"),
         ("lines: [{name: a, points: [[0, 0], [0, 0]]}]", "stages[1].lines[0].points",
@@ -234,6 +238,21 @@ def test_bad_zones_config_is_refused_with_file_and_line(
     message = str(info.value)
     assert message.startswith(f"{path}:4: {where}"), message
     assert problem in message
+
+
+def test_a_zone_error_in_block_style_names_the_line_of_its_key(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "pipeline: z\nstages:\n  - {name: track, type: track}\n  - name: g\n    type: zones\n"
+        "    zones:\n      - name: dock\n        polygon: [[0, 0], [1, 1]]\n"
+        "    lines:\n      - name: door\n        points: [[0, 0]]\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert [(e.line, e.path) for e in info.value.errors] == [
+        (8, "stages[1].zones[0].polygon"),
+        (11, "stages[1].lines[0].points"),
+    ]
 
 
 def test_zones_keys_do_not_apply_to_a_track_stage(tmp_path: Path) -> None:
