@@ -18,9 +18,17 @@ graph has not published yet, starting at a keyframe. An event in a published
 frame (:func:`clip_event`: the frame's ``events``, whatever stage made them, a
 new track id or any object) opens a clip: the ring from the last keyframe at or
 before ``event - pre_s``, then every packet until ``event + post_s``. So a clip
-lasts ``pre_s + post_s`` plus at most one GOP. Events while a clip records are
-part of it. The clip is muxed on a worker thread as it came from the camera (no
-decode, no encode) and announced on ``vidpipe.<pipeline>.<source>.clips``
+lasts ``pre_s + post_s`` plus at most one GOP. A frame shown at ``event + post_s``
+or later is left out unless one before the end needs it to decode: with B-frames,
+the frames just before the end come after the later frame they are predicted from in
+decode order, so the packets from the first one shown at or past the end on are kept
+to the end of their group (up to the next packet shown later than all before it, or
+a keyframe) when a frame before the end is among them, and dropped when none is. A
+clip so ends with at most one run of B-frames and its reference frame past the end,
+with no frame missing in between; its ``end`` is its last frame's pts (the largest),
+not the last packet's. Events while a clip records are part of it. The clip is
+muxed on a worker thread as it came from the camera (no decode, no encode), its
+first frame at 0, and announced on ``vidpipe.<pipeline>.<source>.clips``
 (docs/outputs.md).
 
 The ring is bounded whatever the stream's keyframe interval: it never holds more
@@ -38,6 +46,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import io
+import itertools
 import logging
 import math
 import re
@@ -75,6 +84,11 @@ MAX_GOP_S = 20.0
 # the ring of pre_s 3 plus headroom holds 16 MB; a 10-minute post_s would hold 1.2 GB.
 RING_MAX_BYTES = 64 * 1024 * 1024
 CLIP_MAX_BYTES = 256 * 1024 * 1024
+# The most packets kept past a clip's end while waiting for the frames shown before it
+# (B-frames come after the frame they are predicted from): a run of 16 B-frames, twice.
+MAX_REORDER = 32
+# Timestamps closer than this are the same time (pts and event times are floats).
+SAME_TIME_S = 1e-6
 # Track ids remembered per source to tell a new track from a known one.
 KNOWN_TRACKS = 4096
 CLIP_NAME = re.compile(r"^[A-Za-z0-9_.-]+-\d{8}T\d{6}-\d+-[a-z_]+\.mp4$")
@@ -125,8 +139,8 @@ class ClipInfo:
     event_frame: int
     label: str
     track_id: int | None
-    start: float  # pts of the clip's first packet, on the source's timeline
-    end: float  # pts of its last packet
+    start: float  # pts of the clip's first packet (a keyframe), on the source's timeline
+    end: float  # pts of its last frame (the largest pts in it, not the last packet's)
     packets: int
     bytes: int
     zone: str | None = None
@@ -150,6 +164,44 @@ class _Clip:
     direction: str | None = None
     packets: list[Any] = field(default_factory=list)
     bytes: int = 0
+    # Where the packets at or past ``end_s`` start (decode order), while they may still be needed.
+    past: int | None = None
+    # A frame before the end came after them: they are references it needs, and stay.
+    needed: bool = False
+    # The largest pts so far: a packet above it starts the next group of B-frames.
+    top: float = -math.inf
+
+
+def _take(clip: _Clip, seconds: float, packet: Any) -> bool:
+    """Add the next packet (decode order) to a recording clip; True when the clip is complete.
+
+    The clip is complete at the first packet that cannot hold a frame shown before the
+    end, nor be one such a frame needs: once a packet at or past the end has come, the
+    next keyframe or the next packet shown later than every one so far (the next group's
+    reference frame). That packet is not part of the clip.
+    """
+    if clip.past is not None and (
+        packet.is_keyframe or seconds > clip.top or len(clip.packets) - clip.past >= MAX_REORDER
+    ):
+        _settle(clip)
+        return True
+    if seconds >= clip.end_s - SAME_TIME_S:
+        if clip.past is None:
+            clip.past = len(clip.packets)
+    elif clip.past is not None:
+        clip.needed = True
+    clip.packets.append((seconds, packet))
+    clip.bytes += packet.size
+    clip.top = max(clip.top, seconds)
+    return False
+
+
+def _settle(clip: _Clip) -> None:
+    """Drop the packets at or past the clip's end that no frame before the end needs."""
+    if clip.past is not None and not clip.needed:
+        clip.bytes -= sum(packet.size for _, packet in clip.packets[clip.past :])
+        del clip.packets[clip.past :]
+    clip.past = None
 
 
 def _seconds(packet: Any) -> float | None:
@@ -266,19 +318,16 @@ class ClipRecorder:
                 self._template = _template(stream)
             clip = self._active
             if clip is not None:
-                if seconds >= clip.end_s:
+                if _take(clip, seconds, packet):
                     done.append(clip)
                     self._active = None
-                else:
-                    clip.packets.append((seconds, packet))
-                    clip.bytes += packet.size
-                    if clip.bytes >= CLIP_MAX_BYTES:
-                        log.warning(
-                            "source %s: clip of %s stopped at %d MB (the most a clip holds)",
-                            self.source, clip.event, CLIP_MAX_BYTES // 2**20,
-                        )  # fmt: skip
-                        done.append(clip)
-                        self._active = None
+                elif clip.bytes >= CLIP_MAX_BYTES:
+                    log.warning(
+                        "source %s: clip of %s stopped at %d MB (the most a clip holds)",
+                        self.source, clip.event, CLIP_MAX_BYTES // 2**20,
+                    )  # fmt: skip
+                    done.append(clip)
+                    self._active = None
             if self._ring or packet.is_keyframe:  # a ring starts at a keyframe, or nothing decodes
                 self._starved = False
                 self._ring.append((seconds, packet))
@@ -387,18 +436,17 @@ class ClipRecorder:
                     break
                 if packet.is_keyframe:
                     start = i
-            packets = list(self._ring)[start:]
             clip = _Clip(
                 event=event, event_s=event_s, end_s=event_s + self.config.post_s, event_frame=at_frame,
                 label=what.label, track_id=what.track_id, event_pts=at_pts, stream=self._template,
-                delta=delta, zone=zone, line=line, direction=direction, packets=packets,
-                bytes=sum(p.size for _, p in packets),
+                delta=delta, zone=zone, line=line, direction=direction,
             )  # fmt: skip
-            # Packets already past the end (a file decoded far ahead) close it at once.
-            cut = next((i for i, (s, _) in enumerate(clip.packets) if s >= clip.end_s), None)
-            if cut is not None:
-                clip.packets = clip.packets[:cut]
-                self._writer.submit(self._write, clip)
+            # Packets already past the end (a file decoded far ahead) complete it at once.
+            for seconds, packet in itertools.islice(self._ring, start, None):
+                if _take(clip, seconds, packet):
+                    if clip.packets:
+                        self._writer.submit(self._write, clip)
+                    break
             else:
                 self._active = clip
 
@@ -410,8 +458,12 @@ class ClipRecorder:
     # -- writer thread ---------------------------------------------------------------------
 
     def _write(self, clip: _Clip) -> None:
+        _settle(clip)
+        if not clip.packets:
+            return
         first_s = clip.packets[0][0]
-        last_s = clip.packets[-1][0]
+        # The last frame shown, not the last packet: with B-frames that one is shown earlier.
+        last_s = max(seconds for seconds, _ in clip.packets)
         stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime())
         name = f"{self.source}-{stamp}-{int(clip.event_pts * 1000)}-{clip.event}.mp4"
         path = self.folder / name
@@ -453,10 +505,12 @@ def _mux(clip: _Clip, target: Any, format: str | None = None) -> int:
     with av.open(target, "w", format=format) as out:
         # The template, never the input stream: that one's container may be closed.
         ostream = out.add_stream_from_template(clip.stream)
-        for _, packet in clip.packets:
-            dts = packet.dts if packet.dts is not None else packet.pts
+        for (_, packet), dts in zip(clip.packets, _decode_times(clip.packets), strict=True):
             if base is None:
-                base = dts
+                # The first frame (a keyframe) is shown at 0. With B-frames it is decoded
+                # before it is shown, so the first timestamps to decode are below 0 (the
+                # muxer's edit list); from its dts instead, the clip would start late.
+                base = packet.pts if packet.pts is not None else dts
             elif dts is not None and last_dts is not None and dts - base <= last_dts:
                 # Timestamps went back (an encoder that restarted, lost or reordered UDP
                 # packets): the MP4 muxer refuses that, so what follows is joined on after
@@ -466,7 +520,7 @@ def _mux(clip: _Clip, target: Any, format: str | None = None) -> int:
             # A copy: muxing consumes a packet's data, and the ring still holds this one.
             copy = av.Packet(bytes(packet))
             copy.pts = None if packet.pts is None or base is None else packet.pts - base
-            copy.dts = None if packet.dts is None or base is None else packet.dts - base
+            copy.dts = None if dts is None or base is None else dts - base
             if dts is not None and base is not None:
                 last_dts = dts - base
             copy.duration = packet.duration
@@ -475,6 +529,31 @@ def _mux(clip: _Clip, target: Any, format: str | None = None) -> int:
             copy.stream = ostream
             out.mux(copy)
     return joins
+
+
+def _decode_times(packets: list[tuple[float, Any]]) -> list[int | None]:
+    """The packets' dts, where FFmpeg gave none (its RTSP demuxer, for a stream's first packets).
+
+    Such a packet is decoded before the next one: its dts is just below the next packet's
+    (or its own pts when that is earlier). Its pts would not do: with B-frames it is later
+    than the next packets' dts, which would look like timestamps going back. Only where
+    that is not after the packet before it (the stream's timestamps do go back) is it its pts.
+    """
+    times = [packet.dts for _, packet in packets]
+    made = [False] * len(times)
+    later: int | None = None
+    for i in reversed(range(len(packets))):
+        pts = packets[i][1].pts
+        if times[i] is None and pts is not None:
+            times[i] = pts if later is None else min(pts, later - 1)
+            made[i] = True
+        later = times[i] if times[i] is not None else later
+    before: int | None = None
+    for i, dts in enumerate(times):
+        if made[i] and dts is not None and before is not None and dts <= before:
+            times[i] = dts = packets[i][1].pts
+        before = dts if dts is not None else before
+    return times
 
 
 def _mux_error(clip: _Clip) -> str:

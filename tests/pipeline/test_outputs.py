@@ -6,12 +6,14 @@ import asyncio
 import collections
 import itertools
 import json
+import math
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
@@ -28,7 +30,8 @@ from pipeline.events import Event
 from pipeline.frames import DetectedObject, Frame
 from pipeline.nats_server import EmbeddedNats
 from pipeline.outputs import clips
-from pipeline.outputs.clips import HEADROOM_S, MAX_GOP_S, ClipRecorder, clip_event, prune_clips
+from pipeline.outputs.clips import HEADROOM_S, MAX_GOP_S, ClipInfo, ClipRecorder, clip_event, prune_clips
+from pipeline.outputs.manager import clip_message
 from pipeline.runtime import Runtime
 from pipeline.sources.pattern import pattern_background, pattern_square_box
 from tests.conftest import ROOT, Collector
@@ -38,11 +41,19 @@ from tests.support.rtsp_server import RtspTestServer, free_port, gstreamer_avail
 W, H, FPS = 320, 240, 15
 
 
-def write_pattern_clip(path: Path, frames: int, gop: int = 15, square_from: int = 0) -> Path:
-    """The test pattern as H.264: the square in frame i at pattern_square_box(i) (from ``square_from``)."""
+def write_pattern_clip(path: Path, frames: int, gop: int = 15, square_from: int = 0, bframes: int = 0,
+                       pyramid: bool = False) -> Path:  # fmt: skip
+    """The test pattern as H.264: the square in frame i at pattern_square_box(i) (from ``square_from``).
+
+    ``bframes``: runs of that many B-frames, always (no adaptive placement, no scene cuts),
+    as B-pyramids when ``pyramid``.
+    """
     base = pattern_background(W, H)
+    options = {"crf": "18", "g": str(gop), "bf": str(bframes)}
+    if bframes:
+        options["x264-params"] = f"b-adapt=0:b-pyramid={'normal' if pyramid else 'none'}:scenecut=0"
     with av.open(str(path), "w") as out:
-        stream = out.add_stream("libx264", rate=FPS, options={"crf": "18", "g": str(gop), "bf": "0"})
+        stream = out.add_stream("libx264", rate=FPS, options=options)
         stream.width, stream.height, stream.pix_fmt = W, H, "yuv420p"
         for i in range(frames):
             image = base.copy()
@@ -632,3 +643,123 @@ def test_an_event_before_any_keyframe_says_why_it_has_no_clip(
         "from the stream yet (clips start at a keyframe)"
     ]
     assert recorder.clips == 0 and not (tmp_path / "clips").exists()
+
+
+# 60 frames, a keyframe every 30; the second GOP's frames in decode order, as libx264 orders them.
+GOPS: dict[str, tuple[int, bool, list[int]]] = {
+    "no-b": (0, False, list(range(30, 60))),
+    "b2": (2, False, [30, 33, 31, 32, 36, 34, 35, 39, 37, 38, 42, 40, 41, 45, 43, 44, 48, 46, 47, 51, 49, 50,
+                      54, 52, 53, 57, 55, 56, 59, 58]),
+    "b3-pyramid": (3, True, [30, 34, 32, 31, 33, 38, 36, 35, 37, 42, 40, 39, 41, 46, 44, 43, 45, 50, 48, 47,
+                             49, 54, 52, 51, 53, 58, 56, 55, 57, 59]),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gop_videos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("gops")
+    videos = {}
+    for name, (bframes, pyramid, order) in GOPS.items():
+        video = write_pattern_clip(folder / f"{name}.mp4", 60, gop=30, bframes=bframes, pyramid=pyramid)
+        with av.open(str(video)) as f:
+            stream = f.streams.video[0]
+            shown = [round(float(p.pts * p.time_base) * FPS) for p in f.demux(stream) if p.size]
+        assert shown[30:] == order, (name, shown)
+        videos[name] = video
+    return videos
+
+
+def cut_clip(folder: Path, video: Path, event: int, pre_s: float, post_s: float, behind: bool = False,
+             no_dts: Collection[int] = ()) -> ClipInfo:  # fmt: skip
+    """The clip a track starting in frame ``event`` of ``video`` makes, fed as the decode loop feeds it.
+
+    Live, the event's frame is published as soon as its packet is decoded; ``behind``, the
+    decoder is far ahead of the graph (a file). The packets of the frames in ``no_dts``
+    come without a dts, as FFmpeg's RTSP demuxer gives a stream's first packets.
+    """
+    config = ClipsOutputConfig(type="clips", dir="clips", pre_s=pre_s, post_s=post_s, on=["track_start"])
+    written: list[ClipInfo] = []
+    frame = Frame("cam", event, event / FPS, 0.0, np.zeros((H, W, 3), np.uint8), objects=[obj(1)])
+    with ThreadPoolExecutor(1) as writer:
+        recorder = ClipRecorder(config, "cam", folder, writer, written.append)
+        with av.open(str(video)) as f:
+            stream = f.streams.video[0]
+            for packet in f.demux(stream):
+                if packet.size:
+                    shown = packet.pts * packet.time_base * FPS
+                    if shown in no_dts:
+                        packet.dts = None
+                    recorder.on_packet(packet, stream)
+                    if not behind and shown == event:
+                        recorder.on_frame(frame)
+        if behind:
+            recorder.on_frame(frame)
+        recorder.close()
+    (info,) = written
+    return info
+
+
+def assert_clip_is(info: ClipInfo, video: Path, first: int, last: int) -> None:
+    """The clip holds frames ``first`` to ``last`` of ``video`` (exactly those, decoded alike, each
+    at its time from 0), plays cleanly, and its message says where it starts and ends."""
+    message = clip_message("clips", info)
+    with av.open(str(info.path)) as f:
+        images = [(float(image.time), image.to_ndarray(format="rgb24")) for image in f.decode(video=0)]
+    with av.open(str(video)) as f:
+        source = [image.to_ndarray(format="rgb24") for image in f.decode(video=0)]
+    shown = (len(images), images[0][0], images[-1][0])
+    assert shown == (last - first + 1, 0.0, pytest.approx((last - first) / FPS)), (shown, first, last)
+    for i, (seconds, image) in enumerate(images):
+        assert seconds == pytest.approx(i / FPS), i
+        assert np.array_equal(image, source[first + i]), first + i
+    probe = ffprobe(info.path)  # nothing is missing to decode them
+    assert probe["frames"] == last - first + 1
+    assert probe["duration"] == pytest.approx((last - first + 1) / FPS, abs=1e-3)
+    # The message (and the log line) end at the last frame in the file.
+    assert message["start"] == pytest.approx(first / FPS, abs=1e-6)
+    assert message["end"] == pytest.approx(last / FPS, abs=1e-6)
+    assert message["duration"] == pytest.approx(images[-1][0], abs=1e-6)
+
+
+@pytest.mark.parametrize("behind", [False, True], ids=["live", "decoded-ahead"])
+@pytest.mark.parametrize(
+    ("gop", "end", "last"),
+    [
+        # The event is frame 38, pre_s 0.5 s: the clip starts at the keyframe at frame 30;
+        # post_s ends it before frame ``end``. Every frame before the end is in the clip, and
+        # the frames past it that those need (the run of B-frames the end falls in, to its
+        # reference frame); none else.
+        ("no-b", 45, 44),
+        ("b2", 43, 42),  # B43 and B44 come after P45: no frame before the end needs them
+        ("b2", 44, 45),  # B43 needs P45 (and B44 goes with them)
+        ("b2", 45, 45),  # B43 and B44 need P45, which is at the end
+        ("b2", 58, 57),  # the stream ends with P59 and B58, past the end
+        ("b2", 59, 59),  # the stream ends while B58 still needs P59
+        ("b3-pyramid", 44, 46),  # B43 needs B44 and P46 (and B45 goes with them)
+        ("b3-pyramid", 47, 46),  # P50's run of B-frames starts at B47
+        ("b3-pyramid", 49, 50),  # B48 (and B47) need P50
+    ],
+)
+def test_a_clip_with_b_frames_holds_every_frame_to_its_end_and_its_message_ends_at_its_last_frame(
+    tmp_path: Path, gop_videos: dict[str, Path], gop: str, end: int, last: int, behind: bool
+) -> None:
+    # B-frames come after the frame they are predicted from in decode order: a clip that
+    # stopped at the first packet shown at the end lost the B-frames before it, and took
+    # its end from the last packet in decode order, not the last frame in the file.
+    event, pre_s, first = 38, 0.5, 30
+    info = cut_clip(tmp_path / "clips", gop_videos[gop], event, pre_s, (end - event) / FPS, behind)
+    assert first <= math.floor((event / FPS - pre_s) * FPS) and last >= min(end - 1, 59)
+    assert_clip_is(info, gop_videos[gop], first, last)
+
+
+@pytest.mark.parametrize(("gop", "no_dts", "last"), [("b2", {30}, 45), ("b3-pyramid", {30, 34}, 46)])
+def test_a_clip_with_b_frames_from_rtsp_that_gives_its_first_packets_no_dts_keeps_its_timing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, gop_videos: dict[str, Path], gop: str,
+    no_dts: set[int], last: int,
+) -> None:  # fmt: skip
+    # As their dts, the keyframe's pts (and the next P-frame's) are later than the dts of
+    # the B-frames after them: the timestamps seemed to go back, and the clip was "joined"
+    # out of order, a frame late from there on.
+    info = cut_clip(tmp_path / "clips", gop_videos[gop], 38, 0.5, 6 / FPS, no_dts=no_dts)
+    assert_clip_is(info, gop_videos[gop], 30, last)
+    assert "went back" not in caplog.text
