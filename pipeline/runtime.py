@@ -149,14 +149,18 @@ def derive_graph_limit(config: PipelineConfig, models: dict[str, ModelConfig]) -
     that can take the most): a batch at work on each instance and the next one ready,
     so no instance waits for a frame to be pre-processed, and no frame waits behind
     more than one batch. More frames in flight only wait in the batcher's queue:
-    latency without throughput. A detector with ``interval: N`` runs on one frame in
-    N+1, so N+1 times as many frames: the frames it skips hold their slots until the
-    frame before them is published.
+    latency without throughput. With paced admission, a detector with ``interval: N``
+    runs on one frame in N+1, so it gets N+1 times as many frames: the frames it skips
+    hold their slots until the frame before them is published. (Eager, that room would
+    fill the detector's queue instead: it keeps the plain limit.)
     """
     if config.runtime.max_in_flight is not None:
         return None
+    paced = config.runtime.admission == "paced"
     # (model, frames per frame the detector runs on)
-    whole_frame = [(m, _frames_per_run(s)) for s in whole_frame_stages(config) for m in s.models()]
+    whole_frame = [
+        (m, _frames_per_run(s) if paced else 1) for s in whole_frame_stages(config) for m in s.models()
+    ]
     named = [(m, every) for m, every in whole_frame or [(m, 1) for m in config.models_used()] if m in models]
     if not named:
         return 2

@@ -76,16 +76,20 @@ def test_max_in_flight_unset_is_twice_the_frames_the_instances_work_on_shared_ov
     assert derive_graph_limit(cfg, {"squares": model}) == 2 * work
 
 
-@pytest.mark.parametrize(("interval", "expected"), [("2", 12), ("auto", 4)])
-def test_a_detector_with_an_interval_gets_room_for_the_frames_it_skips(
-    tmp_path: Path, sample_models: Path, interval: str, expected: int
+@pytest.mark.parametrize(
+    ("interval", "admission", "expected"), [("2", "paced", 12), ("2", "eager", 4), ("auto", "paced", 4)]
+)
+def test_a_paced_detector_with_an_interval_gets_room_for_the_frames_it_skips(
+    tmp_path: Path, sample_models: Path, interval: str, admission: str, expected: int
 ) -> None:
     # Two instances of one frame each: four frames the detector runs on, and with
-    # interval: 2 the two frames after each of them.
+    # interval: 2 the two frames after each of them (paced: held detector frames leave
+    # the room to frames it skips; eager, it would fill the detector's queue).
     path = tmp_path / "p.yaml"
     path.write_text(
         f"pipeline: p\nmodels: {sample_models}\nsources: [{{url: 'test://?frames=1'}}]\n"
         f"stages:\n  - {{name: objects, type: infer, model: squares, interval: {interval}}}\n"
+        f"runtime: {{admission: {admission}}}\n"
     )
     model = squares(sample_models, 2, [])
     assert derive_graph_limit(load_config(path), {"squares": model}) == expected
