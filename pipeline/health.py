@@ -2,7 +2,8 @@
 
 * live: the process answers HTTP, so its event loop turns (restart it otherwise);
 * ready: every model the stages use is loaded, NATS is connected, and at least
-  one source delivers frames (send traffic / count it as serving otherwise).
+  one source delivers frames: it is up, and its last ``FAILING_FRAMES`` frames did
+  not all fail in a stage (send traffic / count it as serving otherwise).
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 from inference.model import ModelState
 from pipeline.sources.base import SourceState
 from pipeline.stats import PipelineReport
+
+# A source whose last this many frames all failed in a stage (none published) delivers nothing.
+FAILING_FRAMES = 10
 
 
 def readiness_problems(report: PipelineReport) -> list[str]:
@@ -33,6 +37,10 @@ def readiness_problems(report: PipelineReport) -> list[str]:
     elif not any(src.state is SourceState.UP for src in report.sources):
         states = ", ".join(f"{src.id} {src.state.value}" for src in report.sources)
         reasons.append(f"no source is up ({states})")
+    elif all(src.failing >= FAILING_FRAMES for src in report.sources if src.state is SourceState.UP):
+        up = [src for src in report.sources if src.state is SourceState.UP]
+        failing = ", ".join(f"{src.id}: its last {src.failing} frames" for src in up)
+        reasons.append(f"no source delivers frames: a stage fails on every one ({failing}; see the log)")
     return reasons
 
 

@@ -249,6 +249,7 @@ class SourceRun:
             frames=counters.frames,
             decoded=counters.decoded,
             published=counters.published,
+            failing=counters.failing,
             dropped=counters.dropped_by_reason(),
             reconnects=counters.reconnects,
             queue_depth=len(self.queue),

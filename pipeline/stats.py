@@ -154,6 +154,8 @@ class SourceReport:
     overload: Overload | None = None  # set while the source cannot keep up
     # Messages published per second over about the last 5 s (SourceCounters.fps); None at first.
     fps: float | None = None
+    # Frames a stage failed on since its last message (SourceCounters.failing).
+    failing: int = 0
 
 
 @dataclass(slots=True, frozen=True)
