@@ -112,7 +112,8 @@ class Summary:
                         self.texts[text] += 1
                         if text not in texts:
                             texts.append(text)
-        line = f"[{elapsed:4.0f}s] " + ("; ".join(parts) if parts else "waiting for frames")
+        idle = "no frames this second" if self.totals else "waiting for frames"
+        line = f"[{elapsed:4.0f}s] " + ("; ".join(parts) if parts else idle)
         if texts:
             line += " | text: " + ", ".join(f'"{t}"' for t in texts[:6])
         self._print(line, elapsed_s=round(elapsed, 1), sources={s: len(window[s]) for s in sorted(window)})
@@ -130,7 +131,8 @@ class Summary:
                 await self._nc.flush(timeout=2)
         await asyncio.sleep(0.1)
         await cancel_and_wait(self._task)
-        self.print_line()
+        if any(self._window.values()):  # what came since the last line; nothing new: no line
+            self.print_line()
         if self._nc is not None:
             await self._nc.close()
         total = sum(self.totals.values())

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import functools
 import http.server
+import io
 import json
 import os
 import pty
@@ -32,6 +33,7 @@ import pytest
 
 import pipeline
 from pipeline.nats_server import DEFAULT_PORT, EmbeddedNats, free_port, port_is_free
+from pipeline.summary import Summary
 from samples.make_clip import write_clip
 from tests.conftest import ARTIFACTS, ROOT, SQUARES, Collector, run_cli
 from tests.pipeline.stack import Stack, until
@@ -403,6 +405,20 @@ def test_summary_counts_objects_per_label(squares_config: Path, nats_server: Emb
                    "--nats", nats_server.url)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "received 10 messages from 1 source(s); objects: square x10" in proc.stdout
+
+
+async def test_summary_lines_say_waiting_only_before_the_first_frame_and_stop_adds_no_empty_second() -> None:
+    out = io.StringIO()
+    summary = Summary("nats://127.0.0.1:9", "vidpipe.>", out)  # never connected: fed by hand
+    summary.print_line()
+    summary._window["cam"].append({"source": "cam", "objects": []})
+    summary.print_line()
+    summary.print_line()
+    await summary.stop()  # nothing new since the last line: no line for it
+    lines = [re.sub(r"^\[ *\d+s\] ", "", line) for line in out.getvalue().splitlines()]
+    assert lines[0] == "waiting for frames"
+    assert lines[1].startswith("cam:   1.0 fps")
+    assert lines[2:] == ["no frames this second", "received 1 messages from 1 source(s)"]
 
 
 def test_summary_counts_events_and_line_crossings(
