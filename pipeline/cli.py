@@ -934,7 +934,12 @@ def _log_models(runtime: Any) -> None:
     """``--log-level debug``: each model's version, backend, instances and batching."""
     if not log.isEnabledFor(logging.DEBUG) or runtime.models is None:
         return
+    from inference.model import ModelState
+
     for status in runtime.models.status():
+        if status.state is ModelState.UNLOADED:
+            log.debug("model %s: in the repository, not used by this pipeline (not loaded)", status.name)
+            continue
         log.debug(
             "model %s: version %s, %s %s, preprocess %s, %d instance(s), max_batch_size %d, inputs %s, "
             "state %s",
