@@ -400,6 +400,20 @@ def test_a_file_run_on_a_terminal_shows_progress(
     assert piped.returncode == 0 and " frames (" not in piped.stderr
 
 
+def test_debug_log_names_the_models_a_pipeline_leaves_unloaded(
+    squares_config: Path, nats_server: EmbeddedNats
+) -> None:
+    proc = run_cli("run", str(squares_config), "--source", "test://?fps=50&frames=2", "--nats", nats_server.url,
+                   "--log-level", "debug")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = [line.split("debug", 1)[1].strip() for line in proc.stderr.splitlines() if " debug " in line]
+    models = sorted(line for line in lines if line.startswith("model ") and ": " in line)
+    unused = [f"model {m}: in the repository, not used by this pipeline (not loaded)" for m in
+              ("ppocr_cls", "ppocr_det", "ppocr_rec")]  # fmt: skip
+    assert models[:3] == unused, models
+    assert models[3].startswith("model squares: version -, openvino ") and models[3].endswith(", state ready")
+
+
 def test_summary_counts_objects_per_label(squares_config: Path, nats_server: EmbeddedNats) -> None:
     proc = run_cli("run", str(squares_config), "--source", "test://?fps=50&frames=10", "--summary",
                    "--nats", nats_server.url)  # fmt: skip
