@@ -201,12 +201,8 @@ def test_which_pipelines_are_paced(
     assert paced_models(cfg, models) == expected
 
 
-async def test_a_paced_pipeline_holds_frames_and_publishes_what_an_eager_one_does(
-    tmp_path: Path, sample_models: Path
-) -> None:
-    # The real text detector with one instance taking single frames (the graph holds
-    # two): it takes tens of milliseconds a frame on any CPU, so the frame behind the
-    # running one is held until that one is about to end, from the first batch on.
+def one_instance_text_detector(tmp_path: Path, sample_models: Path) -> Path:
+    """A repository holding the sample PP-OCR text detector on one instance, taking single frames."""
     repo = tmp_path / "models"
     (repo / "ppocr_det").mkdir(parents=True)
     conf = (sample_models / "ppocr_det" / "config.yaml").read_text()
@@ -215,6 +211,16 @@ async def test_a_paced_pipeline_holds_frames_and_publishes_what_an_eager_one_doe
         "instance_group: [{count: 2, kind: KIND_CPU}]", "instance_group: [{count: 1, kind: KIND_CPU}]"
     )
     (repo / "ppocr_det" / "config.yaml").write_text(conf)
+    return repo
+
+
+async def test_a_paced_pipeline_holds_frames_and_publishes_what_an_eager_one_does(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    # The real text detector with one instance taking single frames (the graph holds
+    # two): it takes tens of milliseconds a frame on any CPU, so the frame behind the
+    # running one is held until that one is about to end, from the first batch on.
+    repo = one_instance_text_detector(tmp_path, sample_models)
     plates = (Plate("KA05 MX2231", start=0, y=70, x=100), Plate("GATE B7", start=0, y=200, x=300))
     clip = write_clip(tmp_path / "c.mp4", frames=10, fps=10, plates=plates)
     published: dict[str, list[tuple[int, list[Any]]]] = {}
@@ -249,14 +255,7 @@ async def test_with_an_interval_the_pipeline_holds_only_frames_the_detector_runs
     # Three sources on one instance of the real text detector, two frames each in the
     # graph (the derived six, for a detector on one frame in three): frame 3 of the
     # first source decides as soon as its frame 0 is out, while the others' frames 0 run.
-    repo = tmp_path / "models"
-    (repo / "ppocr_det").mkdir(parents=True)
-    conf = (sample_models / "ppocr_det" / "config.yaml").read_text()
-    conf = conf.replace("preferred_batch_size: [16]", "preferred_batch_size: []")
-    conf = conf.replace(
-        "instance_group: [{count: 2, kind: KIND_CPU}]", "instance_group: [{count: 1, kind: KIND_CPU}]"
-    )
-    (repo / "ppocr_det" / "config.yaml").write_text(conf)
+    repo = one_instance_text_detector(tmp_path, sample_models)
     plates = (Plate("GATE B7", start=0, y=200, x=300),)
     clip = write_clip(tmp_path / "c.mp4", frames=9, fps=10, plates=plates)
     path = tmp_path / "p.yaml"
