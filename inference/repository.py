@@ -450,16 +450,28 @@ def describe_repository(root: Path, *, backend_factory: BackendFactory = create_
             rows.append((name, version, state, *cells))
         finally:
             backend.close()
+    # A folder with a model file but no config.yaml is not a model yet: say how to make one.
+    notes = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if (folder / CONFIG_FILE).is_file():
+            continue
+        found = sorted(folder.glob("*.onnx")) + sorted(folder.glob("*/*.onnx"))
+        if found:
+            notes.append(
+                f"{folder.name}: a model file ({found[0].relative_to(root)}) but no {CONFIG_FILE}, so not a "
+                f"model; vidpipe models add {found[0]} --repo {root} --name NAME writes one"
+            )
     if not rows:
-        return RepositoryTable(f"no models in {root} (expected {root}/<name>/{CONFIG_FILE})", [])
+        empty = f"no models in {root} (expected {root}/<name>/{CONFIG_FILE})"
+        return RepositoryTable("\n".join([empty, *notes]), [])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
         for row in [header, *rows]
     ]
-    if problems:
+    if problems or notes:
         lines.append("")
-        lines.extend(problems)
+        lines.extend([*problems, *notes])
     return RepositoryTable("\n".join(lines), unavailable)
 
 

@@ -7,6 +7,7 @@ metadata Ultralytics writes, so a run on the test pattern has a known answer.
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import onnx
@@ -241,3 +242,20 @@ def test_models_add_and_list_say_which_path_is_of_the_wrong_kind(tmp_path: Path)
         proc = run_cli(*args)
         assert (proc.returncode, proc.stderr.strip()) == (2, message), args
     assert not (tmp_path / "m").exists()
+
+
+def test_models_list_says_how_to_make_a_model_of_a_folder_without_config(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    repo = tmp_path / "models"
+    shutil.copytree(sample_models / "squares", repo / "squares")
+    (repo / "stray" / "1").mkdir(parents=True)
+    shutil.copy(sample_models / "squares" / "model.onnx", repo / "stray" / "1" / "model.onnx")
+    proc = run_cli("models", "list", str(repo))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1].startswith("squares ")
+    assert lines[-1] == (
+        f"stray: a model file (stray/1/model.onnx) but no config.yaml, so not a model; "
+        f"vidpipe models add {repo / 'stray' / '1' / 'model.onnx'} --repo {repo} --name NAME writes one"
+    )
