@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 
+import nats.errors
 from aiohttp import web
 
 from pipeline.api.answers import error
@@ -21,12 +22,32 @@ from pipeline.config import SourceConfig
 from pipeline.fleet.desired import check_source
 from pipeline.fleet.worker import FleetWorker
 from pipeline.sources.base import SourceError
+from pipeline.urls import whip_name
 
 log = logging.getLogger("vidpipe.api")
 
 # How long a request that changes the desired set waits for a view of it being read
 # again (after a reconnect) before it is answered 503.
 VIEW_WAIT_S = 5.0
+
+
+# What the desired set's store raises when NATS does not answer in time or is gone.
+STORE_ERRORS = (nats.errors.Error, TimeoutError, ConnectionError)
+
+
+def _retry_later(message: str) -> web.Response:
+    answer = error(503, message)
+    answer.headers["Retry-After"] = "5"
+    return answer
+
+
+def _store_down(fleet: str, exc: BaseException, check: str) -> web.Response:
+    """503 for a change whose outcome is unknown: NATS did not answer (it may have applied it)."""
+    why = str(exc) or type(exc).__name__
+    return _retry_later(
+        f"fleet {fleet}: NATS did not answer ({why}); the change may or may not have been made: "
+        f"{check} once NATS is back"
+    )
 
 
 class FleetRoutes:
@@ -49,18 +70,18 @@ class FleetRoutes:
         return self._fleet.desired_ids()
 
     async def unsure(self) -> web.Response | None:
-        """A 503 while this worker's view of the desired set is not whole (after a short wait)."""
+        """A 503 while NATS is down, or this worker's view of the desired set is not whole
+        (after a short wait)."""
         fleet = self._fleet
         assert fleet is not None
+        if not fleet.connected:
+            return _retry_later(f"fleet {fleet.name}: NATS is not connected; retry once it is back")
         if await fleet.desired_whole(VIEW_WAIT_S):
             return None
-        answer = error(
-            503,
+        return _retry_later(
             f"fleet {fleet.name}: this worker is still reading the desired sources "
-            "(after a reconnect to NATS); retry in a few seconds",
+            "(after a reconnect to NATS); retry in a few seconds"
         )
-        answer.headers["Retry-After"] = "5"
-        return answer
 
     async def add(self, config: SourceConfig) -> web.Response:
         """Add to the fleet's desired sources; the worker placement picks starts it (202)."""
@@ -79,7 +100,18 @@ class FleetRoutes:
             check_source(config)
         except SourceError as exc:
             return error(400, f"sources.url: {exc}")
-        if not await fleet.desired.add(config):
+        owner = fleet.whip_owner(config)
+        if owner is not None:
+            return error(
+                409,
+                f"sources.url: whip name {whip_name(config.url)!r} is already used by source {owner!r} "
+                f"in fleet {fleet.name}; give this publisher another name",
+            )
+        try:
+            added = await fleet.desired.add(config)
+        except STORE_ERRORS as exc:
+            return _store_down(fleet.name, exc, f"GET /v1/fleet shows whether {sid!r} was added")
+        if not added:
             return error(
                 409, f"sources.id: source {sid!r} already exists in fleet {fleet.name}; DELETE it first"
             )
@@ -94,7 +126,13 @@ class FleetRoutes:
         """Remove from the fleet's desired sources; its owner stops it (204)."""
         fleet = self._fleet
         assert fleet is not None and fleet.desired is not None
-        if not await fleet.desired.remove(sid):
+        if not fleet.connected:
+            return _retry_later(f"fleet {fleet.name}: NATS is not connected; retry once it is back")
+        try:
+            removed = await fleet.desired.remove(sid)
+        except STORE_ERRORS as exc:
+            return _store_down(fleet.name, exc, f"GET /v1/fleet shows whether {sid!r} is still there")
+        if not removed:
             return error(404, f"no source {sid!r} in fleet {fleet.name}")
         log.info("source %s removed from fleet %s over the API", sid, fleet.name)
         return web.Response(status=204)

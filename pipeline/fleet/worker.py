@@ -59,6 +59,7 @@ from pipeline.fleet.placement import LiveSet, place
 from pipeline.fleet.status import WorkerInfo, source_json, worker_json
 from pipeline.redact import redact_url
 from pipeline.runtime import Runtime
+from pipeline.urls import whip_name
 
 log = logging.getLogger("vidpipe.fleet")
 
@@ -587,6 +588,21 @@ class FleetWorker:
             out[sid] = (seen.revision, config)
         self.decoded.forget(entries)
         return out
+
+    def whip_owner(self, config: SourceConfig) -> str | None:
+        """The desired source (another id) whose ``whip://`` name ``config`` would take, if any."""
+        if config.scheme != "whip":
+            return None
+        name = whip_name(config.url)
+        for sid, (_, other) in self.desired_sources().items():
+            if sid != config.source_id and other.scheme == "whip" and whip_name(other.url) == name:
+                return sid
+        return None
+
+    @property
+    def connected(self) -> bool:
+        """Whether this worker's NATS connection is up (the desired set can be read and changed)."""
+        return self._nc is not None and self._nc.is_connected
 
     async def desired_whole(self, timeout: float) -> bool:
         """Wait (at most ``timeout`` s) until the view of the desired set holds the whole bucket.

@@ -830,6 +830,42 @@ async def test_the_desired_set_is_capped(
         assert sorted(worker.desired_ids()) == ["cam1"]
 
 
+async def test_a_repeated_whip_name_and_a_change_while_nats_is_down_are_refused(tmp_path: Path) -> None:
+    import aiohttp
+
+    server = EmbeddedNats().start()  # its own: this test stops it
+    try:
+        async with (
+            one_worker(server.url, tmp_path, ["cam1"]) as (worker, api),
+            aiohttp.ClientSession() as http,
+        ):
+            async with http.post(f"{api.url}/v1/sources", json={"url": "whip://door"}) as r:
+                assert r.status == 202
+            await until(lambda: "door" in worker.desired_ids(), "door in the desired set")
+            # Publishers reach a WHIP source by its name: a second one would never be reached.
+            async with http.post(f"{api.url}/v1/sources", json={"url": "whip://door", "id": "back"}) as r:
+                assert r.status == 409
+                assert (await r.json())["error"] == (
+                    "sources.url: whip name 'door' is already used by source 'door' in fleet solo; "
+                    "give this publisher another name"
+                )
+            server.stop()
+            await until(lambda: not worker.connected, "the worker saw NATS go")
+            # Nothing to change the set with: 503 and when to try again, never a 500.
+            for method, path, body in (
+                ("POST", "/v1/sources", {"url": "test://?id=cam2&width=64&height=48&fps=20"}),
+                ("DELETE", "/v1/sources/cam1", None),
+            ):
+                async with http.request(method, f"{api.url}{path}", json=body) as r:
+                    assert (r.status, r.headers.get("Retry-After")) == (503, "5"), method
+                    assert (await r.json())["error"] == (
+                        "fleet solo: NATS is not connected; retry once it is back"
+                    )
+    finally:
+        server.stop()
+    assert sorted(worker.desired_ids()) == ["cam1", "door"]
+
+
 async def test_malformed_store_entries_are_skipped_counted_and_never_stop_placement(
     nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
