@@ -170,13 +170,15 @@ function render(sources, stats) {
     card.fields.dropped.textContent = String(Object.values(src.dropped).reduce((a, b) => a + b, 0));
     card.fields.queue.textContent = String(src.queue_depth);
     // Only ask for a new snapshot when a new frame was published and the last one is in.
-    if (src.published > card.shownPublished && !card.loading) {
+    // A count that went down is the same id started again (its count restarts): new frames too.
+    if (src.published !== card.shownPublished && !card.loading) {
       card.shownPublished = src.published;
       refreshSnapshot(src.id, card);
     }
   }
   for (const [id, card] of cards) {
     if (!seen.has(id)) {
+      if (card.whep) stopLive(card); // its live view ends with the card
       if (card.blobUrl) URL.revokeObjectURL(card.blobUrl);
       card.root.remove();
       cards.delete(id);
