@@ -656,7 +656,9 @@ def cmd_serve_rtsp(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, sources=args.source, require_sources=not (args.http or args.fleet))
+    cfg = load_config(
+        args.config, sources=args.source, require_sources=not (args.http or args.fleet), fleet_name=args.fleet
+    )
     if args.publish:
         cfg = dataclasses.replace(cfg, nats=dataclasses.replace(cfg.nats, publish=args.publish))
     cfg = _with_fleet(cfg, args.fleet)

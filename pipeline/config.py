@@ -933,10 +933,12 @@ def load_config(
     data: Any = None,
     require_sources: bool = False,
     check_resources: bool = False,
+    fleet_name: str | None = None,
 ) -> PipelineConfig:
     """Read, validate and resolve a pipeline file.
 
     ``sources`` (from ``vidpipe run --source``) replaces the file's sources.
+    ``fleet_name`` (``--fleet NAME``) names a ``fleet:`` section that has no name.
     ``data`` is a config already in memory (a dict, as YAML would parse): it is
     used instead of reading ``path``, which then only names it in errors and
     anchors its relative paths (at ``path``'s folder).
@@ -964,6 +966,11 @@ def load_config(
     own = ("sources", "stages", "outputs", *internal)
     top = LineDict((k, v) for k, v in raw.items() if k not in own)
     top.line, top.key_lines = getattr(raw, "line", 1), getattr(raw, "key_lines", {})
+    fleet = top.get("fleet")
+    if fleet_name is not None and isinstance(fleet, dict) and "name" not in fleet:
+        named = LineDict({**fleet, "name": fleet_name})
+        named.line, named.key_lines = getattr(fleet, "line", 0), getattr(fleet, "key_lines", {})
+        top["fleet"] = named
     cfg = _build_top(top, file, errors)
     file_sources = _build_sources(raw.get("sources"), file, p.parent.resolve(), errors)
     stages = _build_stages(raw.get("stages"), file, errors)

@@ -449,6 +449,19 @@ def test_summary_counts_events_and_line_crossings(
     )
 
 
+def test_fleet_flag_names_a_fleet_section_that_has_no_name(
+    squares_config: Path, nats_server: EmbeddedNats
+) -> None:
+    config = squares_config.with_name("unnamed.yaml")
+    config.write_text(squares_config.read_text() + "fleet: {lease_ttl: 4}\n")
+    unnamed = run_cli("validate", str(config))  # without --fleet the section needs its name
+    assert unnamed.returncode == 2
+    assert f"{config}:5: fleet: missing required key 'name'" in unnamed.stderr, unnamed.stderr
+    proc = run_cli("run", str(config), "--fleet", "shop", "--nats", nats_server.url, "--duration", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "fleet shop" in proc.stderr
+
+
 def test_the_fleet_worker_lines_are_log_lines_with_their_time(
     squares_config: Path, nats_server: EmbeddedNats
 ) -> None:
