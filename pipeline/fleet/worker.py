@@ -63,6 +63,13 @@ from pipeline.urls import whip_name
 
 log = logging.getLogger("vidpipe.fleet")
 
+
+def _described(exc: BaseException) -> str:
+    """``TimeoutError: why``, or the type alone when the exception says nothing (nats' timeouts)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 # How long a fresh JetStream cluster may take to answer for a bucket (a meta leader is elected).
 OPEN_PATIENCE = 30.0
 # How long a probe of the publishing connection waits for its PONG (see _probe_publisher).
@@ -171,6 +178,13 @@ class FleetWorker:
     async def start(self) -> None:
         """Join: open the buckets, seed the desired set if it never was, start the loops."""
         shown = ",".join(redact_url(u) for u in self.servers)
+
+        async def on_error(exc: Exception) -> None:
+            # Each reconnect attempt fails while NATS is down (four a second): one line per
+            # interval says so, not nats-py's own line for every attempt.
+            why = str(exc) or type(exc).__name__
+            self._errors("nats", f"fleet {self.name}: NATS at {shown}: {why}")
+
         try:
             self._nc = await nats.connect(
                 servers=self.servers,
@@ -178,6 +192,7 @@ class FleetWorker:
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.25,
                 reconnected_cb=self._on_reconnect,
+                error_cb=on_error,
                 name=f"vidpipe-fleet-{self.id}",
             )
         except Exception as exc:
@@ -199,7 +214,7 @@ class FleetWorker:
                 replicas = self.config.replicas
                 raise RuntimeError(
                     f"fleet {self.name}: cannot open its JetStream KV buckets at {shown}: "
-                    f"{type(exc).__name__}: {exc}; the server needs JetStream (nats-server -js)"
+                    f"{_described(exc)}; the server needs JetStream (nats-server -js)"
                     + (f" with {replicas} node(s) for fleet.replicas" if replicas > 1 else "")
                 ) from None
         self._started = time.monotonic()
@@ -404,13 +419,13 @@ class FleetWorker:
             try:
                 await self._heartbeat()
             except Exception as exc:
-                self._errors("heartbeat", f"fleet {self.name}: heartbeat failed: {type(exc).__name__}: {exc}")
+                self._errors("heartbeat", f"fleet {self.name}: heartbeat failed: {_described(exc)}")
             try:
                 # Before renewing: a compare-and-swap against a lease bucket made anew can
                 # land on a key whose revision happens to match, and renew someone else's claim.
                 await self._check_buckets()
             except Exception as exc:
-                problem = f"{type(exc).__name__}: {exc}"
+                problem = f"{_described(exc)}"
                 self._errors("buckets", f"fleet {self.name}: bucket check failed: {problem}")
             epoch = self._leases().epoch
             for lease in self.owned.values():
@@ -425,7 +440,7 @@ class FleetWorker:
                 await self._check_views()
                 await self._purge_tombstones()
             except Exception as exc:
-                problem = f"{type(exc).__name__}: {exc}"
+                problem = f"{_described(exc)}"
                 self._errors("buckets", f"fleet {self.name}: bucket check failed: {problem}")
 
     async def _renew(self, lease: Lease) -> None:
@@ -433,9 +448,7 @@ class FleetWorker:
         try:
             kept = await self._leases().renew(lease)
         except Exception as exc:
-            self._errors(
-                "renew", f"fleet {self.name}: renewing {lease.source} failed: {type(exc).__name__}: {exc}"
-            )
+            self._errors("renew", f"fleet {self.name}: renewing {lease.source} failed: {_described(exc)}")
             if time.monotonic() >= lease.deadline:
                 self._lost(lease, "deadline")
             return
@@ -660,7 +673,7 @@ class FleetWorker:
             try:
                 self._place_once()
             except Exception as exc:
-                self._errors("place", f"fleet {self.name}: placement failed: {type(exc).__name__}: {exc}")
+                self._errors("place", f"fleet {self.name}: placement failed: {_described(exc)}")
             await asyncio.sleep(self.ttl / 8)
 
     def _place_once(self) -> None:
@@ -750,7 +763,7 @@ class FleetWorker:
             try:
                 await work
             except Exception as exc:
-                self._errors(f"act:{sid}", f"fleet {self.name}: {sid}: {type(exc).__name__}: {exc}")
+                self._errors(f"act:{sid}", f"fleet {self.name}: {sid}: {_described(exc)}")
             finally:
                 self._busy.pop(sid, None)
 

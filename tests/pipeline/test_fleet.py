@@ -866,6 +866,26 @@ async def test_a_repeated_whip_name_and_a_change_while_nats_is_down_are_refused(
     assert sorted(worker.desired_ids()) == ["cam1", "door"]
 
 
+async def test_a_nats_outage_is_one_log_line_per_interval_not_one_per_reconnect_attempt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = EmbeddedNats().start()  # its own: this test stops it
+    try:
+        with caplog.at_level("DEBUG"):
+            async with one_worker(server.url, tmp_path, ["cam1"]) as (worker, _):
+                server.stop()
+                # Reconnect attempts fail four times a second; wait for several of them.
+                await until(lambda: worker._errors._last.get("nats", (0, 0))[1] >= 5, "failed reconnects")
+    finally:
+        server.stop()
+    said = [
+        r.getMessage() for r in caplog.records if r.name == "vidpipe.fleet" and "NATS at" in r.getMessage()
+    ]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"fleet solo: NATS at {server.url}: "), said
+    assert not [r for r in caplog.records if r.getMessage() == "nats: encountered error"]
+
+
 async def test_malformed_store_entries_are_skipped_counted_and_never_stop_placement(
     nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
