@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -38,7 +39,8 @@ class WhepError(VidpipeError):
         self.message = message
 
 
-def _relay_track(sub: Subscription) -> Any:
+def _relay_track(sub: Subscription, on_end: Callable[[], None]) -> Any:
+    """A track of the relay's frames; ``on_end`` is called once the relay ends (the source went)."""
     from aiortc.mediastreams import MediaStreamError, VideoStreamTrack
     from av import VideoFrame
 
@@ -53,6 +55,7 @@ def _relay_track(sub: Subscription) -> Any:
             item = await sub.next()
             if item is None:
                 self.stop()
+                on_end()
                 raise MediaStreamError
             loop = asyncio.get_running_loop()
             now = loop.time()
@@ -118,6 +121,7 @@ class WhepServer:
         async def on_state() -> None:
             if pc.connectionState == "connected":
                 session.settle()
+                log.info("source %s: WHEP viewer connected (session %s)", source, session.id)
             if pc.connectionState in ("failed", "closed"):
                 await self.end(session.id)
 
@@ -126,7 +130,7 @@ class WhepServer:
             video = next((t for t in pc.getTransceivers() if t.kind == "video"), None)
             if video is None:
                 raise WhepError(400, "bad SDP offer: it asks for no video")
-            video.sender.replaceTrack(_relay_track(sub))
+            video.sender.replaceTrack(_relay_track(sub, lambda: self._end_soon(session, "its source ended")))
             video.direction = "sendonly"
             await pc.setLocalDescription(await pc.createAnswer())
         except WhepError:
@@ -136,17 +140,22 @@ class WhepServer:
             await self.end(session.id)
             raise WhepError(400, f"bad SDP offer: {exc or type(exc).__name__}") from None
         session.expiry = asyncio.get_running_loop().call_later(PENDING_TIMEOUT, self._expire, session)
-        log.info("source %s: WHEP viewer connected (session %s)", source, session.id)
+        log.info("source %s: WHEP session %s answered; the viewer connects", source, session.id)
         return session.id, pc.localDescription.sdp
 
     def _expire(self, session: _Session) -> None:
         session.expiry = None
-        if self.sessions.get(session.id) is session and session.pc.connectionState != "connected":
-            log.info("source %s: WHEP session %s ended: not connected within %gs", session.source, session.id,
-                     PENDING_TIMEOUT)  # fmt: skip
-            task = asyncio.ensure_future(self.end(session.id))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+        if session.pc.connectionState != "connected":
+            self._end_soon(session, f"not connected within {PENDING_TIMEOUT:g}s")
+
+    def _end_soon(self, session: _Session, why: str) -> None:
+        """End ``session`` from a callback (a timer, a track), if it is still open."""
+        if self.sessions.get(session.id) is not session:
+            return
+        log.info("source %s: WHEP session %s ended: %s", session.source, session.id, why)
+        task = asyncio.ensure_future(self.end(session.id))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def end(self, session_id: str, source: str | None = None) -> bool:
         session = self.sessions.get(session_id)

@@ -170,6 +170,37 @@ async def test_whep_client_receives_annotated_video(
         await stack.close()
 
 
+async def test_a_whep_session_ends_with_its_source(
+    tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path
+) -> None:
+    stack = await start(tmp_path, nats_server, sample_models)
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    try:
+        pc.addTransceiver("video", direction="recvonly")
+        got: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        pc.on("track", lambda track: got.set_result(track))
+        await pc.setLocalDescription(await pc.createOffer())
+        async with stack.http.post(
+            "/whep/cam", data=pc.localDescription.sdp, headers={"Content-Type": "application/sdp"}
+        ) as resp:
+            assert resp.status == 201, await resp.text()
+            location = resp.headers["Location"]
+            answer = await resp.text()
+        await pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
+        track = await asyncio.wait_for(got, 10)
+        await asyncio.wait_for(track.recv(), 10)  # type: ignore[attr-defined]
+        assert len(stack.api.whep.sessions) == 1
+        # The source goes: its viewers' sessions end with it and give their places back.
+        async with stack.http.delete("/v1/sources/cam") as resp:
+            assert resp.status == 204
+        await until(lambda: stack.api.whep.sessions == {}, what="the WHEP session ended")
+        async with stack.http.delete(location) as resp:
+            assert resp.status == 404
+    finally:
+        await pc.close()
+        await stack.close()
+
+
 ZONES_CONFIG = """\
 pipeline: live
 models: {models}
