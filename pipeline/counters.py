@@ -55,7 +55,8 @@ class SourceCounters:
         self.accepted = 0  # taken from the queue by the graph (vidpipe_frames_total)
         self.published = 0  # detections messages that left (vidpipe_published_messages_total)
         self.dropped: dict[str, int] = {}  # by reason (vidpipe_frames_dropped_total)
-        # Frames a stage failed on since the last message left (what readiness reads).
+        # Frames a stage failed on since the last message left, for a reason other than a
+        # model being unavailable (readiness says that itself): what readiness reads.
         self.failing = 0
         self._reconnects: dict[str, int] = {}  # by reason (vidpipe_source_reconnects_total)
         self._lock = threading.Lock()
@@ -78,8 +79,6 @@ class SourceCounters:
         """A frame dropped for ``reason`` (one of ``pipeline.metrics.DROP_REASONS``), from any thread."""
         with self._lock:
             self.dropped[reason] = self.dropped.get(reason, 0) + 1
-            if reason == "stage_error":
-                self.failing += 1
 
     def reconnect(self, reason: str) -> None:
         """A reconnect attempt of a live source, for ``reason`` (a reconnect reason label)."""

@@ -29,7 +29,7 @@ from inference.batcher import BatcherStats
 from inference.config import ModelConfig
 from inference.errors import VidpipeError
 from inference.memory import BufferPool
-from inference.model import Model, ModelState
+from inference.model import Model, ModelState, ModelUnavailable
 from inference.ratelimit import RateLimitedLog
 from inference.repository import ModelRepository
 from inference.schema import ConfigError
@@ -713,6 +713,9 @@ class Runtime:
                 raise
             except Exception as exc:
                 self._count_drop(frame.source, "stage_error")
+                run = self.sources.get(frame.source)
+                if run is not None and not isinstance(exc, ModelUnavailable):
+                    run.counters.failing += 1  # a model that is down is a readiness reason of its own
                 self._errors(
                     f"{stage.name}:{type(exc).__name__}",
                     f"stage {stage.name} failed on frame {frame.index} of {frame.source}: "

@@ -136,7 +136,7 @@ class LiveSource(AvSource):
         while not self.stopping:
             number += 1
             if number == 1:
-                self.set_state(SourceState.CONNECTING, f"connecting to {self.display_url}")
+                self.set_state(SourceState.CONNECTING, self.display_url)
             if previous is not None and not self._outlive(previous):
                 break
             attempt = previous = _Attempt(number=number, started=time.monotonic())
