@@ -452,7 +452,8 @@ def describe_repository(root: Path, *, backend_factory: BackendFactory = create_
             backend.close()
     # A folder with a model file but no config.yaml is not a model yet: say how to make one.
     notes = []
-    for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    folders = root.iterdir() if root.is_dir() else []
+    for folder in sorted(p for p in folders if p.is_dir() and not p.name.startswith(".")):
         if (folder / CONFIG_FILE).is_file():
             continue
         found = sorted(folder.glob("*.onnx")) + sorted(folder.glob("*/*.onnx"))
