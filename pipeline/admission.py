@@ -80,6 +80,13 @@ class PacedModel:
         return any(index % n == 0 for n in self.every)
 
 
+def frames_per_run(stage: Any) -> int:
+    """Frames of a source per frame a whole-frame stage runs its model on (``interval: N``: N+1)."""
+    interval = getattr(stage, "interval", 0)
+    # interval: auto runs on a share the scene decides; it is sized like every frame.
+    return interval + 1 if isinstance(interval, int) else 1
+
+
 def paced_models(config: PipelineConfig, models: dict[str, ModelConfig]) -> dict[str, PacedModel]:
     """The models whose instances pace admission; empty when pacing does not apply.
 
@@ -97,7 +104,7 @@ def paced_models(config: PipelineConfig, models: dict[str, ModelConfig]) -> dict
     for stage in whole_frame:
         for name in stage.models():
             if name in models:
-                every.setdefault(name, set()).add(getattr(stage, "interval", 0) + 1)
+                every.setdefault(name, set()).add(frames_per_run(stage))
     return {name: PacedModel(batch_at_work(models[name]), tuple(sorted(n))) for name, n in every.items()}
 
 

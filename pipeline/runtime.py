@@ -36,6 +36,7 @@ from inference.schema import ConfigError
 from pipeline.admission import (
     AdmissionPacer,
     batch_at_work,
+    frames_per_run,
     paced_models,
     repository_batchers,
     whole_frame_stages,
@@ -159,19 +160,12 @@ def derive_graph_limit(config: PipelineConfig, models: dict[str, ModelConfig]) -
     paced = config.runtime.admission == "paced"
     # (model, frames per frame the detector runs on)
     whole_frame = [
-        (m, _frames_per_run(s) if paced else 1) for s in whole_frame_stages(config) for m in s.models()
+        (m, frames_per_run(s) if paced else 1) for s in whole_frame_stages(config) for m in s.models()
     ]
     named = [(m, every) for m, every in whole_frame or [(m, 1) for m in config.models_used()] if m in models]
     if not named:
         return 2
     return 2 * max(_frames_at_work(models[name]) * every for name, every in named)
-
-
-def _frames_per_run(stage: Any) -> int:
-    """Frames of a source per frame a whole-frame stage runs its model on (``interval: N``: N+1)."""
-    interval = getattr(stage, "interval", 0)
-    # interval: auto runs on a share the scene decides; it is sized like every frame.
-    return interval + 1 if isinstance(interval, int) else 1
 
 
 def _frames_at_work(model: ModelConfig) -> int:
