@@ -3,14 +3,18 @@
 A pure function of the source ids and the live workers' capacities, so every
 worker that sees the same fleet computes the same answer without talking to
 the others. Each worker first gets a quota, a fair share of the sources capped
-by its ``max_sources``; then source-worker pairs are taken in descending hash
-order, each source going to the best-scoring worker that still has room. A
-worker that joins or leaves changes only the placements its quota forces.
+by its ``max_sources``. A source stays with the live worker that holds its lease
+while that worker's quota has room; the others are then taken in descending hash
+order, each going to the best-scoring worker that still has room. So adding or
+removing a source moves no other source unless the shares must change, and a
+worker that joins or leaves moves only the sources its quota forces: every move
+resets that camera's tracks and cuts its recordings.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -21,14 +25,19 @@ def score(source: str, worker: str) -> int:
     return int.from_bytes(digest, "big")
 
 
-def quotas(count: int, capacities: Mapping[str, int]) -> dict[str, int]:
+def quotas(
+    count: int, capacities: Mapping[str, int], held: Mapping[str, int] | None = None
+) -> dict[str, int]:
     """How many of ``count`` sources each worker takes: shares that differ by at most one.
 
-    Units go round in an order fixed by each worker id's hash (so who gets the
-    larger shares does not depend on start order), skipping workers at their
-    capacity. The shares sum to ``count`` unless the capacities sum to less.
+    Units go round skipping workers at their capacity, the workers that hold the
+    most sources now first (``held``: so the larger shares stay where the sources
+    already run), then in an order fixed by each worker id's hash (so who gets
+    them does not depend on start order). The shares sum to ``count`` unless the
+    capacities sum to less.
     """
-    order = sorted(capacities, key=lambda w: (score("", w), w))
+    now = held or {}
+    order = sorted(capacities, key=lambda w: (-now.get(w, 0), score("", w), w))
     share = dict.fromkeys(order, 0)
     left = count
     while left > 0:
@@ -45,12 +54,27 @@ def quotas(count: int, capacities: Mapping[str, int]) -> dict[str, int]:
     return share
 
 
-def place(sources: Iterable[str], capacities: Mapping[str, int]) -> dict[str, str]:
-    """``{source: worker}`` for every source that fits; sources over the total capacity are left out."""
-    ids = sorted(set(sources))
-    room = quotas(len(ids), capacities)
-    pairs = sorted(((score(s, w), s, w) for s in ids for w in room if room[w] > 0), reverse=True)
+def place(
+    sources: Iterable[str], capacities: Mapping[str, int], holders: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """``{source: worker}`` for every source that fits; sources over the total capacity are left out.
+
+    ``holders`` maps a source to the worker that holds its lease now; holders that
+    are not live (not in ``capacities``) count for nothing.
+    """
+    wanted = set(sources)
+    ids = sorted(wanted)
+    held = {s: w for s, w in (holders or {}).items() if w in capacities and s in wanted}
+    room = quotas(len(ids), capacities, Counter(held.values()))
     placed: dict[str, str] = {}
+    # A holder over its quota keeps its best-scoring sources; the rest are placed anew.
+    for _, source, worker in sorted(((score(s, w), s, w) for s, w in held.items()), reverse=True):
+        if room[worker] > 0:
+            placed[source] = worker
+            room[worker] -= 1
+    pairs = sorted(
+        ((score(s, w), s, w) for s in ids if s not in placed for w in room if room[w] > 0), reverse=True
+    )
     for _, source, worker in pairs:
         if source in placed or room[worker] == 0:
             continue

@@ -158,6 +158,7 @@ class FleetWorker:
         # The live set as last seen: placement acts once it held still, hands over after a TTL.
         self.live = LiveSet(settle=self.ttl / 8, handback=self.ttl)
         self._placement_memo: tuple[Any, dict[str, str]] | None = None
+        self._holder_cache: dict[str, tuple[int, str | None]] = {}  # lease revision and holder, per source
         self._publish_stalled = False  # the last probe got no answer in time
         self._probe: asyncio.Task[None] | None = None  # the outstanding PING on that connection
         self._probe_sent = 0.0
@@ -643,13 +644,42 @@ class FleetWorker:
         return self._views["sources"].entries.keys() if self._views else {}.keys()
 
     def placement(self, now: float, sources: Any, workers: dict[str, WorkerInfo]) -> dict[str, str]:
+        holders = self.holders()
         # Placement hashes every source-worker pair: compute it again only when an input changed.
-        key = (frozenset(sources), frozenset((w, i.capacity) for w, i in workers.items()))
+        key = (
+            frozenset(sources),
+            frozenset((w, i.capacity) for w, i in workers.items()),
+            frozenset(holders.items()),
+        )
         if self._placement_memo is not None and self._placement_memo[0] == key:
             return self._placement_memo[1]
-        placed = place(sources, {w: info.capacity for w, info in workers.items()})
+        placed = place(sources, {w: info.capacity for w, info in workers.items()}, holders)
         self._placement_memo = (key, placed)
         return placed
+
+    def holders(self) -> dict[str, str]:
+        """``{source: worker}`` for every lease in the bucket, claims included; this worker's own are current.
+
+        Placement keeps a source where it runs while its holder's share allows: a source
+        that moves loses its tracks and cuts its recordings.
+        """
+        found: dict[str, str] = {}
+        cache = self._holder_cache
+        for sid, entry in self._views["leases"].entries.items():
+            hit = cache.get(sid)
+            if hit is None or hit[0] != entry.revision:
+                try:
+                    hit = (entry.revision, parse_lease(entry.value).worker)
+                except ValueError:
+                    hit = (entry.revision, None)  # unreadable: it holds nothing
+                cache[sid] = hit
+            if hit[1] is not None:
+                found[sid] = hit[1]
+        for sid in [s for s in cache if s not in self._views["leases"].entries]:
+            del cache[sid]
+        for sid in self.owned:
+            found[sid] = self.id
+        return found
 
     def _lease_age(self, sid: str, seen_at: float, stored: StoredLease | None, now: float) -> float:
         """How long the lease has gone without a real renewal, on this worker's clock.

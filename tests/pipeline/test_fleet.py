@@ -35,7 +35,7 @@ from pipeline.fleet.buckets import (
 )
 from pipeline.fleet.fence import default_worker_id
 from pipeline.fleet.leases import EPOCH_KEY, LeaseTable, lease_value, parse_lease
-from pipeline.fleet.placement import LiveSet, place, quotas
+from pipeline.fleet.placement import LiveSet, place, quotas, score
 from pipeline.fleet.status import read_status
 from pipeline.nats_server import EmbeddedNats, free_port
 from tests.conftest import ROOT, run_cli, validate_message
@@ -78,6 +78,46 @@ def test_a_joining_worker_takes_only_its_share_and_the_rest_stay() -> None:
     assert list(after.values()).count("w4") == 10
     # Most moves go to the new worker; quotas shift a few among the others.
     assert len(to_new) == 10 and len(moved) <= 14
+
+
+def test_a_joining_worker_takes_its_share_from_the_others_and_nothing_else_moves() -> None:
+    sources = [f"s{i}" for i in range(40)]
+    caps = {"w1": 64, "w2": 64, "w3": 64}
+    before = place(sources, caps)
+    after = place(sources, {**caps, "w4": 64}, holders=before)
+    moved = sorted(s for s in sources if before[s] != after[s])
+    assert len(moved) == 10 and all(after[s] == "w4" for s in moved)
+    counts = sorted(list(after.values()).count(w) for w in ("w1", "w2", "w3", "w4"))
+    assert counts == [10, 10, 10, 10]
+
+
+def test_adding_or_removing_a_source_moves_no_other_running_source() -> None:
+    caps = {"w1": 64, "w2": 64, "w3": 64}
+    for count in range(1, 30):
+        sources = [f"cam{i}" for i in range(count)]
+        now = place(sources, caps)
+        grown = place([*sources, "new"], caps, holders=now)
+        assert {s: grown[s] for s in sources} == now, f"adding a source to {count} moved another"
+        for gone in sources:
+            rest = [s for s in sources if s != gone]
+            shrunk = place(rest, caps, holders=now)
+            moved = [s for s in rest if shrunk[s] != now[s]]
+            # Shares stay within one of each other: at most one source moves, only to even them.
+            assert len(moved) <= 1, f"removing {gone} of {count} moved {moved}"
+            counts = [list(shrunk.values()).count(w) for w in caps]
+            assert max(counts) - min(counts) <= 1
+
+
+def test_a_holder_over_its_share_keeps_its_best_sources_and_a_dead_holder_counts_for_nothing() -> None:
+    for first in range(0, 60, 6):
+        sources = [f"cam{i}" for i in range(first, first + 6)]
+        placed = place(sources, {"w1": 10, "w2": 10}, holders=dict.fromkeys(sources, "w1"))
+        best = sorted(sources, key=lambda s: score(s, "w1"), reverse=True)
+        assert sorted(s for s in sources if placed[s] == "w1") == sorted(best[:3])
+    # Holders that are not live, and sources no longer desired, are ignored.
+    sources = [f"cam{i}" for i in range(6)]
+    ghost = {**dict.fromkeys(sources, "w9"), "removed": "w1"}
+    assert place(sources, {"w1": 10, "w2": 10}, holders=ghost) == place(sources, {"w1": 10, "w2": 10})
 
 
 def test_a_leaving_worker_moves_only_its_own_sources_when_shares_allow() -> None:
@@ -484,7 +524,10 @@ async def test_a_fleet_runs_each_source_once_and_survives_kill_pause_drain_and_j
         moved = seen.first_from_other(source, leaving.id, t_term)
         assert moved is not None and moved - t_term <= 3.0, (source, moved and moved - t_term)
 
-    # The desired set changes from the CLI: a 7th source starts somewhere, then stops.
+    # The desired set changes from the CLI: a 7th source starts somewhere, then stops, and
+    # no running source moves for it (a move resets its tracks and cuts its recordings).
+    owners = await settle(seen, None, sum(1 for w in fleet.workers if w.proc.poll() is None))
+    t_before = time.monotonic()
     added = await asyncio.to_thread(run_cli, "fleet", "add", "test://?id=cam7&width=64&height=48&fps=20",
                                     "--nats", nats_server.url, "--fleet", "cams", timeout=60)  # fmt: skip
     assert added.returncode == 0, added.stderr
@@ -500,6 +543,7 @@ async def test_a_fleet_runs_each_source_once_and_survives_kill_pause_drain_and_j
     t_gone = time.monotonic()
     await asyncio.sleep(1.0)
     assert not any(m["source"] == "cam7" for _, m in seen.since(t_gone))
+    assert {s: owner_changes(seen, s, t_before) for s in SOURCES} == {s: [owners[s]] for s in SOURCES}
 
     for w in fleet.workers:
         if w.proc.poll() is None:
