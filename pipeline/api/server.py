@@ -65,7 +65,7 @@ class ApiServer:
         origins = AllowedOrigins(config.allowed_origins, EMBEDDABLE)
         self._auth = BearerAuth(config.token, origins)
         views = ViewRoutes(runtime)
-        self._webrtc = WebRtcRoutes(runtime, offer_guard(config, self.host))
+        self._webrtc = WebRtcRoutes(runtime, offer_guard(config, self.host), fleet)
         fleet_routes = FleetRoutes(fleet)
         self.app = web.Application(
             client_max_size=max_body, middlewares=[errors_as_json, refuse_cross_site, self._auth.middleware]

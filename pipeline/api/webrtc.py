@@ -16,6 +16,8 @@ candidates, pending sessions per client).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from aiohttp import web
 
 from pipeline.api.answers import error
@@ -32,6 +34,9 @@ from pipeline.webrtc_guard import (
     default_ice_networks,
     parse_network,
 )
+
+if TYPE_CHECKING:
+    from pipeline.fleet.worker import FleetWorker
 
 
 def offer_guard(config: HttpConfig, host: str) -> OfferGuard:
@@ -57,9 +62,10 @@ async def read_sdp(request: web.Request) -> str | web.Response:
 class WebRtcRoutes:
     """WHIP offers go to the named ``whip://`` source; WHEP viewers get a :class:`WhepServer` session."""
 
-    def __init__(self, runtime: Runtime, guard: OfferGuard) -> None:
+    def __init__(self, runtime: Runtime, guard: OfferGuard, fleet: FleetWorker | None = None) -> None:
         self._runtime = runtime
         self.guard = guard
+        self._fleet = fleet
         # Created with the first WHEP viewer.
         self._whep: WhepServer | None = None
 
@@ -107,7 +113,7 @@ class WebRtcRoutes:
         name = request.match_info["name"]
         source = self._whip_source(name)
         if source is None:
-            return error(404, f"no whip:// source named {name!r}")
+            return self._not_here(name)
         guarded = await self._read_offer(request)
         if isinstance(guarded, web.Response):
             return guarded
@@ -122,6 +128,22 @@ class WebRtcRoutes:
             text=answer,
             content_type="application/sdp",
             headers={"Location": f"/whip/{name}/{session}"},
+        )
+
+    def _not_here(self, name: str) -> web.Response:
+        """No source here takes ``whip://name``; in a fleet, say which worker does, or that none does yet."""
+        runner = self._fleet.whip_runner(name) if self._fleet is not None else None
+        if self._fleet is None or runner is None:
+            return error(404, f"no whip:// source named {name!r}")
+        sid, worker = runner
+        where = f"whip://{name} (source {sid!r}) of fleet {self._fleet.name}"
+        if worker is None or worker == self._fleet.id:
+            # Placed a moment from now (a claim, a start, a takeover): worth a retry.
+            return error(503, f"{where} is not running yet; retry", {"Retry-After": "2"})
+        return error(
+            404,
+            f"{where} runs on worker {worker!r}, not this one: publish there "
+            "(GET /v1/fleet lists who runs what)",
         )
 
     async def whip_delete(self, request: web.Request) -> web.Response:

@@ -613,6 +613,13 @@ class FleetWorker:
                 return sid
         return None
 
+    def whip_runner(self, name: str) -> tuple[str, str | None] | None:
+        """The desired source that takes ``whip://name``, and the worker holding it (None: none yet)."""
+        for sid, (_, config) in self.desired_sources().items():
+            if config.scheme == "whip" and whip_name(config.url) == name:
+                return sid, self.holders().get(sid)
+        return None
+
     @property
     def connected(self) -> bool:
         """Whether this worker's NATS connection is up (the desired set can be read and changed)."""

@@ -910,6 +910,39 @@ async def test_a_repeated_whip_name_and_a_change_while_nats_is_down_are_refused(
     assert sorted(worker.desired_ids()) == ["cam1", "door"]
 
 
+async def test_a_whip_publisher_at_the_wrong_worker_is_told_which_worker_runs_its_source(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    import aiohttp
+
+    offer = {"data": "v=0\r\n", "headers": {"Content-Type": "application/sdp"}}
+    async with (
+        one_worker(nats_server.url, tmp_path, [], fleet="pub", worker_id="w1", refuse={"door"}) as (w1, api1),
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.post(f"{api1.url}/v1/sources", json={"url": "whip://door"}) as r:
+            assert r.status == 202
+        await until(lambda: "door" in w1.desired_ids(), "door in the desired set")
+        # Desired, but no worker can run it: not there yet, worth a retry.
+        async with http.post(f"{api1.url}/whip/door", **offer) as r:
+            assert (r.status, r.headers.get("Retry-After")) == (503, "2")
+            assert (await r.json())[
+                "error"
+            ] == "whip://door (source 'door') of fleet pub is not running yet; retry"
+        async with one_worker(nats_server.url, tmp_path, [], fleet="pub", worker_id="w2") as (w2, _):
+            await until(lambda: "door" in w2.owned, "w2 never took door", timeout=30)
+            await until(lambda: w1.holders().get("door") == "w2", "w1 never saw w2's lease")
+            async with http.post(f"{api1.url}/whip/door", **offer) as r:
+                assert r.status == 404
+                assert (await r.json())["error"] == (
+                    "whip://door (source 'door') of fleet pub runs on worker 'w2', not this one: "
+                    "publish there (GET /v1/fleet lists who runs what)"
+                )
+        async with http.post(f"{api1.url}/whip/window", **offer) as r:
+            assert r.status == 404
+            assert (await r.json())["error"] == "no whip:// source named 'window'"
+
+
 async def test_a_nats_outage_is_one_log_line_per_interval_not_one_per_reconnect_attempt(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
