@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
-from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NotFoundError, ServerError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from pipeline.cancel import cancel_and_wait
@@ -44,6 +44,18 @@ META_PREFIX = "="
 def bucket_name(fleet: str, kind: str) -> str:
     """``vidpipe_fleet_<fleet>_<kind>``; ``kind`` is sources, leases or workers."""
     return f"vidpipe_fleet_{fleet}_{kind}"
+
+
+# JetStream's answer to ``replicas > 1`` on a server that runs without a cluster.
+NOT_CLUSTERED = 10074
+
+
+class NotClustered(Exception):
+    """More copies of a bucket were asked for than a server without a cluster keeps (one)."""
+
+    def __init__(self, replicas: int) -> None:
+        super().__init__(f"replicas {replicas} asked of a JetStream server without a cluster")
+        self.replicas = replicas
 
 
 async def open_bucket(
@@ -60,8 +72,12 @@ async def open_bucket(
         pass
     try:
         return await js.create_key_value(KeyValueConfig(bucket=name, history=1, ttl=ttl, replicas=replicas))
-    except Exception:
+    except ServerError as exc:
+        if exc.err_code == NOT_CLUSTERED:
+            raise NotClustered(replicas) from None  # a retry cannot help: the server has one copy
         # Another worker created it first with other settings: use theirs.
+        return await js.key_value(name)
+    except Exception:
         return await js.key_value(name)
 
 

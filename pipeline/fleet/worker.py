@@ -52,7 +52,14 @@ from nats.js.kv import KeyValue
 from inference.ratelimit import RateLimitedLog
 from pipeline.cancel import cancel_and_wait
 from pipeline.config import FleetConfig, SourceConfig, SourcePolicy
-from pipeline.fleet.buckets import BadEntries, BucketView, bucket_name, bucket_stream, open_bucket
+from pipeline.fleet.buckets import (
+    BadEntries,
+    BucketView,
+    NotClustered,
+    bucket_name,
+    bucket_stream,
+    open_bucket,
+)
 from pipeline.fleet.desired import DesiredCache, DesiredSources
 from pipeline.fleet.leases import EPOCH_KEY, Lease, LeaseTable, StoredLease, parse_epoch, parse_lease
 from pipeline.fleet.placement import LiveSet, place
@@ -204,6 +211,14 @@ class FleetWorker:
             try:
                 await self._join()
                 break
+            except NotClustered as exc:
+                await self._nc.close()
+                raise RuntimeError(
+                    f"fleet {self.name}: fleet.replicas is {exc.replicas}, but the NATS server at {shown} "
+                    "runs JetStream without a cluster, which keeps one copy of each bucket: set "
+                    f"fleet.replicas: 1, or give --nats the servers of a JetStream cluster of "
+                    f"{exc.replicas} or more nodes"
+                ) from None
             except Exception as exc:
                 # A fresh cluster answers "no response from stream" until its leaders are up.
                 if time.monotonic() < deadline:

@@ -910,6 +910,24 @@ async def test_a_repeated_whip_name_and_a_change_while_nats_is_down_are_refused(
     assert sorted(worker.desired_ids()) == ["cam1", "door"]
 
 
+def test_replicas_over_one_on_a_server_without_a_cluster_is_refused_at_once(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    config = tmp_path / "r3.yaml"
+    config.write_text(
+        "pipeline: r3\nfleet: {name: r3, replicas: 3}\nsources:\n"
+        "  - url: test://?id=cam1&width=64&height=48&fps=20\n"
+    )
+    # Before, it retried for 30 s, then blamed JetStream being off.
+    done = run_cli("run", str(config), "--nats", nats_server.url, timeout=25)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"vidpipe: fleet r3: fleet.replicas is 3, but the NATS server at {nats_server.url} runs "
+        "JetStream without a cluster, which keeps one copy of each bucket: set fleet.replicas: 1, "
+        "or give --nats the servers of a JetStream cluster of 3 or more nodes"
+    )
+
+
 async def test_a_whip_publisher_at_the_wrong_worker_is_told_which_worker_runs_its_source(
     nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
