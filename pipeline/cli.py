@@ -17,9 +17,13 @@
     vidpipe fleet add URL [--id ID] | remove ID | list [--json]   --nats URL --fleet NAME
     vidpipe serve-rtsp FILE... [--port N] [--host ADDR]   looping RTSP cameras for trials
 
-Exit codes: 0 done, 1 runtime failure (no source produced anything, NATS
-unreachable, a model unavailable), 2 bad config or usage (``FILE:LINE: ...``,
-every problem of a file at once), 130 forced exit (a second Ctrl-C).
+Exit codes (``pipeline/console.py``): 0 done, or stopped by Ctrl-C, 1 runtime
+failure (no source produced anything, NATS unreachable, a model unavailable), 2 bad config
+or usage (``FILE:LINE: ...``, every problem of a file at once), 130 forced exit (a second
+Ctrl-C).
+
+The console script enters through ``pipeline/entry.py``, which loads this module where a
+Ctrl-C is a stop, not a traceback.
 
 ``--log-format json`` makes everything vidpipe itself writes JSON, one object a
 line: logs, the embedded server's URL, the summary, errors.
@@ -46,15 +50,12 @@ from typing import Any
 import pipeline
 from inference.schema import MAX_REPORTED_ERRORS, ConfigError, raise_errors
 from pipeline.config import HttpConfig, PipelineConfig, load_config
+from pipeline.console import EXIT_FORCED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, say, stopped_while_starting
 from pipeline.redact import redact_url
 from pipeline.sources.schemes import SCHEME_OPTIONS
 
 log = logging.getLogger("vidpipe")
 
-EXIT_OK = 0
-EXIT_RUNTIME = 1
-EXIT_USAGE = 2
-EXIT_FORCED = 130  # a second Ctrl-C: 128 + SIGINT, as shells report it
 
 EXAMPLES = """\
 examples:
@@ -326,10 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(str(exc), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        if args.command == "run":
-            # Ctrl-C before the run could stop gracefully (while it started): nothing ran.
-            _say(args, "vidpipe: stopped while starting; nothing was processed", stream=sys.stderr)
-        return EXIT_OK
+        # Ctrl-C before the run could stop gracefully (while it started): nothing ran.
+        return stopped_while_starting(args.command, json_lines=args.log_format == "json")
     except Exception as exc:
         if args.debug:
             raise
@@ -342,10 +341,7 @@ def _say(
     args: argparse.Namespace, text: str, *, level: str = "info", stream: Any = None, **fields: Any
 ) -> None:
     """A line for the operator: as is, or with ``--log-format json`` one JSON object like a log record."""
-    if getattr(args, "log_format", "plain") == "json":
-        record = {"ts": round(time.time(), 3), "level": level, "logger": "vidpipe", "msg": text}
-        text = json.dumps({**record, **{k: v for k, v in fields.items() if v not in (None, "")}})
-    print(text, file=stream or sys.stdout, flush=True)
+    say(text, json_lines=getattr(args, "log_format", "plain") == "json", level=level, stream=stream, **fields)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

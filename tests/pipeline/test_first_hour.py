@@ -277,6 +277,61 @@ def test_a_killed_vidpipe_takes_its_server_along(squares_config: Path) -> None:
     assert not store.exists()
 
 
+def _console_script() -> Path:
+    """The ``vidpipe`` script pip wrote into this environment (what a terminal runs)."""
+    script = Path(sys.executable).with_name("vidpipe")
+    assert "from pipeline.entry import main" in script.read_text(), f"{script} is stale: run make install"
+    return script
+
+
+def _until_loaded(proc: subprocess.Popen[str], library: str) -> None:
+    """Until ``proc`` has mapped a shared library whose path holds ``library``: an import reached."""
+    maps = Path(f"/proc/{proc.pid}/maps")
+    deadline = time.monotonic() + 60
+    while library not in maps.read_text():
+        assert proc.poll() is None, f"vidpipe ended before it loaded {library}"
+        assert time.monotonic() < deadline, f"vidpipe did not load {library} in 60 s"
+        time.sleep(0.002)
+
+
+# Three moments of the second the CLI spends importing the runtime, in the order they come:
+# a library of NumPy, of OpenCV and of SciPy mapped.
+@pytest.mark.parametrize(
+    ("loaded", "log_format"),
+    [("_multiarray_umath", "plain"), ("/cv2/", "plain"), ("/scipy/linalg/", "plain"), ("/cv2/", "json")],
+)
+def test_ctrl_c_while_vidpipe_loads_is_one_line_and_exit_0(
+    squares_config: Path, loaded: str, log_format: str
+) -> None:
+    proc = subprocess.Popen(
+        [_console_script(), "run", str(squares_config), "--source", "test://", "--log-format", log_format],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _until_loaded(proc, loaded)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert out == ""
+    if log_format == "json":
+        (line,) = err.splitlines()
+        record = json.loads(line)
+        assert {k: record[k] for k in ("level", "logger", "msg")} == {
+            "level": "info",
+            "logger": "vidpipe",
+            "msg": "vidpipe: stopped while starting; nothing was processed",
+        }
+    else:
+        assert err == "vidpipe: stopped while starting; nothing was processed\n"
+
+
 def test_the_embedded_server_takes_4222_so_subscribe_needs_no_flags(squares_config: Path) -> None:
     if not port_is_free(DEFAULT_PORT):
         pytest.skip("port 4222 is taken on this machine")
