@@ -17,7 +17,7 @@
     vidpipe fleet add URL [--id ID] | remove ID | list [--json]   --nats URL --fleet NAME
     vidpipe serve-rtsp FILE... [--port N] [--host ADDR]   looping RTSP cameras for trials
 
-Exit codes (``pipeline/console.py``): 0 done, or stopped by Ctrl-C, 1 runtime
+Exit codes (``pipeline/console.py``): 0 done, or stopped by Ctrl-C or SIGTERM, 1 runtime
 failure (no source produced anything, NATS unreachable, a model unavailable), 2 bad config
 or usage (``FILE:LINE: ...``, every problem of a file at once), 130 forced exit (a second
 Ctrl-C).
@@ -779,7 +779,9 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         f"; failed: {', '.join(failed)}" if failed else "",
         "".join(f"; {sid} never up ({why})" for sid, why in silent.items()),
     )
-    if published == 0 and runtime.sources:
+    # Nothing produced is a failure, unless the operator stopped the run before the first
+    # frame (Ctrl-C, SIGTERM) and no source failed: a stop asked for is exit 0 at any time.
+    if published == 0 and runtime.sources and (failed or not signals):
         return EXIT_RUNTIME
     return EXIT_OK
 

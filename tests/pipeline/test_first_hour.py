@@ -332,6 +332,61 @@ def test_ctrl_c_while_vidpipe_loads_is_one_line_and_exit_0(
         assert err == "vidpipe: stopped while starting; nothing was processed\n"
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_a_stop_before_the_first_frame_exits_0_and_names_the_sources_never_up(
+    squares_config: Path, sig: signal.Signals
+) -> None:
+    # A camera that accepts the connection and never answers: the source stays connecting.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        proc = _start("run", str(squares_config), "--source", f"rtsp://user:pw@127.0.0.1:{port}/stream1")
+        try:
+            _embedded_url(proc)
+            assert proc.stderr is not None
+            while "source stream1: connecting" not in (line := proc.stderr.readline()):
+                assert line, "vidpipe ended before its source was connecting"
+            os.killpg(proc.pid, sig)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err
+    assert [line.split(" done: ", 1)[1] for line in err.splitlines() if " done: " in line] == [
+        f"0 frame(s) published from 1 source(s); stream1 never up (connecting: rtsp://***@127.0.0.1:{port}/stream1)"
+    ]
+    assert "pw" not in err
+
+
+def test_a_stop_before_the_first_frame_still_exits_1_when_a_source_failed(
+    tmp_path: Path, squares_config: Path
+) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        missing = tmp_path / "missing.mp4"
+        proc = _start(
+            "run", str(squares_config), "--source", str(missing),
+            "--source", f"rtsp://127.0.0.1:{port}/stream1",
+        )  # fmt: skip
+        try:
+            _embedded_url(proc)
+            assert proc.stderr is not None
+            waiting = {"source missing: file not found", "source stream1: connecting"}
+            while waiting:
+                line = proc.stderr.readline()
+                assert line, f"vidpipe ended before it logged {waiting}"
+                waiting = {w for w in waiting if w not in line}
+            os.killpg(proc.pid, signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 1, err
+    assert [line.split(" done: ", 1)[1] for line in err.splitlines() if " done: " in line] == [
+        "0 frame(s) published from 2 source(s); failed: missing; "
+        f"stream1 never up (connecting: rtsp://127.0.0.1:{port}/stream1)"
+    ]
+
+
 def test_the_embedded_server_takes_4222_so_subscribe_needs_no_flags(squares_config: Path) -> None:
     if not port_is_free(DEFAULT_PORT):
         pytest.skip("port 4222 is taken on this machine")
