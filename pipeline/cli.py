@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import difflib
 import json
 import logging
 import math
@@ -475,12 +474,11 @@ def cmd_models_quantize(args: argparse.Namespace) -> int:
 
 def _check_model(repo: Path, name: str) -> None:
     """A model of ``repo`` whose config.yaml reads (exit 2 with FILE:LINE, or a did-you-mean)."""
-    from inference.repository import CONFIG_FILE, read_source
+    from inference.repository import read_source
+    from pipeline.config import missing_model_hint
 
-    names = sorted(p.name for p in repo.iterdir() if (p / CONFIG_FILE).is_file())
-    if name not in names:
-        close = difflib.get_close_matches(name, names, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"it has: {', '.join(names) or 'no models'}"
+    hint = missing_model_hint(repo, name)
+    if hint is not None:
         raise ConfigError(str(repo), None, "", f"no model {name!r} in this repository", hint)
     read_source(repo, name)  # a config.yaml that does not read fails here, at its line
 

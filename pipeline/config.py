@@ -696,11 +696,9 @@ def _check_resources(
             "models", f"repository folder {root} not found", "relative paths start at the folder of this file"
         )
         return errors
-    names = sorted(p.name for p in root.iterdir() if (p / CONFIG_FILE).is_file())
     for name, i in sorted(used.items(), key=lambda kv: kv[1]):
-        if name not in names:
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"it has: {', '.join(names) or 'no models'}"
+        hint = missing_model_hint(root, name)
+        if hint is not None:
             err(f"stages[{i}].model", f"model {name!r} is not in the repository {root}", hint)
             continue
         try:
@@ -714,6 +712,16 @@ def _check_resources(
         for key, problem, hint in model_misfits(stages, name, model.config.task.kind, found):
             err(key, problem, hint)
     return errors
+
+
+def missing_model_hint(repo: Path, name: str) -> str | None:
+    """None when the model repository ``repo`` has a model ``name`` (a folder with a config.yaml);
+    else what to say: a did-you-mean, or the models it has (``validate``, ``run``, ``tune``)."""
+    names = sorted(p.name for p in repo.iterdir() if (p / CONFIG_FILE).is_file())
+    if name in names:
+        return None
+    close = difflib.get_close_matches(name, names, n=1)
+    return f"did you mean {close[0]!r}?" if close else f"it has: {', '.join(names) or 'no models'}"
 
 
 def model_misfits(

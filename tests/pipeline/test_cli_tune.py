@@ -100,6 +100,13 @@ def test_tune_refuses_bad_arguments_as_usage_errors(tmp_path: Path, sample_model
         proc.stderr.strip()
         == f"{sample_models}: no model 'sqares' in this repository (hint: did you mean 'squares'?)"
     )
+    # Nothing close: the models the repository has (the hint `validate` gives for a stage's model).
+    proc = run_cli("tune", str(sample_models), "yolo")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"{sample_models}: no model 'yolo' in this repository "
+        "(hint: it has: ppocr_cls, ppocr_det, ppocr_rec, squares)"
+    )
     # A model whose config.yaml does not read is refused at its line, before any trial.
     broken = tmp_path / "repo" / "squares"
     shutil.copytree(sample_models / "squares", broken)
