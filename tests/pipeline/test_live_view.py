@@ -6,6 +6,7 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import aioice.ice
@@ -40,6 +41,22 @@ def loopback_ice(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 async def start(tmp_path: Path, nats: EmbeddedNats, models: Path) -> Stack:
     text = CONFIG.format(models=models, fps=FPS, nats=nats.url, token=TOKEN)
     return await Stack.start(tmp_path, text, nats.url, token=TOKEN)
+
+
+async def whep_connect(stack: Stack, pc: RTCPeerConnection) -> tuple[str, Any]:
+    """Ask ``/whep/cam`` for the video, receive-only: the session's Location and its track."""
+    pc.addTransceiver("video", direction="recvonly")
+    got: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    pc.on("track", got.set_result)
+    await pc.setLocalDescription(await pc.createOffer())
+    async with stack.http.post(
+        "/whep/cam", data=pc.localDescription.sdp, headers={"Content-Type": "application/sdp"}
+    ) as resp:
+        assert resp.status == 201, await resp.text()
+        location = resp.headers["Location"]
+        answer = await resp.text()
+    await pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
+    return location, await asyncio.wait_for(got, 10)
 
 
 async def published_rate(stack: Stack, seconds: float) -> float:
@@ -140,26 +157,11 @@ async def test_whep_client_receives_annotated_video(
     stack = await start(tmp_path, nats_server, sample_models)
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     try:
-        pc.addTransceiver("video", direction="recvonly")
-        got: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-
-        @pc.on("track")
-        def on_track(track: object) -> None:
-            got.set_result(track)
-
-        await pc.setLocalDescription(await pc.createOffer())
-        async with stack.http.post(
-            "/whep/cam", data=pc.localDescription.sdp, headers={"Content-Type": "application/sdp"}
-        ) as resp:
-            assert resp.status == 201, await resp.text()
-            location = resp.headers["Location"]
-            answer = await resp.text()
+        location, track = await whep_connect(stack, pc)
         assert location.startswith("/whep/cam/")
-        await pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
-        track = await asyncio.wait_for(got, 10)
         sizes = set()
         for _ in range(30):
-            frame = await asyncio.wait_for(track.recv(), 10)  # type: ignore[attr-defined]
+            frame = await asyncio.wait_for(track.recv(), 10)
             sizes.add((frame.width, frame.height))
         assert sizes == {(320, 240)}
         async with stack.http.delete(location) as resp:
@@ -176,19 +178,8 @@ async def test_a_whep_session_ends_with_its_source(
     stack = await start(tmp_path, nats_server, sample_models)
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     try:
-        pc.addTransceiver("video", direction="recvonly")
-        got: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        pc.on("track", lambda track: got.set_result(track))
-        await pc.setLocalDescription(await pc.createOffer())
-        async with stack.http.post(
-            "/whep/cam", data=pc.localDescription.sdp, headers={"Content-Type": "application/sdp"}
-        ) as resp:
-            assert resp.status == 201, await resp.text()
-            location = resp.headers["Location"]
-            answer = await resp.text()
-        await pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
-        track = await asyncio.wait_for(got, 10)
-        await asyncio.wait_for(track.recv(), 10)  # type: ignore[attr-defined]
+        location, track = await whep_connect(stack, pc)
+        await asyncio.wait_for(track.recv(), 10)
         assert len(stack.api.whep.sessions) == 1
         # The source goes: its viewers' sessions end with it and give their places back.
         async with stack.http.delete("/v1/sources/cam") as resp:
@@ -274,20 +265,10 @@ async def test_lines_and_zones_are_drawn_on_the_snapshot_mjpeg_and_whep(
                     break
         assert_line_and_zone_drawn(image, "mjpeg")
 
-        pc.addTransceiver("video", direction="recvonly")
-        got: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        pc.on("track", got.set_result)
-        await pc.setLocalDescription(await pc.createOffer())
-        async with stack.http.post(
-            "/whep/cam", data=pc.localDescription.sdp, headers={"Content-Type": "application/sdp"}
-        ) as resp:
-            assert resp.status == 201, await resp.text()
-            answer = await resp.text()
-        await pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
-        track = await asyncio.wait_for(got, 10)
+        _, track = await whep_connect(stack, pc)
         # The first frames of a WebRTC stream are coarse while its bitrate ramps up.
         for i in range(300):
-            frame = await asyncio.wait_for(track.recv(), 10)  # type: ignore[attr-defined]
+            frame = await asyncio.wait_for(track.recv(), 10)
             image = frame.to_ndarray(format="bgr24")
             if i >= 20 and square_clear(image):
                 break
