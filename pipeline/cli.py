@@ -35,10 +35,12 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import difflib
 import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -982,11 +984,8 @@ async def _start_fleet(runtime: Any, cfg: PipelineConfig, nats_url: str) -> Any:
 
 
 async def cmd_fleet(args: argparse.Namespace) -> int:
-
-    from pipeline.config import parse_source
-    from pipeline.fleet.buckets import open_bucket
-    from pipeline.fleet.desired import DesiredSources
-    from pipeline.fleet.status import format_status, read_status
+    """``vidpipe fleet add|remove|list``: a misspelt ``--fleet`` is named with the fleets the
+    server has; only ``add`` may start a fleet (a set prepared before its workers start)."""
     from pipeline.names import check_name
 
     problem = check_name(args.fleet)
@@ -999,30 +998,112 @@ async def cmd_fleet(args: argparse.Namespace) -> int:
         return EXIT_RUNTIME
     try:
         js = nc.jetstream()
+        fleets = await _fleet_names(js, args.nats)
+        if args.fleet_command == "add":
+            return await _fleet_add(args, js, fleets)
+        if args.fleet not in fleets:
+            raise ConfigError(
+                "--fleet", None, "", f"no fleet {args.fleet!r} on {redact_url(args.nats)}",
+                _fleets_hint(args.fleet, fleets),
+            )  # fmt: skip
         if args.fleet_command == "list":
+            from pipeline.fleet.status import format_status, read_status
+
             status = await read_status(js, args.fleet)
             print(json.dumps(status, indent=2) if args.json else format_status(status))
             return EXIT_OK
-        desired = DesiredSources(js, args.fleet, await open_bucket(js, args.fleet, "sources"))
-        if args.fleet_command == "add":
-            data = {"url": args.url, **({"id": args.id} if args.id is not None else {})}
-            try:
-                source = parse_source(data, base_dir=Path.cwd())  # the checks of every other door
-            except ConfigError as exc:
-                flag = "--id" if exc.path.endswith(".id") else "url"
-                raise ConfigError(flag, None, "", exc.problem, exc.hint) from None
-            if not await desired.add(source):
-                print(f"vidpipe: fleet {args.fleet} already has a source {source.source_id}", file=sys.stderr)
-                return EXIT_USAGE
-            print(f"fleet {args.fleet}: source {source.source_id} added")
-            return EXIT_OK
-        if not await desired.remove(args.id):
-            print(f"vidpipe: fleet {args.fleet} has no source {args.id}", file=sys.stderr)
-            return EXIT_USAGE
-        print(f"fleet {args.fleet}: source {args.id} removed")
-        return EXIT_OK
+        return await _fleet_remove(args, js)
     finally:
         await nc.close()
+
+
+async def _fleet_names(js: Any, url: str) -> list[str]:
+    """The fleets on the server: those with any of their buckets (sources, leases, workers)."""
+    from nats.errors import NoRespondersError
+    from nats.js.errors import ServiceUnavailableError
+
+    from pipeline.fleet.buckets import bucket_name, bucket_stream
+    from pipeline.names import check_name
+
+    streams: list[str] = []
+    try:
+        while page := await js.streams_info(offset=len(streams)):
+            streams += [info.config.name for info in page]
+    except (NoRespondersError, ServiceUnavailableError):
+        raise RuntimeError(
+            f"NATS at {redact_url(url)} has no JetStream, where fleets keep their state: "
+            "start nats-server with -js"
+        ) from None
+    # A bucket's stream name read back: KV_vidpipe_fleet_<fleet>_<kind>.
+    pattern = re.compile(
+        re.escape(bucket_stream(bucket_name("FLEET", "KIND")))
+        .replace("FLEET", "(?P<fleet>[A-Za-z0-9_-]+)")
+        .replace("KIND", "(?:sources|leases|workers)")
+    )
+    fleets = set()
+    for stream in streams:
+        match = pattern.fullmatch(stream)
+        if match and check_name(match["fleet"]) is None:
+            fleets.add(match["fleet"])
+    return sorted(fleets)
+
+
+def _fleets_hint(fleet: str, fleets: list[str]) -> str:
+    """A did-you-mean for a fleet name, and the fleets the server has."""
+    if not fleets:
+        return (
+            "the server has no fleet yet; workers make theirs as they start: vidpipe run CONFIG --fleet NAME"
+        )
+    close = difflib.get_close_matches(fleet, fleets, n=1)
+    there = f"fleets there: {', '.join(fleets)}"
+    return f"did you mean {close[0]!r}? {there}" if close else there
+
+
+async def _fleet_add(args: argparse.Namespace, js: Any, fleets: list[str]) -> int:
+    """Add a desired source, with the checks of ``POST /v1/sources`` on a worker of the fleet."""
+    from pipeline.config import parse_source
+    from pipeline.fleet.buckets import open_bucket
+    from pipeline.fleet.desired import DesiredSources
+
+    data = {"url": args.url, **({"id": args.id} if args.id is not None else {})}
+    try:
+        source = parse_source(data, base_dir=Path.cwd())  # the checks of every other door
+    except ConfigError as exc:
+        flag = "--id" if exc.path.endswith(".id") else "url"
+        raise ConfigError(flag, None, "", exc.problem, exc.hint) from None
+    new = args.fleet not in fleets
+    kv = await open_bucket(js, args.fleet, "sources")
+    if not await DesiredSources(js, args.fleet, kv).add(source):
+        print(f"vidpipe: fleet {args.fleet} already has a source {source.source_id}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"fleet {args.fleet}: source {source.source_id} added")
+    if new:
+        others = [f for f in fleets if f != args.fleet]
+        there = f"fleets there: {', '.join(others)}" if others else "no other fleet there"
+        _say(
+            args,
+            f"vidpipe: note: fleet {args.fleet} is new on {redact_url(args.nats)} ({there}): no worker runs "
+            "it yet, and workers that join it will run this set, not their file's sources",
+            stream=sys.stderr,
+        )
+    return EXIT_OK
+
+
+async def _fleet_remove(args: argparse.Namespace, js: Any) -> int:
+    from nats.js.errors import BucketNotFoundError
+
+    from pipeline.fleet.buckets import bucket_name
+    from pipeline.fleet.desired import DesiredSources
+
+    try:
+        kv = await js.key_value(bucket_name(args.fleet, "sources"))
+    except BucketNotFoundError:
+        kv = None
+    if kv is None or not await DesiredSources(js, args.fleet, kv).remove(args.id):
+        print(f"vidpipe: fleet {args.fleet} has no source {args.id}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"fleet {args.fleet}: source {args.id} removed")
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""CLI behaviour not covered elsewhere: model listing, structured logs, trial RTSP cameras."""
+"""CLI behaviour not covered elsewhere: model listing, structured logs, trial RTSP cameras, fleet commands."""
 
 from __future__ import annotations
 
@@ -131,3 +131,51 @@ async def test_serve_rtsp_loops_a_file_as_a_live_camera_until_ctrl_c(tmp_path: P
 def test_serve_rtsp_of_a_missing_file_is_a_usage_error(tmp_path: Path) -> None:
     proc = run_cli("serve-rtsp", str(tmp_path / "nope.mp4"))
     assert (proc.returncode, proc.stderr) == (2, f"{tmp_path / 'nope.mp4'}: file not found\n")
+
+
+def fleet_cli(server: EmbeddedNats, fleet: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``vidpipe fleet ARGS --nats <server> --fleet FLEET``."""
+    return run_cli("fleet", *args, "--nats", server.url, "--fleet", fleet)
+
+
+def test_a_fleet_the_server_does_not_have_is_named_with_the_fleets_it_has(nats_server: EmbeddedNats) -> None:
+    url = nats_server.url
+    listed = fleet_cli(nats_server, "cams", "list")
+    assert (listed.returncode, listed.stdout) == (2, "")
+    assert listed.stderr == (
+        f"--fleet: no fleet 'cams' on {url} (hint: the server has no fleet yet; workers make theirs as "
+        "they start: vidpipe run CONFIG --fleet NAME)\n"
+    )
+
+    # A desired set may be prepared before any worker starts: added, with a note that says so.
+    added = fleet_cli(nats_server, "cams", "add", "test://", "--id", "door")
+    assert (added.returncode, added.stdout) == (0, "fleet cams: source door added\n")
+    assert added.stderr == (
+        f"vidpipe: note: fleet cams is new on {url} (no other fleet there): no worker runs it yet, and "
+        "workers that join it will run this set, not their file's sources\n"
+    )
+    added = fleet_cli(nats_server, "lobby", "add", "test://", "--id", "desk")
+    assert (added.returncode, added.stdout) == (0, "fleet lobby: source desk added\n")
+    assert added.stderr == (
+        f"vidpipe: note: fleet lobby is new on {url} (fleets there: cams): no worker runs it yet, and "
+        "workers that join it will run this set, not their file's sources\n"
+    )
+    added = fleet_cli(nats_server, "cams", "add", "test://", "--id", "yard")
+    assert (added.returncode, added.stdout, added.stderr) == (0, "fleet cams: source yard added\n", "")
+
+    # A misspelt name: nothing listed, nothing removed, no bucket made for it.
+    for command in (("list",), ("remove", "door")):
+        proc = fleet_cli(nats_server, "camz", *command)
+        assert (proc.returncode, proc.stdout) == (2, "")
+        assert proc.stderr == (
+            f"--fleet: no fleet 'camz' on {url} (hint: did you mean 'cams'? fleets there: cams, lobby)\n"
+        )
+    proc = fleet_cli(nats_server, "zzz", "list")
+    assert (proc.returncode, proc.stderr) == (
+        2,
+        f"--fleet: no fleet 'zzz' on {url} (hint: fleets there: cams, lobby)\n",
+    )
+
+    listed = fleet_cli(nats_server, "cams", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [s["id"] for s in json.loads(listed.stdout)["sources"]] == ["door", "yard"]
