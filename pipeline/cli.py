@@ -1062,8 +1062,9 @@ def _fleets_hint(fleet: str, fleets: list[str]) -> str:
 async def _fleet_add(args: argparse.Namespace, js: Any, fleets: list[str]) -> int:
     """Add a desired source, with the checks of ``POST /v1/sources`` on a worker of the fleet."""
     from pipeline.config import parse_source
-    from pipeline.fleet.buckets import open_bucket
+    from pipeline.fleet.buckets import bucket_items, bucket_name, open_bucket
     from pipeline.fleet.desired import DesiredSources
+    from pipeline.urls import whip_name
 
     data = {"url": args.url, **({"id": args.id} if args.id is not None else {})}
     try:
@@ -1073,6 +1074,16 @@ async def _fleet_add(args: argparse.Namespace, js: Any, fleets: list[str]) -> in
         raise ConfigError(flag, None, "", exc.problem, exc.hint) from None
     new = args.fleet not in fleets
     kv = await open_bucket(js, args.fleet, "sources")
+    stored = await bucket_items(js, kv, bucket_name(args.fleet, "sources"))
+    if source.scheme == "whip":
+        # Workers refuse to start a second source a publisher's name would reach: refuse it here.
+        owner = _whip_owner(source, stored)
+        if owner is not None:
+            taken = f"whip name {whip_name(source.url)!r} is already used by source {owner!r}"
+            raise ConfigError(
+                "url", None, "", f"{taken} in fleet {args.fleet}",
+                f"give this publisher another name, whip://<name>, or remove {owner!r} first",
+            )  # fmt: skip
     if not await DesiredSources(js, args.fleet, kv).add(source):
         print(f"vidpipe: fleet {args.fleet} already has a source {source.source_id}", file=sys.stderr)
         return EXIT_USAGE
@@ -1087,6 +1098,24 @@ async def _fleet_add(args: argparse.Namespace, js: Any, fleets: list[str]) -> in
             stream=sys.stderr,
         )
     return EXIT_OK
+
+
+def _whip_owner(source: Any, stored: dict[str, bytes]) -> str | None:
+    """The desired source (another id) whose ``whip://`` name ``source`` would take, if any."""
+    from pipeline.fleet.buckets import META_PREFIX
+    from pipeline.fleet.desired import decode_source
+    from pipeline.urls import whip_name
+
+    for sid, value in stored.items():
+        if sid == source.source_id or sid.startswith(META_PREFIX):
+            continue
+        try:
+            other = decode_source(sid, value)
+        except Exception:  # noqa: S112 - a stored value that does not parse takes no name (workers skip it)
+            continue
+        if other.scheme == "whip" and whip_name(other.url) == whip_name(source.url):
+            return sid
+    return None
 
 
 async def _fleet_remove(args: argparse.Namespace, js: Any) -> int:

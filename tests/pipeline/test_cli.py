@@ -179,3 +179,23 @@ def test_a_fleet_the_server_does_not_have_is_named_with_the_fleets_it_has(nats_s
     listed = fleet_cli(nats_server, "cams", "list", "--json")
     assert listed.returncode == 0, listed.stderr
     assert [s["id"] for s in json.loads(listed.stdout)["sources"]] == ["door", "yard"]
+
+
+def test_fleet_add_refuses_a_whip_name_another_desired_source_uses(nats_server: EmbeddedNats) -> None:
+    added = fleet_cli(nats_server, "cams", "add", "whip://door", "--id", "front")
+    assert (added.returncode, added.stdout) == (0, "fleet cams: source front added\n")
+    taken = fleet_cli(nats_server, "cams", "add", "whip://door", "--id", "back")
+    assert (taken.returncode, taken.stdout) == (2, "")
+    assert taken.stderr == (
+        "url: whip name 'door' is already used by source 'front' in fleet cams "
+        "(hint: give this publisher another name, whip://<name>, or remove 'front' first)\n"
+    )
+    # The same id is the id's own refusal; another name, or the same name in another fleet, is fine.
+    again = fleet_cli(nats_server, "cams", "add", "whip://door", "--id", "front")
+    assert (again.returncode, again.stderr) == (2, "vidpipe: fleet cams already has a source front\n")
+    other = fleet_cli(nats_server, "cams", "add", "whip://yard", "--id", "back")
+    assert (other.returncode, other.stdout, other.stderr) == (0, "fleet cams: source back added\n", "")
+    elsewhere = fleet_cli(nats_server, "lobby", "add", "whip://door", "--id", "back")
+    assert (elsewhere.returncode, elsewhere.stdout) == (0, "fleet lobby: source back added\n")
+    listed = fleet_cli(nats_server, "cams", "list", "--json")
+    assert [s["id"] for s in json.loads(listed.stdout)["sources"]] == ["back", "front"]
