@@ -40,7 +40,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import sys
 import time
@@ -986,6 +985,7 @@ async def _start_fleet(runtime: Any, cfg: PipelineConfig, nats_url: str) -> Any:
 async def cmd_fleet(args: argparse.Namespace) -> int:
     """``vidpipe fleet add|remove|list``: a misspelt ``--fleet`` is named with the fleets the
     server has; only ``add`` may start a fleet (a set prepared before its workers start)."""
+    from pipeline.fleet.buckets import NoJetStream, fleet_names
     from pipeline.names import check_name
 
     problem = check_name(args.fleet)
@@ -998,7 +998,13 @@ async def cmd_fleet(args: argparse.Namespace) -> int:
         return EXIT_RUNTIME
     try:
         js = nc.jetstream()
-        fleets = await _fleet_names(js, args.nats)
+        try:
+            fleets = await fleet_names(js)
+        except NoJetStream:
+            raise RuntimeError(
+                f"NATS at {redact_url(args.nats)} has no JetStream, where fleets keep their state: "
+                "start nats-server with -js"
+            ) from None
         if args.fleet_command == "add":
             return await _fleet_add(args, js, fleets)
         if args.fleet not in fleets:
@@ -1015,37 +1021,6 @@ async def cmd_fleet(args: argparse.Namespace) -> int:
         return await _fleet_remove(args, js)
     finally:
         await nc.close()
-
-
-async def _fleet_names(js: Any, url: str) -> list[str]:
-    """The fleets on the server: those with any of their buckets (sources, leases, workers)."""
-    from nats.errors import NoRespondersError
-    from nats.js.errors import ServiceUnavailableError
-
-    from pipeline.fleet.buckets import bucket_name, bucket_stream
-    from pipeline.names import check_name
-
-    streams: list[str] = []
-    try:
-        while page := await js.streams_info(offset=len(streams)):
-            streams += [info.config.name for info in page]
-    except (NoRespondersError, ServiceUnavailableError):
-        raise RuntimeError(
-            f"NATS at {redact_url(url)} has no JetStream, where fleets keep their state: "
-            "start nats-server with -js"
-        ) from None
-    # A bucket's stream name read back: KV_vidpipe_fleet_<fleet>_<kind>.
-    pattern = re.compile(
-        re.escape(bucket_stream(bucket_name("FLEET", "KIND")))
-        .replace("FLEET", "(?P<fleet>[A-Za-z0-9_-]+)")
-        .replace("KIND", "(?:sources|leases|workers)")
-    )
-    fleets = set()
-    for stream in streams:
-        match = pattern.fullmatch(stream)
-        if match and check_name(match["fleet"]) is None:
-            fleets.add(match["fleet"])
-    return sorted(fleets)
 
 
 def _fleets_hint(fleet: str, fleets: list[str]) -> str:

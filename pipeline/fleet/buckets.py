@@ -24,16 +24,26 @@ import asyncio
 import contextlib
 import datetime
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
-from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NotFoundError, ServerError
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    NotFoundError,
+    ServerError,
+    ServiceUnavailableError,
+)
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from pipeline.cancel import cancel_and_wait
+from pipeline.names import check_name
 
 log = logging.getLogger("vidpipe.fleet")
 
@@ -79,6 +89,32 @@ async def open_bucket(
         return await js.key_value(name)
     except Exception:
         return await js.key_value(name)
+
+
+class NoJetStream(Exception):
+    """The NATS server does not run JetStream, where a fleet keeps its state."""
+
+
+async def fleet_names(js: JetStreamContext) -> list[str]:
+    """The fleets on the server: those with any of their buckets (sources, leases, workers)."""
+    streams: list[str] = []
+    try:
+        while page := await js.streams_info(offset=len(streams)):
+            streams += [info.config.name or "" for info in page]
+    except (NoRespondersError, ServiceUnavailableError):
+        raise NoJetStream from None
+    # A bucket's stream name read back: KV_vidpipe_fleet_<fleet>_<kind>.
+    pattern = re.compile(
+        re.escape(bucket_stream(bucket_name("FLEET", "KIND")))
+        .replace("FLEET", "(?P<fleet>[A-Za-z0-9_-]+)")
+        .replace("KIND", "(?:sources|leases|workers)")
+    )
+    fleets = set()
+    for stream in streams:
+        match = pattern.fullmatch(stream)
+        if match and check_name(match["fleet"]) is None:
+            fleets.add(match["fleet"])
+    return sorted(fleets)
 
 
 def bucket_stream(bucket: str) -> str:
