@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import logging
 import re
@@ -73,13 +74,19 @@ async def open_bucket(
 ) -> KeyValue:
     """The bucket, created when missing (history 1: one value per key, no old revisions kept).
 
-    An existing bucket keeps its own settings.
+    An existing bucket keeps its own settings, except that one with fewer copies
+    than ``replicas`` (made by ``vidpipe fleet add``, or by workers with a lower
+    ``fleet.replicas``) is given more: a fleet on a cluster must survive a node.
     """
     name = bucket_name(fleet, kind)
     try:
-        return await js.key_value(name)
+        kv = await js.key_value(name)
     except BucketNotFoundError:
         pass
+    else:
+        if replicas > 1:
+            await _raise_copies(js, name, replicas)
+        return kv
     try:
         return await js.create_key_value(KeyValueConfig(bucket=name, history=1, ttl=ttl, replicas=replicas))
     except ServerError as exc:
@@ -89,6 +96,26 @@ async def open_bucket(
         return await js.key_value(name)
     except Exception:
         return await js.key_value(name)
+
+
+async def _raise_copies(js: JetStreamContext, bucket: str, replicas: int) -> None:
+    """Give ``bucket`` ``replicas`` copies if it has fewer (JetStream copies the data over)."""
+    stream = bucket_stream(bucket)
+    config = (await js.stream_info(stream)).config
+    had = config.num_replicas or 1
+    if had >= replicas:
+        return
+    try:
+        await js.update_stream(dataclasses.replace(config, num_replicas=replicas))
+    except ServerError as exc:
+        if exc.err_code == NOT_CLUSTERED:
+            raise NotClustered(replicas) from None
+        log.warning(
+            "fleet bucket %s keeps %d cop%s, fewer than fleet.replicas (%d), and could not be given more: %s",
+            bucket, had, "y" if had == 1 else "ies", replicas, exc.description or exc,
+        )  # fmt: skip
+        return
+    log.info("fleet bucket %s: copies raised from %d to %d (fleet.replicas)", bucket, had, replicas)
 
 
 class NoJetStream(Exception):

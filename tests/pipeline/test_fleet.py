@@ -30,6 +30,7 @@ from pipeline.fleet.buckets import (
     bucket_items,
     bucket_keys,
     bucket_name,
+    bucket_stream,
     open_bucket,
     purge_markers,
 )
@@ -918,14 +919,56 @@ def test_replicas_over_one_on_a_server_without_a_cluster_is_refused_at_once(
         "pipeline: r3\nfleet: {name: r3, replicas: 3}\nsources:\n"
         "  - url: test://?id=cam1&width=64&height=48&fps=20\n"
     )
-    # Before, it retried for 30 s, then blamed JetStream being off.
-    done = run_cli("run", str(config), "--nats", nats_server.url, timeout=25)
-    assert done.returncode == 1, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == (
+    refused = (
         f"vidpipe: fleet r3: fleet.replicas is 3, but the NATS server at {nats_server.url} runs "
         "JetStream without a cluster, which keeps one copy of each bucket: set fleet.replicas: 1, "
         "or give --nats the servers of a JetStream cluster of 3 or more nodes"
     )
+    # Before, it retried for 30 s, then blamed JetStream being off.
+    done = run_cli("run", str(config), "--nats", nats_server.url, timeout=25)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == refused
+    # The fleet's buckets made beforehand with one copy (`fleet add`): refused the same way,
+    # not run on one copy.
+    url = "test://?id=cam1&width=64&height=48&fps=20"
+    added = run_cli("fleet", "add", url, "--nats", nats_server.url, "--fleet", "r3")
+    assert added.returncode == 0, added.stderr
+    done = run_cli("run", str(config), "--nats", nats_server.url, timeout=25)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == refused
+
+
+async def test_a_bucket_made_with_one_copy_gets_fleet_replicas_copies_on_a_cluster(tmp_path: Path) -> None:
+    from bench.fleet import Cluster
+
+    cluster = Cluster(tmp_path)
+    cluster.start()
+    try:
+        await cluster.ready()
+        urls = ",".join(cluster.urls)
+        url = "test://?id=cam1&width=64&height=48&fps=20"
+        added = await asyncio.to_thread(run_cli, "fleet", "add", url, "--nats", urls, "--fleet", "grow")
+        assert added.returncode == 0, added.stderr
+        nc = await nats.connect(servers=cluster.urls)
+        try:
+            js = nc.jetstream()
+            stream = bucket_stream(bucket_name("grow", "sources"))
+            assert (await js.stream_info(stream)).config.num_replicas == 1  # what fleet add made
+            kv = await open_bucket(js, "grow", "sources", replicas=3)
+            assert (await js.stream_info(stream)).config.num_replicas == 3
+            deadline = time.monotonic() + 30
+            while True:  # the new copies catch up: a leader and two current followers
+                info = (await js.stream_info(stream)).cluster
+                followers = [p for p in (info.replicas or []) if p.current] if info else []
+                if info is not None and info.leader and len(followers) == 2:
+                    break
+                assert time.monotonic() < deadline, info
+                await asyncio.sleep(0.2)
+            assert (await kv.get("cam1")).value is not None  # the set is kept
+        finally:
+            await nc.close()
+    finally:
+        cluster.stop()
 
 
 async def test_a_whip_publisher_at_the_wrong_worker_is_told_which_worker_runs_its_source(
