@@ -180,6 +180,10 @@ class FleetWorker:
         self._claim_after = 0.0
         # Set on a reconnect: the renewer runs a round at once instead of at its next tick.
         self._wake = asyncio.Event()
+        # Monotonic: the last moment this worker's NATS connection was seen down. While it is
+        # down the views are frozen: a lease or a free key that "stood still" then was not
+        # watched standing still, so ages count from no earlier than this (see _lease_age).
+        self._blind_until = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -424,6 +428,7 @@ class FleetWorker:
         return now < self.fence.publish_until and not self._publish_stalled
 
     async def _on_reconnect(self) -> None:
+        self._blind_until = time.monotonic()
         self._wake.set()
 
     async def _renew_loop(self) -> None:
@@ -488,6 +493,11 @@ class FleetWorker:
         answers, without waiting for the placement; a lease the worker cannot run now
         (no longer desired, draining, not publishing) is deleted instead.
         """
+        if not self.connected:
+            # Nothing can be resumed yet (a reconnect runs this at once), and the wait for
+            # the publishing connection below starts only once NATS answers again.
+            self._blind_until = time.monotonic()
+            return
         leases = self._leases()
         desired = self.desired_sources()
         now = time.monotonic()
@@ -502,7 +512,7 @@ class FleetWorker:
                 # The publishing link went with the rest and may answer a moment after the
                 # KV one: wait for it up to a TTL past the deadline. Waiting holds no one up:
                 # a worker that takes the key over meanwhile makes the resume's CAS fail.
-                if now - lease.deadline >= self.ttl:
+                if now - max(lease.deadline, self._blind_until) >= self.ttl:
                     lease.lapsed = False
                 continue
             self._spawn(sid, self._resume(lease, *entry))
@@ -707,16 +717,18 @@ class FleetWorker:
         """How long the lease has gone without a real renewal, on this worker's clock.
 
         A claim its holder never confirmed (lease number 0) and wrote again keeps the
-        clock of its first write: rewriting claims is not renewing.
+        clock of its first write: rewriting claims is not renewing. Time this worker's
+        NATS connection was down does not count: its view could not see renewals then
+        (after a NATS restart every peer's lease would look expired at once).
         """
         if stored is None or stored.number > 0:
             self._claim_clock.pop(sid, None)
-            return now - seen_at
+            return now - max(seen_at, self._blind_until)
         clock = self._claim_clock.get(sid)
         if clock is None or clock[0] != stored.worker:
             clock = (stored.worker, seen_at)
             self._claim_clock[sid] = clock
-        return now - clock[1]
+        return now - max(clock[1], self._blind_until)
 
     async def _place_loop(self) -> None:
         # Let peers that start together see each other before anything is claimed.
@@ -754,6 +766,11 @@ class FleetWorker:
                 self._spawn(sid, self._release(sid, "publish"))
             elif desired[sid][0] != self._running.get(sid):
                 self._spawn(sid, self._restart(sid, desired[sid][0], desired[sid][1]))
+        if not self.connected:
+            # The views are frozen and a claim would wait in the client, to land at the
+            # reconnect ahead of (and instead of) its holder's resume: claim nothing.
+            self._blind_until = now
+            return
         if not views_ready or not stable or not publishing or self._draining or now < self._claim_after:
             return  # act on a view of the fleet that has held still, never on a passing one
         placed = self.placement(now, desired, alive)
@@ -790,7 +807,7 @@ class FleetWorker:
             reason = "released" if free_since is not None else "new"
             if free_since is None:
                 free_since = self._free_since.setdefault(sid, now)
-            if target == self.id or now - free_since >= self.ttl:
+            if target == self.id or now - max(free_since, self._blind_until) >= self.ttl:
                 self._spawn(sid, self._claim(sid, None, reason))
                 load += 1
 
@@ -822,6 +839,8 @@ class FleetWorker:
         self._busy[sid] = asyncio.create_task(run(), name=f"fleet-{sid}")
 
     async def _claim(self, sid: str, last: int | None, reason: str) -> None:
+        if not self.connected:
+            return  # queued in the client, it would land at some moment after the reconnect
         leases = self._leases()
         seen = self._views["sources"].entries.get(sid)
         if seen is None:

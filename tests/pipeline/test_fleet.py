@@ -1216,6 +1216,46 @@ async def test_a_cut_shorter_than_the_lease_resumes_the_same_leases_when_nats_an
         assert {fence(m) for at, m in seen.messages if at > healed} == set(before.values())
 
 
+async def test_after_a_nats_restart_each_of_two_workers_resumes_its_own_leases_at_once(
+    nats_server: EmbeddedNats, tmp_path: Path, seen: Seen
+) -> None:
+    sources = ["cam1", "cam2", "cam3", "cam4"]
+    async with (
+        one_worker(nats_server.url, tmp_path, sources, fleet="fleet", worker_id="wa") as (a, _),
+        one_worker(nats_server.url, tmp_path, sources, fleet="fleet", worker_id="wb") as (b, _),
+    ):
+        workers = (a, b)
+        await until(lambda: len(a.owned) == 2 and len(b.owned) == 2, "never split", timeout=30)
+
+        def held() -> dict[str, tuple[str, tuple[int, int]]]:
+            """source -> (worker, fence) for every lease held now."""
+            return {
+                sid: (w.id, (lease.epoch, lease.number)) for w in workers for sid, lease in w.owned.items()
+            }
+
+        before = held()
+        nats_server.stop()  # the same port and JetStream store when it comes back
+        await until(lambda: not a.owned and not b.owned, "leases never lapsed", timeout=10)
+        # Out long enough that, on each worker's frozen view, the other's heartbeat and
+        # leases stood still for more than a TTL (2 s): that is no sign the other is gone.
+        await asyncio.sleep(4.0)
+        nats_server.start()
+        back = time.monotonic()
+        await until(lambda: held() == before, "the leases were not resumed as they were held", timeout=10)
+        for w in workers:
+            assert w.metrics.takeovers.labels("fleet", "resumed")._value.get() == 2, w.id
+            assert w.metrics.takeovers.labels("fleet", "expired")._value.get() == 0, w.id
+        await until(
+            lambda: {m["source"] for at, m in seen.messages if at > back} == set(sources),
+            "not every source published again",
+        )
+        # Each source published again by the worker that held it, under the same fence.
+        after = {(m["source"], m["worker"], fence(m)) for at, m in seen.messages if at > back}
+        assert after == {(sid, wid, lease) for sid, (wid, lease) in before.items()}
+        await asyncio.sleep(2.0)
+        assert held() == before  # and nothing moved a TTL later
+
+
 async def test_a_worker_whose_publishing_connection_stalls_gives_its_leases_up_and_says_why(
     nats_server: EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
