@@ -392,6 +392,7 @@ class Model:
                     task = self._task_factory(
                         config, backend.input, backend.metadata, self.labels, preprocessor=preprocessor
                     )
+                    task.check_outputs(backend.outputs)
                     pool = plan.pool(config, f"{self.name}/instance-{index}", gpu)
                 except BaseException:
                     backend.close()

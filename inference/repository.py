@@ -440,7 +440,7 @@ def describe_repository(root: Path, *, backend_factory: BackendFactory = create_
             state = "ready"
             try:
                 # The task checks what only the model can tell (a recogniser's dictionary).
-                create_task(cfg, backend.input, backend.metadata, labels)
+                create_task(cfg, backend.input, backend.metadata, labels).check_outputs(backend.outputs)
             except Exception as exc:
                 state = "unavailable"
                 problems.append(f"{name}: {src.describe(exc)}")

@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from inference.config import ModelConfig
+from inference.introspect import fill_input_shape, metadata_labels, read_onnx
 from inference.model import load_labels, resolve_model_file
-from inference.processing.tasks import finds_objects
+from inference.processing.tasks import create_task, finds_objects
 from inference.repository import CONFIG_FILE, read_source
 from inference.schema import ConfigError, LineDict, build, line_of, load_yaml, raise_errors, spec
 from pipeline.names import NAME_HELP, check_name
@@ -703,7 +705,7 @@ def _check_resources(
             continue
         try:
             model = read_source(root, name)
-            resolve_model_file(model.config, model.model_dir, model.version_dir)
+            path = resolve_model_file(model.config, model.model_dir, model.version_dir)
             found = load_labels(model.config, model.model_dir)
         except ConfigError as exc:
             errors.extend(exc.errors)
@@ -711,7 +713,26 @@ def _check_resources(
         # Other models name their classes inside the model file, which validation does not open.
         for key, problem, hint in model_misfits(stages, name, model.config.task.kind, found):
             err(key, problem, hint)
+        errors.extend(_output_misfits(model.config, path, found))
     return errors
+
+
+def _output_misfits(config: ModelConfig, path: Path, labels: list[str]) -> list[ConfigError]:
+    """An ONNX model whose outputs its ``task:`` cannot decode (a yolov5 file under
+    ``layout: yolov8``), read from the file's declared shapes without a runtime; the
+    check a load makes. Anything else it cannot tell is left to the load."""
+    if path.suffix.lower() != ".onnx":
+        return []
+    try:
+        inputs, outputs, metadata = read_onnx(path)
+        filled = fill_input_shape(config, path)
+        image = next((i for i in inputs if i.name == filled.input.name), inputs[0])
+        create_task(filled, image, metadata, labels or metadata_labels(metadata)).check_outputs(outputs)
+    except ConfigError as exc:
+        return list(exc.errors)
+    except Exception:
+        return []  # not for validation to judge: the load says what it is
+    return []
 
 
 def missing_model_hint(repo: Path, name: str) -> str | None:

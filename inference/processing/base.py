@@ -80,6 +80,15 @@ class Task(ABC):
     def preprocess(self, images: Sequence[np.ndarray], out: np.ndarray) -> list[Any]:
         """Write ``images`` (H×W×3 uint8 RGB) into ``out[:len(images)]``; return one meta per image."""
 
+    def check_outputs(self, outputs: Sequence[TensorSpec]) -> None:
+        """Raise a config error (``task.*``) if the model's outputs, as loaded, cannot be decoded.
+
+        Run when the model loads, so a model that does not fit its ``task:`` is refused
+        there (a reload keeps the old copy) rather than failing on every batch. Only
+        what the shapes alone tell; a kind with nothing to check keeps this no-op.
+        """
+        return None
+
     @abstractmethod
     def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
         """Turn the batch's raw outputs into one result per image, in source-image coordinates."""

@@ -30,6 +30,7 @@ metadata, outputs that do not fit ``task.kind``) are
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -86,6 +87,11 @@ class _ImageTask(Task):
         return arr
 
 
+def _shown(shape: Sequence[int | None]) -> str:
+    """A shape as a list, dynamic dimensions as ``?``."""
+    return "[" + ", ".join("?" if d is None or d < 0 else str(d) for d in shape) + "]"
+
+
 class YoloTask(_ImageTask):
     """YOLOv5/v8/v11 detectors: letterboxed input, decoded and NMS-filtered boxes in source pixels."""
 
@@ -107,6 +113,29 @@ class YoloTask(_ImageTask):
         )
         self.options = config.task_as(YoloOptions)
         self._layouts: dict[tuple[int, ...], str] = {}
+
+    def check_outputs(self, outputs: Sequence[TensorSpec]) -> None:
+        if not outputs:
+            raise self.config.error("task.kind", "the model has no outputs")
+        shape = outputs[0].shape
+        if self.config.max_batch_size == 0 and len(shape) == 2:
+            shape = (1, *shape)  # no batch dimension: one image at a time
+        if len(shape) != 3:
+            shown = f"output {outputs[0].name!r} of shape {_shown(shape)}"
+            raise self.config.error("task.kind", f"{shown} is not a YOLO output [N, D1, D2]")
+        _, d1, d2 = shape
+        if d1 is None or d2 is None or d1 < 0 or d2 < 0:
+            return  # decided by the first batch
+        classes = len(self.labels) or None
+        try:
+            resolve_layout((1, d1, d2), self.options.layout, classes)
+        except ValueError as exc:
+            hint = ""
+            other = {"yolov8": "yolov5", "yolov5": "yolov8"}.get(self.options.layout)
+            with contextlib.suppress(ValueError):
+                if other is not None and resolve_layout((1, d1, d2), other, classes):
+                    hint = f"the output fits {other}: set task.layout: {other}"
+            raise self.config.error("task.layout", str(exc), hint) from None
 
     def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
         out = self._output(outputs, 3, len(metas))

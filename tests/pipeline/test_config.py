@@ -138,6 +138,30 @@ def test_validate_good_file_exits_0(tmp_path: Path, sample_models: Path) -> None
     assert "ok (pipeline shop: 1 source(s), 1 stage(s))" in proc.stdout
 
 
+def test_a_model_whose_output_its_task_cannot_decode_is_refused_by_validate_and_models_list(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    import shutil
+
+    from inference.repository import describe_repository
+
+    repo = tmp_path / "models"
+    shutil.copytree(sample_models / "squares", repo / "squares")
+    config = repo / "squares" / "config.yaml"
+    # The squares file answers [N, 5, 1] (yolov8); told it is yolov5, every batch would fail.
+    config.write_text(config.read_text().replace("layout: yolov8", "layout: yolov5"))
+    problem = (
+        f"{config}:14: task.layout: output [1, 5, 1] is not yolov5 [N, A, 5+C]: needs at least 6 "
+        "channels (hint: the output fits yolov8: set task.layout: yolov8)"
+    )
+    proc = run_cli("validate", str(write(tmp_path, GOOD)))
+    assert (proc.returncode, proc.stderr.strip()) == (2, problem)
+    table = describe_repository(repo)
+    assert table.unavailable == ["squares"]
+    assert table.text.splitlines()[1].split()[:3] == ["squares", "-", "unavailable"]
+    assert table.text.strip().splitlines()[-1] == f"squares: {problem}"
+
+
 def test_validate_missing_file_exits_2(tmp_path: Path) -> None:
     proc = run_cli("validate", str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2

@@ -78,6 +78,15 @@ async def test_reload_swaps_a_model_without_stopping_the_stream(
             status, body = await stack.json("POST", "/v1/models/squares/reload", json={})
             assert (status, body["state"]) == (422, "ready"), body
             assert body["error"] == f"reload failed, still serving the previous load: {problem}"
+        # A copy whose output its task: cannot decode is refused at load, not on every batch.
+        config.write_text(good.replace("layout: yolov8", "layout: yolov5"))
+        status, body = await stack.json("POST", "/v1/models/squares/reload", json={})
+        assert (status, body["state"]) == (422, "ready"), body
+        assert body["error"] == (
+            f"reload failed, still serving the previous load: {config}:14: task.layout: output [1, 5, 1] "
+            "is not yolov5 [N, A, 5+C]: needs at least 6 channels (hint: the output fits yolov8: set "
+            "task.layout: yolov8)"
+        )
         seen = len(collector.messages)
         await until(lambda: len(collector.messages) >= seen + 5, what="messages after the refused reloads")
 
