@@ -406,7 +406,8 @@ class Model:
                 inst.backend.close()
             self.error = exc
             reason = self._describe_error(exc)
-            log.warning("%s: unavailable: %s", self.name, reason, extra={"model": self.name})
+            if self.report_states:  # a reload's candidate: the repository says what became of it
+                log.warning("%s: unavailable: %s", self.name, reason, extra={"model": self.name})
             self._set_state(ModelState.UNAVAILABLE, reason)
             return self.state
         self.instances = instances

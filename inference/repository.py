@@ -99,6 +99,12 @@ class ModelStatus:
     preprocess: str = ""  # where images are normalised (model, cpu, gpu); "" until loaded
 
 
+def _served(model: Model) -> str:
+    """``version 2 on openvino``: which copy serves, in a log line."""
+    version = f"version {model.version}" if model.version is not None else "the model file"
+    return f"{version} on {model.config.backend}"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSource:
     """A parsed config.yaml and the version chosen from its folder."""
@@ -297,9 +303,14 @@ class ModelRepository:
                 if old is not None:
                     old.report_states = False
                     await asyncio.to_thread(old.stop, drain=True)
+                was = f" (was {_served(old)})" if old is not None else ""
+                log.info("model %s reloaded: %s%s", name, _served(built), was)
             elif serving:
+                assert old is not None
                 reason = built if isinstance(built, str) else built.reason
                 self._reload_errors[name] = f"reload failed, still serving the previous load: {reason}"
+                # The API answers 422 with the reason; the log keeps it for whoever was not asking.
+                log.warning("model %s: reload failed, still serving %s: %s", name, _served(old), reason)
             else:
                 if old is not None:
                     await asyncio.to_thread(old.stop, drain=True)

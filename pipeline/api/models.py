@@ -88,5 +88,4 @@ class ModelRoutes:
         if status.state is not ModelState.READY or status.reason:
             body["error"] = status.reason or f"model {name} is {status.state.value}"
             return 422, body
-        log.info("model %s reloaded", name)
         return 200, body

@@ -272,13 +272,13 @@ stages:
 
 
 def reloads(caplog: pytest.LogCaptureFixture, name: str) -> int:
-    return sum(r.getMessage() == f"model {name} reloaded" for r in caplog.records)
+    return sum(r.getMessage().startswith(f"model {name} reloaded: ") for r in caplog.records)
 
 
 async def test_cross_site_requests_cannot_change_state(
     tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="vidpipe.api")
+    caplog.set_level(logging.INFO, logger="vidpipe.inference.repository")
     repo = tmp_path / "models"
     shutil.copytree(sample_models / "squares", repo / "squares")
     shutil.copytree(sample_models / "squares", repo / "spare")

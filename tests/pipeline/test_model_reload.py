@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
+
+import pytest
 
 from pipeline.nats_server import EmbeddedNats
 from tests.conftest import Collector
@@ -22,8 +25,13 @@ stages:
 
 
 async def test_reload_swaps_a_model_without_stopping_the_stream(
-    tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats, collector: Collector
+    tmp_path: Path,
+    sample_models: Path,
+    nats_server: EmbeddedNats,
+    collector: Collector,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="vidpipe")
     repo = tmp_path / "models"
     shutil.copytree(sample_models / "squares", repo / "squares")
     config = repo / "squares" / "config.yaml"
@@ -40,6 +48,10 @@ async def test_reload_swaps_a_model_without_stopping_the_stream(
         assert (body["name"], body["state"], body["reason"]) == ("squares", "ready", "")
         seen = len(collector.messages)
         await until(lambda: len(collector.messages) >= seen + 10, what="messages after the reload")
+        assert [r.getMessage() for r in caplog.records if "reload" in r.getMessage()] == [
+            "model squares reloaded: the model file on openvino (was the model file on openvino)"
+        ]
+        caplog.clear()
         assert collector.messages[-1]["objects"] == []
 
         # A broken config is refused with its FILE:LINE reason; the loaded copy keeps serving.
@@ -90,6 +102,16 @@ async def test_reload_swaps_a_model_without_stopping_the_stream(
         seen = len(collector.messages)
         await until(lambda: len(collector.messages) >= seen + 5, what="messages after the refused reloads")
 
+        # Each refusal is one warning that says what still serves; no "unavailable" for a
+        # model that never stopped serving.
+        logged = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("vidpipe")]
+        warnings = [m for level, m in logged if level == "WARNING"]
+        assert len(warnings) == 4 and all(
+            m.startswith("model squares: reload failed, still serving the model file on openvino: ")
+            for m in warnings
+        ), warnings
+        assert "max_batch_size: expected an integer, got 'lots'" in warnings[0]
+        assert not any("unavailable" in m for _, m in logged), logged
         frames = [m["frame"] for m in collector.messages]
         assert frames == sorted(frames) and len(set(frames)) == len(frames)
         assert stack.runtime.report().sources[0].dropped.get("stage_error", 0) == 0
