@@ -22,6 +22,8 @@ be served raises :class:`InferenceRejected` with a ``reason``: ``queue_full``
 timeout passed, :class:`InferenceTimeout`), ``unavailable`` (the batcher is not
 running) or ``shutdown`` (the batcher stopped before serving it). A batch whose
 instance raised fails with :class:`InferenceFailed`, for that batch's requests only.
+Each reason is counted apart (:class:`BatcherStats` ``rejected`` for ``queue_full``,
+``timed_out``, ``unavailable``, ``shutdown``), so a stop does not read as overload.
 
 With ``preserve_ordering``, successful and failed answers are released in the
 order their requests were accepted, across all instances. Rejections (timeout,
@@ -66,6 +68,8 @@ QUEUE_FULL = "queue_full"
 TIMEOUT = "timeout"
 UNAVAILABLE = "unavailable"
 SHUTDOWN = "shutdown"
+# A refusal's reason -> the BatcherStats field that counts it.
+_REFUSALS = {QUEUE_FULL: "rejected", UNAVAILABLE: "unavailable", SHUTDOWN: "shutdown"}
 
 
 class InferenceError(VidpipeError, RuntimeError):
@@ -147,7 +151,9 @@ class BatcherStats:
     received: int = 0  # accepted into the queue
     succeeded: int = 0
     failed: int = 0
-    rejected: int = 0  # queue_full, unavailable and shutdown
+    rejected: int = 0  # queue_full: the priority level's queue was full
+    unavailable: int = 0  # refused: the batcher was not running (or the model not ready)
+    shutdown: int = 0  # refused, or dropped from the queue, because the model was stopping
     timed_out: int = 0
     delayed: int = 0  # requests moved behind by timeout_action DELAY
     cancelled: int = 0  # the caller gave up before its batch ran
@@ -183,6 +189,13 @@ class BatcherStats:
             else:
                 self.succeeded += size
 
+    def refused(self, reason: str, n: int = 1) -> None:
+        """Count ``n`` requests refused or dropped for ``reason`` (``queue_full``,
+        ``unavailable``, ``shutdown``), each under a field of its own."""
+        field_name = _REFUSALS[reason]
+        with self.lock:
+            setattr(self, field_name, getattr(self, field_name) + n)
+
     def snapshot(self) -> BatcherStats:
         """A consistent copy (with a lock of its own)."""
         with self.lock:
@@ -191,6 +204,8 @@ class BatcherStats:
                 succeeded=self.succeeded,
                 failed=self.failed,
                 rejected=self.rejected,
+                unavailable=self.unavailable,
+                shutdown=self.shutdown,
                 timed_out=self.timed_out,
                 delayed=self.delayed,
                 cancelled=self.cancelled,
@@ -514,9 +529,7 @@ class DynamicBatcher:
                 reason, detail = UNAVAILABLE, "the batcher has not been started"
             else:
                 reason, detail = SHUTDOWN, "the model is shutting down"
-            stats = self._stats
-            with stats.lock:
-                stats.rejected += 1
+            self._stats.refused(reason)
         raise InferenceRejected(self.name, reason, detail)
 
     # -- workers -----------------------------------------------------------
@@ -662,8 +675,7 @@ class DynamicBatcher:
     def _reject_locked(self, reqs: list[_Request], reason: str) -> list[_Outcome]:
         if not reqs:
             return []
-        with self._stats.lock:
-            self._stats.rejected += len(reqs)
+        self._stats.refused(reason, len(reqs))
         detail = "the model stopped before the request ran"
         out: list[_Outcome] = [(r, None, InferenceRejected(self.name, reason, detail)) for r in reqs]
         return self._order_locked([], reqs) + out if self._ordered else out

@@ -241,7 +241,16 @@ class _Family(Collector):
 
 
 # vidpipe_inference_requests_total's status label -> the BatcherStats field it reads.
-STATUSES = {"success": "succeeded", "rejected": "rejected", "timeout": "timed_out", "failed": "failed"}
+# rejected: the queue was full (reason queue_full); unavailable: the model was not serving;
+# shutdown: the model stopped (a reload or exit) before the request ran.
+STATUSES = {
+    "success": "succeeded",
+    "rejected": "rejected",
+    "timeout": "timed_out",
+    "failed": "failed",
+    "unavailable": "unavailable",
+    "shutdown": "shutdown",
+}
 
 
 class CountersCollector:
@@ -369,7 +378,7 @@ class CountersCollector:
     def inference_requests(self) -> Metric:
         family = CounterMetricFamily(
             "vidpipe_inference_requests_total",
-            "Inference requests by outcome (success, rejected, timeout, failed)",
+            "Inference requests by outcome (" + ", ".join(STATUSES) + "; rejected: the queue was full)",
             labels=["model", "status"],
         )
         for name, st in sorted(self.models().items()):

@@ -322,6 +322,7 @@ def test_queue_full_is_rejected_at_once_and_counted(make: Callable[..., Harness]
     assert ids([first, *queued]) == [0, 1, 2]
     st = h.stats()
     assert (st.received, st.rejected, st.succeeded) == (3, 1, 3)
+    assert (st.unavailable, st.shutdown) == (0, 0)  # a full queue is counted as that alone
 
 
 def test_timeout_reject_fails_the_request_while_the_instance_is_busy(make: Callable[..., Harness]) -> None:
@@ -443,6 +444,8 @@ def test_stop_fails_queued_requests_at_once_and_lets_the_running_batch_finish(
     assert running.result(timeout=WAIT).class_id == 0
     assert h.model.state is ModelState.UNLOADED
     assert h.backends[0].closed
+    st = h.observer.models["m"].snapshot()  # a stop is not an overload: counted apart from a full queue
+    assert (st.shutdown, st.rejected, st.succeeded) == (3, 0, 1)
     with pytest.raises(ModelUnavailable) as err_info:
         h.submit(9)
     assert err_info.value.reason == "unavailable"
@@ -549,6 +552,8 @@ def test_batcher_directly_with_plain_runners() -> None:
     with pytest.raises(InferenceRejected, match="shutdown"):
         b.submit(1)
     assert seen == [[7]]
+    st = b.stats
+    assert (st.unavailable, st.shutdown, st.rejected, st.succeeded) == (1, 1, 0, 1)
 
 
 def test_a_runner_returning_the_wrong_count_fails_the_batch() -> None:

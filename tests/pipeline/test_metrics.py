@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import re
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,6 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from inference.backends.openvino import OpenVinoBackend
+from inference.batch_policy import BatchPolicy, LevelPolicy
+from inference.batcher import DynamicBatcher, InferenceFailed, InferenceRejected, InferenceTimeout
 from pipeline.api import ApiServer
 from pipeline.config import load_config
 from pipeline.metrics import GpuCollector, Metrics, exported_metric_names
@@ -109,6 +112,69 @@ def test_forgetting_a_source_drops_its_series_only() -> None:
     m.forget_source("p", "a")
     text = m.render().decode()
     assert 'source="a"' not in text and 'source="b"' in text
+
+
+WAIT = 5.0  # seconds; only reached when something is broken
+
+
+def test_each_refusal_reason_has_a_status_of_its_own() -> None:
+    # A real batcher counting into the metrics' counters; the runner is the only fake:
+    # request 0 holds its instance until the gate opens, request 13 raises.
+    metrics = Metrics()
+    gate, started = threading.Event(), threading.Event()
+    now = [1000.0]  # the batcher's clock, moved by hand for the queue timeout
+
+    def runner(items: list[int]) -> list[int]:
+        if 0 in items:
+            started.set()
+            assert gate.wait(WAIT)
+        if 13 in items:
+            raise ValueError("bad input 13")
+        return items
+
+    policy = BatchPolicy(max_batch_size=1, levels=(LevelPolicy(max_queue_size=2, timeout_s=1.0),))
+    batcher = DynamicBatcher("m", policy, [runner], observer=metrics, clock=lambda: now[0])
+    refusals = []
+    with pytest.raises(InferenceRejected) as err:  # not started yet
+        batcher.submit(1)
+    refusals.append(err.value.reason)
+    batcher.start()
+    assert batcher.submit(1).result(WAIT) == 1
+    assert isinstance(batcher.submit(13).exception(WAIT), InferenceFailed)
+    running = batcher.submit(0)
+    assert started.wait(WAIT)
+    late = batcher.submit(2)
+    now[0] += 1.5  # past its 1 s queue timeout while the instance is busy
+    batcher.wakeup()
+    assert isinstance(late.exception(WAIT), InferenceTimeout)
+    queued = [batcher.submit(3), batcher.submit(4)]
+    with pytest.raises(InferenceRejected) as err:  # the queue holds max_queue_size=2
+        batcher.submit(5)
+    refusals.append(err.value.reason)
+    stopper = threading.Thread(target=batcher.stop, kwargs={"drain": False, "timeout": WAIT})
+    stopper.start()
+    for fut in queued:  # dropped from the queue by the stop, while 0 still runs
+        exc = fut.exception(WAIT)
+        assert isinstance(exc, InferenceRejected)
+        refusals.append(exc.reason)
+    gate.set()
+    stopper.join(WAIT)
+    assert running.result(WAIT) == 0
+    with pytest.raises(InferenceRejected) as err:  # stopped
+        batcher.submit(6)
+    refusals.append(err.value.reason)
+    assert refusals == ["unavailable", "queue_full", "shutdown", "shutdown", "shutdown"]
+
+    s = samples(metrics.render().decode())
+    statuses = {
+        dict(labels)["status"]: v
+        for (name, labels), v in s.items()
+        if name == "vidpipe_inference_requests_total"
+    }
+    # rejected is the full queue only; a stop is a status of its own that an alert can leave out.
+    assert statuses == {
+        "success": 2, "failed": 1, "timeout": 1, "rejected": 1, "unavailable": 1, "shutdown": 3,
+    }  # fmt: skip
 
 
 CLIP = """\
