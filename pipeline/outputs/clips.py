@@ -268,6 +268,9 @@ class ClipRecorder:
         # Source pts minus stream seconds, from the latest decoded frame (constant per connection).
         self._delta: float | None = None
         self._active: _Clip | None = None
+        # Stream seconds where the last clip of this stream ends: an event before it is part
+        # of that clip, even once the clip is written (a file decodes ahead of publishing).
+        self._last_end_s = -math.inf
         # A keyframe that came without timestamps, and its stream: stamped by the next packet.
         self._unstamped: tuple[Any, Any] | None = None
         self._warned_empty_at = -math.inf
@@ -384,6 +387,7 @@ class ClipRecorder:
     def _end_stream(self) -> list[_Clip]:
         """Under the lock: the stream ended; its ring goes, its clip is finished."""
         clip, self._active = self._active, None
+        self._last_end_s = -math.inf  # a new stream's times start afresh
         self._ring.clear()
         self._ring_bytes = 0
         self._starved = False
@@ -417,6 +421,10 @@ class ClipRecorder:
         with self._lock:
             if self._active is not None:
                 return  # one clip at a time: this event is inside the one recording
+            delta = self._delta if self._delta is not None else 0.0
+            event_s = at_pts - delta
+            if event_s <= self._last_end_s:
+                return  # inside the last clip's window, already written: part of that clip
             if not self._ring:
                 now = time.monotonic()
                 if now - self._warned_empty_at >= 60:
@@ -427,8 +435,6 @@ class ClipRecorder:
                         self.source, event, at_frame,
                     )  # fmt: skip
                 return
-            delta = self._delta if self._delta is not None else 0.0
-            event_s = at_pts - delta
             start_target = event_s - self.config.pre_s
             start = 0
             for i, (seconds, packet) in enumerate(self._ring):
@@ -441,6 +447,7 @@ class ClipRecorder:
                 label=what.label, track_id=what.track_id, event_pts=at_pts, stream=self._template,
                 delta=delta, zone=zone, line=line, direction=direction,
             )  # fmt: skip
+            self._last_end_s = clip.end_s
             # Packets already past the end (a file decoded far ahead) complete it at once.
             for seconds, packet in itertools.islice(self._ring, start, None):
                 if _take(clip, seconds, packet):
@@ -491,7 +498,14 @@ class ClipRecorder:
             start=first_s + clip.delta, end=last_s + clip.delta, packets=len(clip.packets),
             bytes=path.stat().st_size, zone=clip.zone, line=clip.line, direction=clip.direction,
         )  # fmt: skip
-        prune_clips(self.folder, self.config.max_size_mb * 1e6, self.config.max_age_h * 3600)
+        pruned = prune_clips(
+            self.folder, self.config.max_size_mb * 1e6, self.config.max_age_h * 3600, keep=path
+        )
+        if pruned:
+            log.info(
+                "source %s: deleted %d older clip(s) for max_size_mb %g / max_age_h %g",
+                self.source, len(pruned), self.config.max_size_mb, self.config.max_age_h,
+            )  # fmt: skip
         self._on_clip(info)
 
 
@@ -576,10 +590,14 @@ def _mux_error(clip: _Clip) -> str:
     return said or "no reason given"
 
 
-def prune_clips(folder: Path, max_bytes: float, max_age_s: float, now: float | None = None) -> list[Path]:
+def prune_clips(
+    folder: Path, max_bytes: float, max_age_s: float, now: float | None = None, keep: Path | None = None
+) -> list[Path]:
     """Delete clips older than ``max_age_s``, then the oldest until the rest fit ``max_bytes``.
 
-    Only files named like the clips vidpipe writes are touched. Returns what was deleted.
+    Only files named like the clips vidpipe writes are touched, and never ``keep`` (the
+    clip just written, about to be announced: one clip over the budget alone stays).
+    Returns what was deleted.
     """
     now = time.time() if now is None else now
     clips = []
@@ -596,6 +614,8 @@ def prune_clips(folder: Path, max_bytes: float, max_age_s: float, now: float | N
     for mtime, size, path in clips:
         if now - mtime <= max_age_s and total <= max_bytes:
             break
+        if path == keep:
+            continue
         path.unlink(missing_ok=True)
         deleted.append(path)
         total -= size

@@ -319,6 +319,17 @@ async def test_each_line_crossing_makes_a_clip_announced_with_its_line_and_direc
     assert line_pixels(image, 100, range(0, 100)) == 0
 
 
+def test_the_clip_just_written_is_never_pruned_even_over_the_budget(tmp_path: Path) -> None:
+    now = time.time()
+    older = tmp_path / "cam-20261130T100000-0-track_start.mp4"
+    newest = tmp_path / "cam-20261130T100001-1-track_start.mp4"
+    older.write_bytes(b"x" * 1000)
+    newest.write_bytes(b"x" * 5000)  # over the budget on its own
+    os.utime(older, (now - 10, now - 10))
+    deleted = prune_clips(tmp_path, max_bytes=2000, max_age_s=3600, now=now, keep=newest)
+    assert deleted == [older] and [p.name for p in tmp_path.iterdir()] == [newest.name]
+
+
 def vidpipe_run(config: Path, *args: str) -> subprocess.Popen[str]:
     """``vidpipe run CONFIG ARGS`` as a user runs it, output merged into one pipe."""
     return subprocess.Popen(
@@ -697,6 +708,30 @@ def cut_clip(folder: Path, video: Path, event: int, pre_s: float, post_s: float,
         recorder.close()
     (info,) = written
     return info
+
+
+def test_an_event_inside_the_last_clips_window_is_part_of_it_when_the_file_is_decoded_ahead(
+    tmp_path: Path, gop_videos: dict[str, Path]
+) -> None:
+    # A file decodes ahead of publishing: the clip of the event at frame 10 (to 1 s after it,
+    # frame 25) is complete and written before the event at frame 20 is published. That one
+    # is inside its window, so part of it (it opened a second clip of the same footage);
+    # frame 40 is past it and has its own.
+    config = ClipsOutputConfig(type="clips", dir="clips", pre_s=0.2, post_s=1.0, on=["track_start"])
+    written: list[ClipInfo] = []
+    image = np.zeros((H, W, 3), np.uint8)
+    with ThreadPoolExecutor(1) as writer:
+        recorder = ClipRecorder(config, "cam", tmp_path / "clips", writer, written.append)
+        with av.open(str(gop_videos["no-b"])) as f:
+            stream = f.streams.video[0]
+            for packet in f.demux(stream):
+                if packet.size:
+                    recorder.on_packet(packet, stream)
+        for index, track in ((10, 1), (20, 2), (40, 3)):
+            recorder.on_frame(Frame("cam", index, index / FPS, 0.0, image, objects=[obj(track)]))
+        recorder.close()
+    assert [(info.event_frame, info.track_id) for info in written] == [(10, 1), (40, 3)]
+    assert sorted(p.name for p in (tmp_path / "clips").iterdir()) == sorted(i.path.name for i in written)
 
 
 def assert_clip_is(info: ClipInfo, video: Path, first: int, last: int) -> None:
