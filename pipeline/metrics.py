@@ -443,10 +443,13 @@ def _add_histogram(
 
 
 class ModelInfoCollector(Collector):
-    """``vidpipe_model_info{model,backend,precision}`` = 1 per ready model, read at scrape time.
+    """``vidpipe_model_info{model,version,backend,precision}`` = 1 per ready model, read at scrape time.
 
     The precision is the one the backend reports in use (``bf16`` where OpenVINO
-    chose it for the CPU), so a dashboard can tell which numbers ran where.
+    chose it for the CPU, ``int8`` for a quantized model), so a dashboard can tell
+    which numbers ran where; ``version`` is the version folder served ("" for a
+    model file outside one). Read from the repository's status at each scrape, a
+    reload to another version, backend or precision leaves no old series behind.
     """
 
     def __init__(self) -> None:
@@ -455,12 +458,13 @@ class ModelInfoCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
             "vidpipe_model_info",
-            "1 per ready model: its backend and the precision it computes in",
-            labels=["model", "backend", "precision"],
+            "1 per ready model: the version served, its backend and the precision it computes in",
+            labels=["model", "version", "backend", "precision"],
         )
         for s in self.status() if self.status is not None else ():
             if s.state.value == "ready":
-                family.add_metric([s.name, s.backend, s.precision], 1.0)
+                version = "" if s.version is None else str(s.version)
+                family.add_metric([s.name, version, s.backend, s.precision], 1.0)
         yield family
 
 

@@ -16,10 +16,16 @@ input is checked against ``config.yaml`` by
 
 A provider this machine lacks is a :class:`~inference.config.ModelConfigError`
 at ``backend_options.execution_providers`` or ``instance_group``.
+
+ONNX Runtime computes in the model file's own types: ``precision`` is ``native``,
+or ``int8`` for a quantized file (QDQ ``QuantizeLinear`` to 8 bits, or
+``QLinear*``/``*Integer`` operators), as ``vidpipe models list``, ``/v1/models``
+and ``vidpipe_model_info`` show.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -101,6 +107,48 @@ def choose_providers(
     return chosen
 
 
+# Operators that compute on 8-bit integers (ONNX, and ONNX Runtime's com.microsoft domain).
+_INT8_OPS = frozenset(
+    {"QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger", "DynamicQuantizeLinear",
+     "QLinearAdd", "QLinearMul", "QLinearAveragePool", "QLinearGlobalAveragePool", "QLinearConcat",
+     "QLinearSigmoid", "QLinearLeakyRelu", "QLinearSoftmax", "DynamicQuantizeMatMul"}
+)  # fmt: skip
+# QuantizeLinear's output type, from its zero point (absent: uint8) or output_dtype.
+_INT8_TYPES = frozenset({2, 3})  # TensorProto.UINT8, TensorProto.INT8
+
+
+def _quantizes_to_8_bits(node: Any, types: Mapping[str, int]) -> bool:
+    if node.op_type != "QuantizeLinear":
+        return False
+    for attr in node.attribute:
+        if attr.name == "output_dtype" and attr.i:
+            return attr.i in _INT8_TYPES
+    if len(node.input) < 3 or not node.input[2]:
+        return True  # no zero point: uint8
+    # A zero point that is no initializer (rare) is taken for 8 bits, the common case.
+    return types.get(node.input[2], 2) in _INT8_TYPES
+
+
+@functools.lru_cache(maxsize=64)
+def _int8_file(path: str, mtime_ns: int, size: int) -> bool:
+    import onnx
+
+    # The graph only: weights kept in external files are not read.
+    model = onnx.load(path, load_external_data=False)
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    return any(node.op_type in _INT8_OPS or _quantizes_to_8_bits(node, types) for node in model.graph.node)
+
+
+def is_int8(model_path: Path) -> bool:
+    """Whether the ONNX file is quantized to 8 bits: QDQ activations (``QuantizeLinear`` to
+    int8/uint8) or integer operators. Weight-only ``DequantizeLinear`` computes in float."""
+    try:
+        st = model_path.stat()
+        return _int8_file(str(model_path.resolve()), st.st_mtime_ns, st.st_size)
+    except Exception:  # ONNX Runtime loaded it; a graph onnx cannot parse is reported as native
+        return False
+
+
 def _spec(arg: Any) -> TensorSpec:
     shape = tuple(d if isinstance(d, int) and d > 0 else None for d in (arg.shape or []))
     return TensorSpec(arg.name, shape, _DTYPES.get(arg.type, arg.type))
@@ -141,6 +189,7 @@ class OnnxRuntimeBackend(Backend):
         self.outputs = [_spec(o) for o in self._session.get_outputs()]
         self.metadata = dict(self._session.get_modelmeta().custom_metadata_map)
         self.providers = list(self._session.get_providers())
+        self.precision = "int8" if is_int8(self.model_path) else "native"
         self.input = check_input(config, self.model_path, self.inputs)
         self._output_names = [o.name for o in self.outputs]
 

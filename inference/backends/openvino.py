@@ -21,8 +21,10 @@ compiled model gets one stream per instance so the requests run side by side::
                                         # swaps channels, normalises and transposes itself | cpu
 
 The precision in use is read back from the compiled model
-(``INFERENCE_PRECISION_HINT``) and shown by ``vidpipe models list``,
-``/v1/models`` and the ``vidpipe_model_info`` metric. Problems carry the config
+(``INFERENCE_PRECISION_HINT``), or is ``int8`` for a quantized model (one with
+8-bit ``FakeQuantize`` ops: what ``vidpipe models quantize`` writes, or an ONNX
+QDQ file), and shown by ``vidpipe models list``, ``/v1/models`` and the
+``vidpipe_model_info`` metric. Problems carry the config
 key to change (``key``), so the repository reports them as
 ``config.yaml:LINE: backend_options.precision: ...``.
 
@@ -68,6 +70,7 @@ class _Shared:
     compiled: Any  # openvino.CompiledModel: the only one, or the largest static batch
     metadata: dict[str, str]
     input: TensorSpec  # the image input, checked against the config once, at compile
+    int8: bool  # the model file holds 8-bit FakeQuantize ops (quantized, e.g. by NNCF)
     # static_batch_sizes: batch size -> the model compiled for it (sizes include 1).
     by_size: dict[int, Any] = field(default_factory=dict)
     users: int = 0
@@ -277,15 +280,16 @@ def _load(config: ModelConfig, model_path: Path, ov: Any, device: str) -> _Share
             )
             for size in sizes
         }  # fmt: skip
-        return _Shared(by_size[max(by_size)], _metadata(model), port, by_size)
+        return _Shared(by_size[max(by_size)], _metadata(model), port, is_int8(model), by_size)
     if config.max_batch_size > 1:
         shape = ov.PartialShape([ov.Dimension(1, config.max_batch_size), c, h, w])
     elif config.max_batch_size == 1:
         shape = ov.PartialShape([1, c, h, w])  # static: OpenVINO's fastest kernels
     else:
         shape = ov.PartialShape([c, h, w])
+    int8 = is_int8(model)  # before compiling: preprocessing adds ops of its own
     compiled = _compile(config, ov, ov_core, model, model_path, port, shape, device, properties)
-    return _Shared(compiled, _metadata(model), port)
+    return _Shared(compiled, _metadata(model), port, int8)
 
 
 def static_batch_sizes(config: ModelConfig) -> list[int]:
@@ -357,6 +361,21 @@ def _shapes(inputs: Mapping[str, np.ndarray]) -> str:
     return ", ".join(f"{k}{list(v.shape)}" for k, v in inputs.items())
 
 
+def is_int8(model: Any) -> bool:
+    """Whether ``model`` (an ``openvino.Model``) is quantized to 8 bits.
+
+    NNCF's post-training quantization (``vidpipe models quantize``) writes
+    ``FakeQuantize`` ops with 256 levels (255 for symmetric weights), and OpenVINO
+    reads an ONNX QDQ model's ``QuantizeLinear``/``DequantizeLinear`` pairs as the
+    same op; the device then runs the layers between them on 8-bit integers,
+    whatever ``INFERENCE_PRECISION_HINT`` says for the rest.
+    """
+    for op in model.get_ops():
+        if op.get_type_name() == "FakeQuantize" and int(op.get_attributes().get("levels", 0)) in (255, 256):
+            return True
+    return False
+
+
 def precision_of(compiled: Any) -> str:
     """The precision a compiled model computes in (``bf16``, ``f32``, ...), as the device reports it."""
     try:
@@ -403,7 +422,9 @@ class OpenVinoBackend(Backend):
         ]
         self.metadata = dict(shared.metadata)
         self.input = shared.input
-        self.precision = precision_of(compiled)
+        # A quantized model computes its quantized layers in int8: the hint (f32 or bf16)
+        # covers only the layers left in float, so it would hide the change that matters.
+        self.precision = "int8" if shared.int8 else precision_of(compiled)
         if preprocesses_in_model(config):  # the compiled model normalises uint8 images
             self.input_location = InputLocation.HOST_UINT8
         self._output_names = [o.name for o in self.outputs]

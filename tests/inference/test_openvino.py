@@ -205,6 +205,112 @@ async def test_precision_in_use_is_reported_by_status_and_listing(tmp_path: Path
     assert rows["ppocr_rec"][3:6] == ["onnxruntime", "native", "cpu"]
 
 
+def tiny_classifier(qdq: bool = False) -> onnx.ModelProto:
+    """``images[N,3,8,8]`` → ``scores[N,4]``: a 3×3 convolution and a global average pool.
+
+    Small enough for NNCF to quantize in about a second. With ``qdq`` the image and the
+    weights pass QuantizeLinear/DequantizeLinear pairs (uint8, int8), as ONNX
+    Runtime's own quantizer writes a model.
+    """
+    rng = np.random.default_rng(0)
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")]
+    n = helper.make_node
+    x, w = "images", "w"
+    nodes = []
+    if qdq:
+        inits += [
+            onnx.numpy_helper.from_array(np.array(1 / 255, np.float32), "x_scale"),
+            onnx.numpy_helper.from_array(np.array(0, np.uint8), "x_zero"),
+            onnx.numpy_helper.from_array(np.array(0.02, np.float32), "w_scale"),
+            onnx.numpy_helper.from_array(np.array(0, np.int8), "w_zero"),
+        ]
+        nodes += [
+            n("QuantizeLinear", ["images", "x_scale", "x_zero"], ["x_q"]),
+            n("DequantizeLinear", ["x_q", "x_scale", "x_zero"], ["x_dq"]),
+            n("QuantizeLinear", ["w", "w_scale", "w_zero"], ["w_q"]),
+            n("DequantizeLinear", ["w_q", "w_scale", "w_zero"], ["w_dq"]),
+        ]
+        x, w = "x_dq", "w_dq"
+    nodes += [
+        n("Conv", [x, w], ["features"], pads=[1, 1, 1, 1]),
+        n("GlobalAveragePool", ["features"], ["pooled"]),
+        n("Flatten", ["pooled"], ["scores"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tiny",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["N", 3, 8, 8])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", 4])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def tiny_model(repo: Path, name: str, backend: str, versions: dict[int, str]) -> None:
+    """Model ``name`` with a version folder per ``versions`` entry: ``float``, ``qdq`` (ONNX)
+    or ``int8`` (an OpenVINO IR quantized by NNCF, with quantize.txt beside it, as
+    ``vidpipe models quantize`` writes a version). The highest version is served."""
+    served = ""
+    for version, kind in sorted(versions.items()):
+        folder = repo / name / str(version)
+        folder.mkdir(parents=True)
+        if kind == "int8":
+            import nncf
+
+            float_model = ov.Core().read_model(str(repo / name / "1" / "model.onnx"))  # its float version
+            frames = [np.random.default_rng(i).random((1, 3, 8, 8), np.float32) for i in range(3)]
+            quantized = nncf.quantize(float_model, nncf.Dataset(frames), subset_size=3)
+            ov.save_model(quantized, str(folder / "model.xml"), compress_to_fp16=False)
+            (folder / "quantize.txt").write_text("box agreement 1.000\n")
+            served = "model.xml"
+        else:
+            onnx.save(tiny_classifier(qdq=kind == "qdq"), folder / "model.onnx")
+            served = "model.onnx"
+    config = {
+        "name": name,
+        "backend": backend,
+        "model_file": {"path": served},
+        "max_batch_size": 2,
+        "input": {"name": "images", "shape": [3, 8, 8]},
+        "task": {"kind": "classify"},
+        "labels": ["a", "b", "c", "d"],
+        "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
+    }
+    (repo / name / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+async def test_a_quantized_model_reports_int8(tmp_path: Path) -> None:
+    pytest.importorskip("nncf")
+    tiny_model(tmp_path, "float", "openvino", {1: "float"})
+    tiny_model(tmp_path, "quantized", "openvino", {1: "float", 2: "int8"})
+    tiny_model(tmp_path, "qdq", "openvino", {1: "qdq"})
+    tiny_model(tmp_path, "ort", "onnxruntime", {1: "float"})
+    tiny_model(tmp_path, "ort_qdq", "onnxruntime", {1: "qdq"})
+    models = await load(tmp_path)
+    try:
+        got = {s.name: (s.version, s.backend, s.precision) for s in models.status()}
+        # The quantized IR answers as its float version does, its quantized layers on 8-bit integers.
+        image = np.full((8, 8, 3), 200, np.uint8)
+        answers = [await models.get(name).infer(image) for name in ("float", "quantized")]
+        assert all(isinstance(a, Classification) for a in answers)
+        assert answers[0].class_id == answers[1].class_id  # type: ignore[union-attr]
+    finally:
+        await models.close()
+    assert got == {
+        "float": (1, "openvino", AUTO),
+        "quantized": (2, "openvino", "int8"),
+        "qdq": (1, "openvino", "int8"),
+        "ort": (1, "onnxruntime", "native"),
+        "ort_qdq": (1, "onnxruntime", "int8"),
+    }
+    rows = {line.split()[0]: line.split() for line in describe_repository(tmp_path).text.splitlines()[1:]}
+    assert rows["quantized"][1:5] == ["2", "ready", "openvino", "int8"]
+    assert rows["ort_qdq"][1:5] == ["1", "ready", "onnxruntime", "int8"]
+
+
 async def cascade(repo: Path, frames: list[np.ndarray]) -> list[list[tuple[str, tuple[float, ...]]]]:
     """Per frame: (text, box) of each line, detector -> orientation -> recogniser, as the pipeline does."""
     models = await load(repo)

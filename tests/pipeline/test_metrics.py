@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import re
+import shutil
 import threading
 import time
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from inference.backends.openvino import OpenVinoBackend
 from inference.batch_policy import BatchPolicy, LevelPolicy
 from inference.batcher import DynamicBatcher, InferenceFailed, InferenceRejected, InferenceTimeout
+from inference.repository import ModelRepository
 from pipeline.api import ApiServer
 from pipeline.config import load_config
 from pipeline.metrics import GpuCollector, Metrics, exported_metric_names
@@ -26,6 +28,7 @@ from pipeline.nats_server import EmbeddedNats
 from pipeline.outputs.video_file import VideoFileWriter
 from pipeline.runtime import Runtime
 from tests.conftest import ARTIFACTS
+from tests.inference.test_openvino import AUTO, tiny_model
 from tests.pipeline.stack import until
 from tests.pipeline.test_dashboard import CHROMIUM, DevTools, chromium, open_dashboard
 
@@ -91,7 +94,9 @@ async def test_counters_and_histograms_match_the_frames(
     assert value(s, "vidpipe_inference_queue_seconds_count", model="squares") == 24
     assert value(s, "vidpipe_model_ready", model="squares") == 1
     assert precision in ("bf16", "f32")
-    assert value(s, "vidpipe_model_info", model="squares", backend="openvino", precision=precision) == 1
+    # The sample squares model sits outside a version folder: version "".
+    info = {"model": "squares", "version": "", "backend": "openvino", "precision": precision}
+    assert value(s, "vidpipe_model_info", **info) == 1
     # Credentials and URLs never become labels.
     assert "hunter2" not in text and "rtsp://" not in text
     # No GPU here: no GPU series rather than zeros.
@@ -175,6 +180,34 @@ def test_each_refusal_reason_has_a_status_of_its_own() -> None:
     assert statuses == {
         "success": 2, "failed": 1, "timeout": 1, "rejected": 1, "unavailable": 1, "shutdown": 3,
     }  # fmt: skip
+
+
+async def test_model_info_names_the_served_version_and_precision_and_forgets_the_old_one(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("nncf")
+    tiny_model(tmp_path, "tiny", "openvino", {1: "float"})
+    metrics = Metrics()
+    models = ModelRepository(tmp_path)
+    metrics.model_info.status = models.status
+
+    def info() -> dict[tuple[tuple[str, str], ...], float]:
+        s = samples(metrics.render().decode())
+        return {labels: v for (name, labels), v in s.items() if name == "vidpipe_model_info"}
+
+    try:
+        assert (await models.load("tiny")).state.value == "ready"
+        one = {"model": "tiny", "version": "1", "backend": "openvino", "precision": AUTO}
+        assert info() == {tuple(sorted(one.items())): 1.0}
+        # `vidpipe models quantize` wrote version 2 (INT8); a reload serves it.
+        shutil.rmtree(tmp_path / "tiny")
+        tiny_model(tmp_path, "tiny", "openvino", {1: "float", 2: "int8"})
+        assert (await models.reload("tiny")).version == 2
+        two = {"model": "tiny", "version": "2", "backend": "openvino", "precision": "int8"}
+        assert info() == {tuple(sorted(two.items())): 1.0}
+    finally:
+        await models.close()
+    assert info() == {}
 
 
 CLIP = """\
