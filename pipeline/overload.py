@@ -77,7 +77,9 @@ class OverloadMonitor:
             before = self._previous.get(src.id)
             self._previous[src.id] = now
             if before is None or now.decoded < before.decoded:
-                continue  # first look, or a new run of the source with the same id
+                # First look, or a new run of the source with the same id: its counts start
+                # at zero, so the first interval is judged too (an overload said 10 s in, not 20).
+                before = _Reading(0, 0, {})
             overload = self._assess(src, before, now, models)
             if overload is None:
                 self._current.pop(src.id, None)
