@@ -55,6 +55,7 @@ __all__ = [
     "QuantizeError",
     "QuantizeRefused",
     "QuantizeResult",
+    "check_quantizable",
     "compare_results",
     "quantize_model",
     "read_frames",
@@ -72,6 +73,9 @@ MAX_SIDE = 1280  # frames read for calibration are scaled down to this (models t
 INT8_FILE = "model.xml"
 REPORT_FILE = "quantize.txt"
 DETECTION_KINDS = ("yolo", "text_detect")
+# The source schemes read_frames opens (PyAV): files and network streams. vidpipe's own
+# sources (test://, whip://, v4l2://) are not among them.
+READABLE_SCHEMES = ("file", "rtsp", "rtsps", "http", "https", "udp", "rtp", "srt")
 
 
 class QuantizeError(VidpipeError, RuntimeError):
@@ -361,6 +365,25 @@ def _rewrite_config(source: ModelSource, version: int) -> tuple[str, list[str], 
     return new_text, changes, rollback
 
 
+def check_quantizable(root: Path, name: str) -> tuple[ModelSource, Path]:
+    """``root/name`` and its float model file, or why it cannot be quantized: a runtime that
+    builds its own INT8 (TensorRT, Triton), or a served version that is INT8 already. Cheap:
+    the CLI calls it before it reads a frame."""
+    source = read_source(Path(root), name)
+    config = source.config
+    if config.backend in ("tensorrt", "triton"):
+        raise QuantizeError(
+            f"model {name}: INT8 here is for CPU runtimes (OpenVINO); {config.backend} builds its own"
+        )
+    float_path = resolve_model_file(config, source.model_dir, source.version_dir)
+    if (float_path.parent / REPORT_FILE).is_file():
+        raise QuantizeError(
+            f"model {name}: version {source.version} is already INT8 ({float_path.parent / REPORT_FILE}); "
+            f"quantize the float model: {_rollback_from(float_path.parent / REPORT_FILE)}"
+        )
+    return source, float_path
+
+
 def quantize_model(
     root: Path,
     name: str,
@@ -376,18 +399,8 @@ def quantize_model(
     :class:`QuantizeRefused` (nothing written) when the INT8 model's agreement with the
     float model on the held-out frames is below ``min_agreement``.
     """
-    source = read_source(Path(root), name)
+    source, float_path = check_quantizable(Path(root), name)
     config = source.config
-    if config.backend in ("tensorrt", "triton"):
-        raise QuantizeError(
-            f"model {name}: INT8 here is for CPU runtimes (OpenVINO); {config.backend} builds its own"
-        )
-    float_path = resolve_model_file(config, source.model_dir, source.version_dir)
-    if (float_path.parent / REPORT_FILE).is_file():
-        raise QuantizeError(
-            f"model {name}: version {source.version} is already INT8 ({float_path.parent / REPORT_FILE}); "
-            f"quantize the float model: {_rollback_from(float_path.parent / REPORT_FILE)}"
-        )
     if held_out is None:
         calib, held = split_frames(frames)
     else:
@@ -405,6 +418,8 @@ def quantize_model(
     folder = Path(source.model_dir).resolve()
     version = _next_version(folder)
     staging = folder / f".{version}.int8-tmp"
+    target = folder / str(version)
+    tmp = source.file.with_name(CONFIG_FILE + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
@@ -436,14 +451,16 @@ def quantize_model(
             f"to roll back: {rollback}\n",
             encoding="utf-8",
         )
-        target = folder / str(version)
+        tmp.write_text(new_text, encoding="utf-8")
         staging.rename(target)
+        # The last step: until config.yaml is replaced, an interruption (Ctrl-C) leaves nothing.
+        tmp.replace(source.file)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        if tmp.exists():  # config.yaml not replaced: the version folder serves nothing
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.unlink(missing_ok=True)
         raise
-    tmp = source.file.with_name(CONFIG_FILE + ".tmp")
-    tmp.write_text(new_text, encoding="utf-8")
-    tmp.replace(source.file)
     return QuantizeResult(
         name=name,
         version=version,

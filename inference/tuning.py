@@ -63,6 +63,7 @@ import numpy as np
 
 from inference.batcher import InferenceRejected
 from inference.config import BACKEND_OPTIONS, InstanceGroup, ModelConfig, OnnxRuntimeOptions, OpenVinoOptions
+from inference.errors import VidpipeError
 from inference.model import Model, ModelState
 from inference.repository import ModelSource, read_source
 from inference.schema import ConfigOrigin, build, load_yaml_text
@@ -162,6 +163,10 @@ class TrialResult:
 Measure = Callable[[TrialPoint], Awaitable[TrialResult]]
 
 
+class TuneError(VidpipeError, RuntimeError):
+    """The search cannot start: the model's current configuration does not run."""
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """The values each knob may take; :meth:`neighbours` keeps combinations valid."""
@@ -192,6 +197,8 @@ class SearchSpace:
         """
         cpus = cpus or os.cpu_count() or 1
         backends = [b for b in ("openvino", "onnxruntime") if importlib.util.find_spec(b) is not None]
+        if _is_openvino_ir(config):
+            backends = [b for b in backends if b != "onnxruntime"]  # ONNX Runtime reads ONNX only
         if config.backend not in backends:
             backends.insert(0, config.backend)
         start = TrialPoint.from_config(config)
@@ -269,6 +276,12 @@ class SearchSpace:
             batch_pref = sum(len(self.preferred_for(b)) for b in (self.batches or (0,)))
             per_backend += precisions * len(self.instances) * len(self.threads) * batch_pref
         return per_backend * len(self.delays_us)
+
+
+def _is_openvino_ir(config: ModelConfig) -> bool:
+    """Whether the model file is an OpenVINO IR (``model.xml``), which only OpenVINO reads."""
+    mf = config.model_file
+    return mf is not None and mf.path.lower().endswith(".xml")
 
 
 def _extra_precisions() -> list[str]:
@@ -868,12 +881,28 @@ async def tune(
     )
     if measure is None:
         measure = TrialRunner(source, concurrency=concurrency, inferences=inferences, stream_file=stream_file)
+    runner = measure
+    started = False
+
+    async def measure_start_first(point: TrialPoint) -> TrialResult:
+        # The first trial is the current configuration: when it fails (a missing model file,
+        # a config the runtime refuses) every other point fails the same way, so stop here.
+        nonlocal started
+        result = await runner(point)
+        if not started and result.error:
+            raise TuneError(
+                f"model {name}: the current configuration ({source.file}) does not run: {result.error}; "
+                "fix it and tune again"
+            )
+        started = True
+        return result
+
     machine = MachineCheck(probe.cpus, probe.loadavg())
     times_before = probe.cpu_times()
     log = await coordinate_descent(
         start,
         space,
-        measure,
+        measure_start_first,
         budget_s=budget_s,
         latency_budget_ms=latency_budget_ms,
         on_result=on_result,

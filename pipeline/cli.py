@@ -17,10 +17,10 @@
     vidpipe fleet add URL [--id ID] | remove ID | list [--json]   --nats URL --fleet NAME
     vidpipe serve-rtsp FILE... [--port N] [--host ADDR]   looping RTSP cameras for trials
 
-Exit codes (``pipeline/console.py``): 0 done, or stopped by Ctrl-C or SIGTERM, 1 runtime
-failure (no source produced anything, NATS unreachable, a model unavailable), 2 bad config
-or usage (``FILE:LINE: ...``, every problem of a file at once), 130 forced exit (a second
-Ctrl-C).
+Exit codes (``pipeline/console.py``): 0 done, or ``run`` stopped by Ctrl-C or SIGTERM, 1
+runtime failure (no source produced anything, NATS unreachable, a model unavailable), 2 bad
+config or usage (``FILE:LINE: ...``, every problem of a file at once), 130 forced exit (a
+second Ctrl-C), or Ctrl-C before ``tune``, ``models add``/``quantize`` and the like finished.
 
 The console script enters through ``pipeline/entry.py``, which loads this module where a
 Ctrl-C is a stop, not a traceback.
@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -50,7 +51,15 @@ from typing import Any
 import pipeline
 from inference.schema import MAX_REPORTED_ERRORS, ConfigError, raise_errors
 from pipeline.config import HttpConfig, PipelineConfig, load_config
-from pipeline.console import EXIT_FORCED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, say, stopped_while_starting
+from pipeline.console import (
+    EXIT_FORCED,
+    EXIT_OK,
+    EXIT_RUNTIME,
+    EXIT_USAGE,
+    interrupted,
+    say,
+    stopped_while_starting,
+)
 from pipeline.redact import redact_url
 from pipeline.sources.schemes import SCHEME_OPTIONS
 
@@ -327,14 +336,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(str(exc), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        # Ctrl-C before the run could stop gracefully (while it started): nothing ran.
-        return stopped_while_starting(args.command, json_lines=args.log_format == "json")
+        # Ctrl-C before the command could stop by itself: a run stops (nothing ran yet), another
+        # command without a word of its own about it (validate, models list, fleet) is interrupted.
+        return stopped_while_starting(_command_name(args), json_lines=args.log_format == "json")
     except Exception as exc:
         if args.debug:
             raise
         _say(args, f"vidpipe: {exc} (run with --debug for details)", level="error", stream=sys.stderr)
         return EXIT_RUNTIME
     return EXIT_USAGE
+
+
+def _command_name(args: argparse.Namespace) -> str:
+    """The command as typed: ``tune``, ``models add``, ``fleet list``."""
+    sub = getattr(args, "models_command", None) or getattr(args, "fleet_command", None)
+    return f"{args.command} {sub}" if sub else str(args.command)
+
+
+def _interrupted(args: argparse.Namespace, outcome: str) -> int:
+    """Ctrl-C ended this command before its result: one line, exit 130."""
+    return interrupted(_command_name(args), outcome, json_lines=args.log_format == "json")
 
 
 def _say(
@@ -374,11 +395,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_models_add(args: argparse.Namespace) -> int:
-    """``vidpipe models add MODEL.onnx``: exit 2 for a file it cannot describe, 1 if it does not load."""
-    from inference.introspect import ModelIntrospectionError
-    from inference.repository import add_model, read_source
-    from inference.tuning import TrialPoint, choose_instances, write_tuned_config
-
+    """``vidpipe models add MODEL.onnx``: exit 2 for a file it cannot describe, 1 if it does not load,
+    130 when Ctrl-C ends it (what it had written is removed)."""
     model = Path(args.model)
     if model.is_dir():
         raise ConfigError(str(model), None, "", "is a folder, not a model file", "give the .onnx file")
@@ -397,6 +415,26 @@ def cmd_models_add(args: argparse.Namespace) -> int:
         raise ConfigError(
             str(repo), None, "", f"cannot create the model repository folder: {exc.strerror or exc}"
         ) from None
+    # The folder add_model makes (it names the model after the file it resolves): a Ctrl-C
+    # before the end removes it, so that the same command can simply be run again.
+    folder = repo / (args.name or model.resolve().stem)
+    made_here = not folder.exists() and not folder.is_symlink()
+    try:
+        return _add_model(args, model, repo)
+    except KeyboardInterrupt:
+        if made_here:
+            shutil.rmtree(folder, ignore_errors=True)
+            return _interrupted(
+                args, f"the model was not added; nothing is left at {folder}, so the command can be run again"
+            )
+        return _interrupted(args, "nothing was written")
+
+
+def _add_model(args: argparse.Namespace, model: Path, repo: Path) -> int:
+    from inference.introspect import ModelIntrospectionError
+    from inference.repository import add_model, read_source
+    from inference.tuning import TrialPoint, choose_instances, write_tuned_config
+
     try:
         added = asyncio.run(
             add_model(
@@ -434,35 +472,74 @@ def cmd_models_add(args: argparse.Namespace) -> int:
 
 
 def cmd_models_quantize(args: argparse.Namespace) -> int:
-    """``vidpipe models quantize NAME --from SOURCE...``: exit 1 when the INT8 model is refused."""
-    from inference.quantize import QuantizeError, QuantizeRefused, quantize_model, read_frames
+    """``vidpipe models quantize NAME --from SOURCE...``: exit 1 when the INT8 model is refused.
+
+    Everything that can be checked is checked before the first frame is decoded (a camera
+    may take seconds to give 300 frames): the numbers, the model (exit 2 with a did-you-mean),
+    whether it can be quantized, and the sources' schemes.
+    """
+    from inference.quantize import (
+        READABLE_SCHEMES,
+        QuantizeError,
+        QuantizeRefused,
+        check_quantizable,
+        quantize_model,
+        read_frames,
+        split_frames,
+    )
     from pipeline.sources.schemes import check_url
-    from pipeline.urls import resolve_url
+    from pipeline.urls import resolve_url, scheme_name
 
     for flag, value in (("--frames", args.frames), ("--every", args.every)):
         if value < 1:
             raise ConfigError(flag, None, "", "must be at least 1")
     if not 0 < args.min_agreement <= 1:
         raise ConfigError("--min-agreement", None, "", "must be in (0, 1]")
-    if not Path(args.repo).is_dir():
+    repo = Path(args.repo)
+    if not repo.is_dir():
         raise ConfigError(args.repo, None, "", "model repository folder not found", "check the path")
+    _check_model(repo, args.name)
     urls = []
     for source in args.sources:
         problem = check_url(source)
         if problem:
             raise ConfigError("--from", None, "", f"{source}: {problem}")
+        scheme = scheme_name(source)
+        if scheme not in READABLE_SCHEMES:
+            raise ConfigError(
+                "--from",
+                None,
+                "",
+                f"{source}: quantize reads video files and rtsp, http, udp, rtp and srt streams; "
+                f"{scheme}:// is not supported",
+                "record a clip from it and give the file",
+            )
         url = resolve_url(source, Path.cwd())
         urls.append(url.removeprefix("file://"))
+    config_file = repo / args.name / "config.yaml"
     try:
+        check_quantizable(repo, args.name)
         frames = read_frames(urls, args.frames, every=args.every)
         print(f"{len(frames)} frame(s) from {len(urls)} source(s)", flush=True)
-        result = quantize_model(Path(args.repo), args.name, frames, min_agreement=args.min_agreement)
+        if len(frames) < args.frames:
+            _, held = split_frames(frames)
+            ended = "the source ended" if len(urls) == 1 else "the sources ended"
+            _say(
+                args,
+                f"vidpipe: warning: read {len(frames)} of {args.frames} frames: {ended}; the check rests on "
+                f"{len(held)} frame(s) (give a longer clip, more sources or a smaller --every)",
+                level="warning",
+                stream=sys.stderr,
+            )
+        result = quantize_model(repo, args.name, frames, min_agreement=args.min_agreement)
     except QuantizeRefused as exc:
         print(f"vidpipe: refused: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
     except QuantizeError as exc:
         print(f"vidpipe: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
+    except KeyboardInterrupt:
+        return _interrupted(args, f"nothing was written ({config_file} unchanged)")
     print(
         f"model {result.name}: INT8 version {result.version} written to {result.model_file} "
         f"(calibrated on {result.calibration_frames} frame(s))"
@@ -485,7 +562,7 @@ def _check_model(repo: Path, name: str) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from inference.tuning import TrialResult, tune, write_tuned_config
+    from inference.tuning import TrialResult, TuneError, format_table, tune, write_tuned_config
 
     for flag, value in (
         ("--concurrency", args.concurrency),
@@ -507,7 +584,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise ConfigError(args.repo, None, "", "model repository folder not found", "check the path")
     _check_model(Path(args.repo), args.model)
 
+    finished: list[TrialResult] = []
+
     def progress(n: int, r: TrialResult) -> None:
+        finished.append(r)
         outcome = (
             f"failed: {r.error}"
             if r.error
@@ -515,19 +595,31 @@ def cmd_tune(args: argparse.Namespace) -> int:
         )
         print(f"[{n:2d} {r.seconds:4.1f}s] {r.point.describe()} -> {outcome}", file=sys.stderr, flush=True)
 
-    report = asyncio.run(
-        tune(
-            Path(args.repo),
-            args.model,
-            concurrency=args.streams or args.concurrency,
-            budget_s=args.seconds,
-            inferences=args.trial_inferences,
-            latency_budget_ms=args.latency_budget_ms,
-            on_result=progress,
-            verify_rounds=3 if args.write else 0,
-            stream_file=args.source,
+    try:
+        report = asyncio.run(
+            tune(
+                Path(args.repo),
+                args.model,
+                concurrency=args.streams or args.concurrency,
+                budget_s=args.seconds,
+                inferences=args.trial_inferences,
+                latency_budget_ms=args.latency_budget_ms,
+                on_result=progress,
+                verify_rounds=3 if args.write else 0,
+                stream_file=args.source,
+            )
         )
-    )
+    except TuneError as exc:
+        print(f"vidpipe: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    except KeyboardInterrupt:
+        # What was measured is still worth seeing; nothing is picked from a search cut short.
+        if finished:
+            print(format_table(finished), flush=True)
+        config_file = Path(args.repo) / args.model / "config.yaml"
+        return _interrupted(
+            args, f"{len(finished)} trial(s) finished; nothing was written ({config_file} unchanged)"
+        )
     print(report.table())
     print(report.summary())
     if report.picked is None:
@@ -713,6 +805,7 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
                 f"{cfg.nats.subject_prefix}.{cfg.pipeline}.>",
                 sys.stdout,
                 json_lines=args.log_format == "json",
+                dropped=lambda: _dropped(runtime),
             )
             await summary.start()
         if cfg.fleet is not None:
@@ -772,9 +865,10 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     published = runtime.published_total()
     failed = [r.source.id for r in runtime.sources.values() if r.source.state.value == "failed"]
     log.info(
-        "done: %d frame(s) published from %d source(s)%s%s",
+        "done: %d frame(s) published from %d source(s)%s%s%s",
         published,
         len(runtime.source_ids_seen),
+        _dropped_text(_dropped(runtime)),
         f"; failed: {', '.join(failed)}" if failed else "",
         "".join(f"; {sid} never up ({why})" for sid, why in silent.items()),
     )
@@ -783,6 +877,26 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     if published == 0 and runtime.sources and (failed or not signals):
         return EXIT_RUNTIME
     return EXIT_OK
+
+
+def _dropped(runtime: Any) -> dict[str, int]:
+    """Frames dropped so far by reason, all sources together (as ``/v1/sources`` has them)."""
+    total: dict[str, int] = {}
+    for run in list(runtime.sources.values()):
+        for reason, n in run.dropped.items():
+            total[reason] = total.get(reason, 0) + n
+    return {reason: n for reason, n in total.items() if n}
+
+
+def _dropped_text(dropped: dict[str, int]) -> str:
+    """``; dropped 362 (stage_error)``, ``; dropped 40 (max_fps 30, queue_full 10)``, or nothing."""
+    if not dropped:
+        return ""
+    if len(dropped) == 1:
+        ((reason, n),) = dropped.items()
+        return f"; dropped {n} ({reason})"
+    reasons = ", ".join(f"{r} {n}" for r, n in sorted(dropped.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"; dropped {sum(dropped.values())} ({reasons})"
 
 
 def _with_http(cfg: PipelineConfig, listen: str | None) -> PipelineConfig:

@@ -3,12 +3,16 @@
 Loading :mod:`pipeline.cli` imports the runtime (NumPy, SciPy, OpenCV, the inference
 backends): about a second in which a Ctrl-C would otherwise end in a KeyboardInterrupt
 traceback. This module imports nothing before it starts loading the CLI, so a Ctrl-C
-then is a stop like one a moment later: one line, exit 0 (docs/cli.md).
+then ends the command as one a moment later would: a ``run`` stops (one line, exit 0),
+``tune`` or ``models add`` say they were interrupted (exit 130; docs/cli.md).
 """
 
 from __future__ import annotations
 
 import sys
+
+# The commands with sub-commands, and theirs (as pipeline/cli.py's parser has them).
+SUBCOMMANDS = {"models": ("list", "add", "quantize"), "fleet": ("add", "remove", "list")}
 
 
 def main() -> int:
@@ -21,10 +25,16 @@ def main() -> int:
 
 def _stopped_while_loading(argv: list[str]) -> int:
     """What the CLI says of a Ctrl-C while it starts, read from the raw arguments (the parser
-    is not loaded): the command is the first word, ``--log-format json`` picks the format."""
+    is not loaded): the command is the first word (with its sub-command: ``models add``),
+    ``--log-format json`` picks the format."""
     from pipeline.console import stopped_while_starting
 
-    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    words = [arg for arg in argv if not arg.startswith("-")]
+    command = words[0] if words else None
+    subcommands = SUBCOMMANDS.get(command or "", ())
+    sub = next((word for word in words[1:] if word in subcommands), None)
+    if sub is not None:
+        command = f"{command} {sub}"
     pairs = zip(argv, [*argv[1:], ""], strict=True)
     json_lines = any(a == "--log-format=json" or (a, b) == ("--log-format", "json") for a, b in pairs)
     return stopped_while_starting(command, json_lines=json_lines)

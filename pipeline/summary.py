@@ -22,6 +22,7 @@ import contextlib
 import json
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import nats
@@ -41,8 +42,20 @@ def percentile(values: list[float], q: float) -> float:
 class Summary:
     """Collects messages and prints one line per second."""
 
-    def __init__(self, nats_url: str, subject: str, out: TextIO, *, json_lines: bool = False) -> None:
+    def __init__(
+        self,
+        nats_url: str,
+        subject: str,
+        out: TextIO,
+        *,
+        json_lines: bool = False,
+        dropped: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
         self.nats_url = nats_url
+        # The pipeline's frames dropped so far by reason (they never reach NATS): a second
+        # without frames says whether they were dropped, and why.
+        self._dropped_now = dropped
+        self._dropped_before: dict[str, int] = dict(dropped()) if dropped is not None else {}
         self.json_lines = json_lines
         self.labels: Counter[str] = Counter()
         self.subject = subject
@@ -113,10 +126,32 @@ class Summary:
                         if text not in texts:
                             texts.append(text)
         idle = "no frames this second" if self.totals else "waiting for frames"
+        dropped = self._dropped_since_last()
+        if dropped:
+            count = sum(dropped.values())
+            by_count = sorted(dropped.items(), key=lambda kv: (-kv[1], kv[0]))
+            reasons = by_count[0][0] if len(by_count) == 1 else ", ".join(f"{r} {n}" for r, n in by_count)
+            if parts:
+                parts.append(f"dropped {count} ({reasons})")
+            idle = f"no frames published: {count} dropped this second ({reasons})"
         line = f"[{elapsed:4.0f}s] " + ("; ".join(parts) if parts else idle)
         if texts:
             line += " | text: " + ", ".join(f'"{t}"' for t in texts[:6])
-        self._print(line, elapsed_s=round(elapsed, 1), sources={s: len(window[s]) for s in sorted(window)})
+        self._print(
+            line,
+            elapsed_s=round(elapsed, 1),
+            sources={s: len(window[s]) for s in sorted(window)},
+            **({"dropped": dropped} if dropped else {}),
+        )
+
+    def _dropped_since_last(self) -> dict[str, int]:
+        """Frames dropped since the previous line, by reason."""
+        if self._dropped_now is None:
+            return {}
+        now = dict(self._dropped_now())
+        since = {r: n - self._dropped_before.get(r, 0) for r, n in now.items()}
+        self._dropped_before = now
+        return {r: n for r, n in since.items() if n > 0}
 
     def _print(self, line: str, **fields: Any) -> None:
         if self.json_lines:

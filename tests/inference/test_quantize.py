@@ -116,6 +116,48 @@ def test_quantize_refuses_bad_arguments_and_unreadable_sources(tmp_path: Path) -
     assert sorted(p.name for p in (repo / "ppocr_det").iterdir()) == ["1", "config.yaml"]
 
 
+def test_quantize_checks_the_model_and_the_sources_before_reading_a_frame(
+    tmp_path: Path, sample_models: Path, demo_clip: Path
+) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(sample_models / "squares", repo / "squares")
+    proc = run_cli("models", "quantize", "squres", "--repo", str(repo), "--from", str(demo_clip))
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == f"{repo}: no model 'squres' in this repository (hint: did you mean 'squares'?)\n"
+    for url, scheme in (("test://?width=640&height=360&fps=25", "test"), ("whip://cam1", "whip")):
+        proc = run_cli("models", "quantize", "squares", "--repo", str(repo), "--from", url)
+        assert (proc.returncode, proc.stdout) == (2, "")
+        assert proc.stderr == (
+            f"--from: {url}: quantize reads video files and rtsp, http, udp, rtp and srt streams; "
+            f"{scheme}:// is not supported (hint: record a clip from it and give the file)\n"
+        )
+    # A served version that is INT8 already (quantize.txt beside its file) is refused before any frame.
+    (repo / "squares" / "quantize.txt").write_text("to roll back: set model_file: {path: float.onnx}\n")
+    proc = run_cli("models", "quantize", "squares", "--repo", str(repo), "--from", "udp://127.0.0.1:9")
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == (
+        f"vidpipe: model squares: version None is already INT8 ({repo / 'squares' / 'quantize.txt'}); "
+        "quantize the float model: set model_file: {path: float.onnx}\n"
+    )
+
+
+def test_quantize_warns_when_the_sources_end_before_the_frames_asked(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(sample_models / "squares", repo / "squares")
+    clip = write_clip(tmp_path / "short.mp4", frames=2, width=320, height=180)
+    proc = run_cli("models", "quantize", "squares", "--repo", str(repo), "--from", str(clip), "--every", "1")
+    assert proc.stdout == "2 frame(s) from 1 source(s)\n"
+    warning, error = proc.stderr.splitlines()
+    assert warning == (
+        "vidpipe: warning: read 2 of 300 frames: the source ended; the check rests on 0 frame(s) "
+        "(give a longer clip, more sources or a smaller --every)"
+    )
+    assert error.startswith("vidpipe: model squares: 2 frame(s) are too few")
+    assert proc.returncode == 1
+
+
 @pytest.mark.slow
 def test_quantize_writes_the_int8_detector_as_the_next_version_and_keeps_the_float_one(
     tmp_path: Path,

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import difflib
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -394,3 +395,17 @@ async def test_models_add_chooses_the_instance_count_that_is_faster_by_more_than
     assert [r.requests for r in real.results] == [8, 16]
     assert all(r.throughput > 0 for r in real.results)
     assert real.chosen in (1, 2)
+
+
+def test_an_openvino_ir_model_is_never_offered_to_onnx_runtime(tmp_path: Path, sample_models: Path) -> None:
+    import openvino as ov
+
+    folder = tmp_path / "squares"
+    shutil.copytree(sample_models / "squares", folder)
+    ov.save_model(ov.Core().read_model(str(folder / "model.onnx")), str(folder / "model.xml"))
+    config = folder / "config.yaml"
+    config.write_text(config.read_text().replace("path: model.onnx", "path: model.xml"))
+    ir = read_source(tmp_path, "squares").config
+    assert SearchSpace.for_model(ir, concurrency=8, cpus=2).backends == ("openvino",)
+    onnx_file = read_source(sample_models, "squares").config
+    assert SearchSpace.for_model(onnx_file, concurrency=8, cpus=2).backends == ("openvino", "onnxruntime")

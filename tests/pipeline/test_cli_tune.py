@@ -138,3 +138,20 @@ def test_tune_refuses_streams_without_a_source(sample_models: Path) -> None:
     proc = run_cli("tune", str(sample_models), "squares", "--streams", "2")
     assert proc.returncode == 2
     assert proc.stderr.strip() == "--streams: needs --source FILE (hint: --source clip.mp4 --streams 4)"
+
+
+def test_tune_stops_at_once_when_the_current_configuration_does_not_run(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(sample_models / "squares", repo / "squares")
+    config = repo / "squares" / "config.yaml"
+    config.write_text(config.read_text().replace("path: model.onnx", "path: gone.onnx"))
+    proc = run_cli("tune", str(repo), "squares", "--seconds", "60")
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    *trials, last = proc.stderr.splitlines()
+    assert len([t for t in trials if t.startswith("[")]) == 1  # the current configuration, no other
+    assert last.startswith(f"vidpipe: model squares: the current configuration ({config}) does not run: ")
+    assert "model file not found" in last
+    assert last.endswith("; fix it and tune again")

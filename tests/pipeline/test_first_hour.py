@@ -332,6 +332,71 @@ def test_ctrl_c_while_vidpipe_loads_is_one_line_and_exit_0(
         assert err == "vidpipe: stopped while starting; nothing was processed\n"
 
 
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        (("tune", "{models}", "squares"), "tune"),
+        (("models", "add", "{models}/squares/model.onnx"), "models add"),
+    ],
+    ids=["tune", "models-add"],
+)
+def test_ctrl_c_while_another_command_loads_says_interrupted_and_exits_130(
+    sample_models: Path, command: tuple[str, ...], said: str
+) -> None:
+    args = [arg.format(models=sample_models) for arg in command]
+    proc = subprocess.Popen(
+        [_console_script(), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _until_loaded(proc, "/cv2/")
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (proc.returncode, out, err) == (130, "", f"vidpipe {said}: interrupted; nothing was written\n")
+
+
+def test_the_done_line_counts_the_frames_dropped_by_reason(tmp_path: Path, sample_models: Path) -> None:
+    # 100 fps offered, 5 kept: the others are dropped for max_fps, and the done line says so.
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(
+        SQUARES.format(models=sample_models)
+        + "sources:\n  - {url: 'test://?fps=100&frames=60', max_fps: 5}\n"
+    )
+    proc = run_cli("run", str(cfg), "--nats-port", str(free_port()))
+    assert proc.returncode == 0, proc.stderr
+    done = next(line for line in proc.stderr.splitlines() if "done: " in line)
+    found = re.search(
+        r"done: (\d+) frame\(s\) published from 1 source\(s\); dropped (\d+) \(max_fps\)$", done
+    )
+    assert found, done
+    published, dropped = map(int, found.groups())
+    assert published + dropped == 60 and dropped > 0, done
+
+
+async def test_summary_says_frames_were_dropped_and_why_in_a_second_without_frames() -> None:
+    out = io.StringIO()
+    dropped = {"stage_error": 0}
+    summary = Summary("nats://127.0.0.1:9", "vidpipe.>", out, dropped=lambda: dict(dropped))
+    dropped["stage_error"] = 25
+    summary.print_line()
+    summary._window["cam"].append({"source": "cam", "objects": []})
+    dropped.update(stage_error=40, queue_full=5)
+    summary.print_line()
+    summary.print_line()  # nothing published, nothing dropped
+    lines = [re.sub(r"^\[ *\d+s\] ", "", line) for line in out.getvalue().splitlines()]
+    assert lines[0] == "no frames published: 25 dropped this second (stage_error)"
+    assert lines[1].startswith("cam:   1.0 fps")
+    assert lines[1].endswith("; dropped 20 (stage_error 15, queue_full 5)")
+    assert lines[2] == "no frames this second"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
 def test_a_stop_before_the_first_frame_exits_0_and_names_the_sources_never_up(
     squares_config: Path, sig: signal.Signals
