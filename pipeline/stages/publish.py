@@ -42,6 +42,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -156,8 +157,11 @@ class Publisher:
             self.connected.set()
             log.info("NATS reconnected to %s", self.display_url)
 
+        last: list[Exception] = []  # the client's latest error while the first connect retries
+
         async def on_error(exc: Exception) -> None:
             if not self._closing:
+                last[:] = [exc]
                 log.debug("NATS error: %s", exc)
 
         try:
@@ -166,6 +170,9 @@ class Publisher:
             self.nc = await asyncio.wait_for(self._open(url, on_disconnect, on_reconnect, on_error), timeout)
         except Exception as exc:
             reason = "timed out" if isinstance(exc, TimeoutError) else (str(exc) or exc.__class__.__name__)
+            if isinstance(exc, TimeoutError) and last:
+                # Why it kept retrying: a refused port, wrong credentials ("authorization violation").
+                reason = f"timed out after {timeout:g}s; last error: {_connect_error(last[0])}"
             raise PublishError(
                 f"cannot connect to NATS at {self.display_url}: {reason}; "
                 "check --nats / nats.url, or omit both to start an embedded server"
@@ -382,3 +389,14 @@ class Publisher:
         except Exception:  # closing a broken connection may raise; nothing left to do
             log.debug("NATS close failed", exc_info=True)
         self.nc = None
+
+
+def _connect_error(exc: Exception) -> str:
+    """nats-py's error in an operator's words: its text without the ``nats:`` prefix and quotes."""
+    text = str(exc).strip() or type(exc).__name__
+    text = text.removeprefix("nats: ").strip("'\"")
+    if isinstance(exc, OSError) and exc.errno is not None:
+        text = os.strerror(exc.errno).lower()
+    if "authorization violation" in text.lower():
+        text += " (check the user and password, or token, in the NATS URL)"
+    return text

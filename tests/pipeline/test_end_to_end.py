@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -167,8 +168,36 @@ def test_unreachable_nats_is_a_runtime_error_with_a_hint(squares_config: Path, t
         "--nats", "nats://127.0.0.1:9",
     )  # fmt: skip
     assert proc.returncode == 1
-    assert "cannot connect to NATS at nats://127.0.0.1:9" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "vidpipe: cannot connect to NATS at nats://127.0.0.1:9: timed out after 5s; last error: "
+        "connection refused; check --nats / nats.url, or omit both to start an embedded server"
+    )
     assert "Traceback" not in proc.stderr
+
+
+def test_wrong_nats_credentials_are_named_not_a_bare_timeout(squares_config: Path, tmp_path: Path) -> None:
+    from pipeline.nats_server import find_nats_server, free_port
+
+    port = free_port()
+    server = subprocess.Popen(
+        [find_nats_server(), "-a", "127.0.0.1", "-p", str(port), "--user", "op", "--pass", "s3cret"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        proc = run_cli(
+            "run", str(squares_config), "--source", "test://?frames=5",
+            "--nats", f"nats://op:wrong@127.0.0.1:{port}",
+        )  # fmt: skip
+    finally:
+        server.kill()
+        server.wait()
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"vidpipe: cannot connect to NATS at nats://***@127.0.0.1:{port}: timed out after 5s; last error: "
+        "Authorization Violation (check the user and password, or token, in the NATS URL); "
+        "check --nats / nats.url, or omit both to start an embedded server"
+    )
+    assert "wrong" not in proc.stderr
 
 
 def test_a_run_that_published_nothing_says_why_each_source_never_came_up(squares_config: Path) -> None:
