@@ -211,6 +211,10 @@ class Source(ABC):
         if self._on_state is not None:
             self._on_state(self, state, reason)
 
+    def set_reason(self, reason: str) -> None:
+        """Say what the source is doing now within its state (no state change, no log line)."""
+        self.reason = reason
+
     def count_reconnect(self, reason: ReconnectReason) -> None:
         """Record a reconnect attempt; ``reason`` becomes a metric label."""
         self.stats.reconnect(reason)

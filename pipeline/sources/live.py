@@ -23,9 +23,11 @@ when the connection fails, ends, stalls (no frame for ``stall_timeout``, even wh
 FFmpeg sits in a blocking read) or does not open in ``open_timeout``, the source
 goes to ``backoff`` with a one-line reason, waits ``min_delay * 2**n`` (capped at
 ``max_delay``, +-``jitter``; ``n`` counts failures since the last frame), counts a
-reconnect with a short reason label and connects again. A reader stuck in FFmpeg is
-abandoned, not closed from another thread (closing a container another thread is
-reading is not safe in FFmpeg): it can no longer emit, stops at its next packet
+reconnect with a short reason label and connects again; while that attempt runs
+the state stays ``backoff`` and the reason says ``reconnecting (retry N) after: ...``.
+A reader stuck in FFmpeg is abandoned, not closed from another thread (closing a
+container another thread is reading is not safe in FFmpeg): it can no longer emit,
+stops at its next packet
 (a stream of undecodable bytes still has packets), and otherwise at its next read
 FFmpeg's interrupt ends after ``read_timeout``, freeing its connection. The next
 connection starts only once the abandoned reader has ended, so a source never has
@@ -133,12 +135,21 @@ class LiveSource(AvSource):
     def run(self) -> None:
         number = 0
         previous: _Attempt | None = None
+        # Why the last connection ended and which retry follows it (for the reason shown).
+        after = ""
+        retry = 0
         while not self.stopping:
             number += 1
             if number == 1:
                 self.set_state(SourceState.CONNECTING, self.display_url)
+            if previous is not None and not previous.done.is_set():
+                self.set_reason(f"retry {retry}: waiting for the abandoned connection to end, after: {after}")
             if previous is not None and not self._outlive(previous):
                 break
+            if previous is not None:
+                # The wait is over: say so, or the API would show a wait that has passed.
+                self.set_reason(f"reconnecting (retry {retry}) after: {after}")
+                log.debug("source %s: %s", self.id, self.reason)
             attempt = previous = _Attempt(number=number, started=time.monotonic())
             reader = threading.Thread(
                 target=self._read, args=(attempt,), name=f"live-{self.id}-{number}", daemon=True
@@ -152,8 +163,9 @@ class LiveSource(AvSource):
             label, message = failure
             delay = backoff_delay(self._failures, self.config.reconnect, self._random.random())
             self._failures += 1
+            after, retry = message, self._failures
             # The retry number makes every failure a state change of its own (one log line each).
-            self.set_state(SourceState.BACKOFF, f"{message}; retry {self._failures} in {delay:.2f}s")
+            self.set_state(SourceState.BACKOFF, f"{message}; retry {retry} in {delay:.2f}s")
             if self._stop.wait(delay):
                 break
             self.count_reconnect(label)

@@ -31,6 +31,7 @@ from pipeline.sources.rtsp import RtspSource
 from pipeline.stages.base import Stage, StageContext, StageOptions
 from tests.conftest import Collector
 from tests.pipeline.stack import stage_kinds
+from tests.support.raw_rtsp import RawListener
 from tests.support.rtsp_server import RtspTestServer, free_port, gstreamer_available
 
 needs_gstreamer = pytest.mark.skipif(
@@ -334,6 +335,32 @@ async def test_silent_server_times_out_and_is_retried(
     warnings = [r.getMessage() for r in source_lines(caplog, "cam") if r.levelno == logging.WARNING]
     assert warnings[0].startswith(f"source cam: no answer from {url} in 1.")
     assert warnings[0].endswith("s; retry 1 in 0.10s")
+
+
+async def test_a_reconnect_attempt_under_way_says_so_not_the_wait_before_it(
+    nats_server: EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    with RawListener() as silent:  # accepts and never answers: every attempt blocks for open_timeout
+        url = f"rtsp://127.0.0.1:{silent.port}/x"
+        cfg = make_config(
+            tmp_path,
+            [{"id": "cam", "url": url, "open_timeout": 1.0, "read_timeout": 1.0,
+              "reconnect": {"min_delay": 0.1, "max_delay": 0.2, "jitter": 0.0}}],
+        )  # fmt: skip
+        async with running(cfg, nats_server.url) as runtime:
+            source = runtime.sources["cam"].source
+            await until(lambda: silent.connections >= 2, 5, "the second attempt to connect")
+            state, reason = source.state, source.reason
+            report = runtime.sources["cam"].report()
+    warnings = [r.getMessage() for r in source_lines(caplog, "cam") if r.levelno == logging.WARNING]
+    # The first attempt timed out; its wait was logged and is over: the second attempt is on.
+    first = warnings[0].removeprefix("source cam: ")
+    assert first.startswith(f"no answer from {url} in 1.") and first.endswith("s; retry 1 in 0.10s")
+    failure = first.removesuffix("; retry 1 in 0.10s")
+    assert state == SourceState.BACKOFF  # `connecting` is the first connection only
+    assert reason == f"reconnecting (retry 1) after: {failure}"
+    assert (report.state, report.reason) == (SourceState.BACKOFF, reason)
 
 
 async def test_stop_interrupts_a_blocked_open_and_a_backoff_wait() -> None:
