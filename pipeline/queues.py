@@ -33,6 +33,25 @@ class EndOfStream:
 END = EndOfStream()
 
 
+class StreamBreak:
+    """Marker a live source leaves when its stream breaks (it left ``up`` for ``backoff``).
+
+    The frames after it come from a new connection, if any; ``next_index`` is the
+    index the next frame will have. Only a queue made with ``breaks=True`` keeps it.
+    """
+
+    __slots__ = ("next_index",)
+
+    def __init__(self, next_index: int) -> None:
+        self.next_index = next_index
+
+    def __repr__(self) -> str:
+        return f"StreamBreak(next_index={self.next_index})"
+
+
+Marker = EndOfStream | StreamBreak
+
+
 class FrameQueue(Generic[T]):
     """A bounded queue fed by one thread and drained by one asyncio task."""
 
@@ -42,6 +61,7 @@ class FrameQueue(Generic[T]):
         policy: OverflowPolicy,
         loop: asyncio.AbstractEventLoop,
         on_drop: Callable[[T], None] | None = None,
+        breaks: bool = False,
     ) -> None:
         if maxsize < 1:
             raise ValueError("maxsize must be at least 1")
@@ -50,7 +70,7 @@ class FrameQueue(Generic[T]):
         # A blocked producer resumes once the queue is down to this many frames.
         self._resume_at = maxsize // 2
         self._loop = loop
-        self._items: collections.deque[T | EndOfStream] = collections.deque()
+        self._items: collections.deque[T | Marker] = collections.deque()
         self._cond = threading.Condition()
         self._ready = asyncio.Event()
         # True while the consumer waits for a frame: only then does a put wake the loop.
@@ -60,6 +80,8 @@ class FrameQueue(Generic[T]):
         self._closed = False
         # Told of each frame dropped to make room: it releases and counts the frame.
         self._on_drop = on_drop
+        # Whether the consumer wants StreamBreak markers (put_break does nothing otherwise).
+        self._breaks = breaks
 
     def __len__(self) -> int:
         return len(self._items)
@@ -78,9 +100,7 @@ class FrameQueue(Generic[T]):
             if self._closed:
                 return False
             if len(self._items) >= self.maxsize:
-                oldest = self._items.popleft()
-                assert not isinstance(oldest, EndOfStream)
-                dropped = oldest
+                dropped = self._drop_oldest_frame()
             self._items.append(item)
             wake, self._waiting = self._waiting, False
         if dropped is not None and self._on_drop is not None:
@@ -88,6 +108,26 @@ class FrameQueue(Generic[T]):
         if wake:
             self._wake()
         return True
+
+    def _drop_oldest_frame(self) -> T | None:
+        """Take the oldest waiting frame out (markers stay where they are); under the lock."""
+        for i, queued in enumerate(self._items):
+            if not isinstance(queued, (EndOfStream, StreamBreak)):
+                del self._items[i]
+                return queued
+        return None
+
+    def put_break(self, next_index: int) -> None:
+        """Mark a break in a live stream, after the frames already put; only with ``breaks``."""
+        if not self._breaks:
+            return
+        with self._cond:
+            if self._closed:
+                return
+            self._items.append(StreamBreak(next_index))
+            wake, self._waiting = self._waiting, False
+        if wake:
+            self._wake()
 
     def put_end(self) -> None:
         """Mark the end of the stream; the consumer sees :data:`END` after the last frame."""
@@ -106,7 +146,7 @@ class FrameQueue(Generic[T]):
     def drain(self) -> list[T]:
         """Take every waiting frame out (used when shutting down)."""
         with self._cond:
-            items = [i for i in self._items if not isinstance(i, EndOfStream)]
+            items = [i for i in self._items if not isinstance(i, (EndOfStream, StreamBreak))]
             self._items.clear()
             self._cond.notify_all()
         return items
@@ -125,13 +165,13 @@ class FrameQueue(Generic[T]):
                 self._waiting = True
             await self._ready.wait()
 
-    def peek(self) -> T | EndOfStream | None:
+    def peek(self) -> T | Marker | None:
         """The item :meth:`get` would return now, left in the queue; None when empty."""
         with self._cond:
             return self._items[0] if self._items else None
 
-    async def get(self) -> T | EndOfStream:
-        """Wait for the next frame (or :data:`END`)."""
+    async def get(self) -> T | Marker:
+        """Wait for the next frame (or :data:`END`, or a :class:`StreamBreak`)."""
         while True:
             with self._cond:
                 if self._items:

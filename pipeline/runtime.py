@@ -50,7 +50,7 @@ from pipeline.frames import Frame
 from pipeline.metrics import Metrics
 from pipeline.outputs.manager import Outputs
 from pipeline.overload import OverloadMonitor
-from pipeline.queues import EndOfStream, FrameQueue, OverflowPolicy
+from pipeline.queues import EndOfStream, FrameQueue, OverflowPolicy, StreamBreak
 from pipeline.sources.base import Source, SourceContext, SourceError, SourceState
 from pipeline.sources.budget import MIB, FrameMemoryBudget
 from pipeline.sources.live import reader_threads
@@ -528,7 +528,7 @@ class Runtime:
             frame.release()
             counters.drop("queue_full")
 
-        queue: FrameQueue[Frame] = FrameQueue(config.queue_size, policy, loop, on_drop)
+        queue: FrameQueue[Frame] = FrameQueue(config.queue_size, policy, loop, on_drop, breaks=True)
         run = SourceRun(config=config, source=source, queue=queue, max_in_flight=in_flight)
         self.sources[sid] = run
         run.intake = asyncio.create_task(self._intake(run), name=f"intake-{sid}")
@@ -652,7 +652,7 @@ class Runtime:
         # most, and a live source's waiting frames stay in its drop-oldest queue, so the
         # graph always takes the freshest one.
         slots = asyncio.Semaphore(run.max_in_flight)
-        in_flight: asyncio.Queue[asyncio.Task[Frame | None] | None] = asyncio.Queue()
+        in_flight: asyncio.Queue[asyncio.Task[Frame | None] | StreamBreak | None] = asyncio.Queue()
         publisher = run.publisher = asyncio.create_task(
             self._publish_in_order(run, in_flight, slots), name=f"publish-{sid}"
         )
@@ -666,6 +666,13 @@ class Runtime:
                     slots.release()
                     self._give_graph_slot(run)
                     break
+                if isinstance(item, StreamBreak):
+                    # A live stream went down: the publisher ends its tracks after the
+                    # frames before the break, as at the source's end.
+                    slots.release()
+                    self._give_graph_slot(run)
+                    in_flight.put_nowait(item)
+                    continue
                 if self._stopping.is_set() and run.source.live:
                     item.release()
                     slots.release()
@@ -726,7 +733,7 @@ class Runtime:
     async def _publish_in_order(
         self,
         run: SourceRun,
-        in_flight: asyncio.Queue[asyncio.Task[Frame | None] | None],
+        in_flight: asyncio.Queue[asyncio.Task[Frame | None] | StreamBreak | None],
         slots: asyncio.Semaphore,
     ) -> None:
         while True:
@@ -734,6 +741,9 @@ class Runtime:
             if task is None:
                 await self._end_source(run)
                 return
+            if isinstance(task, StreamBreak):
+                await self._end_source(run, f"down-{task.next_index}")
+                continue
             try:
                 await self._finish(run, await task)
             except asyncio.CancelledError:
@@ -804,13 +814,14 @@ class Runtime:
         if nc is not None and nc.is_connected:
             await nc.publish(subject, payload)
 
-    async def _end_source(self, run: SourceRun) -> None:
-        """After a source's last frame: publish what its end closes (tracks that end)."""
+    async def _end_source(self, run: SourceRun, key: str = "end") -> None:
+        """After a source's last frame, or the last before its stream broke: publish what
+        that closes (tracks that end). ``key`` tells the closings of one run apart."""
         events = [event for stage in self._ordered for event in stage.end_source(run.source.id)]
         if not events:
             return
         try:
-            await self.publisher.publish_events(run.source.id, events, run.stream_id, "end")
+            await self.publisher.publish_events(run.source.id, events, run.stream_id, key)
         except Exception as exc:
             log.error("source %s: %d closing event(s) not published: %s", run.source.id, len(events), exc)
 

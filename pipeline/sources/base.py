@@ -206,6 +206,8 @@ class Source(ABC):
     def set_state(self, state: SourceState, reason: str = "") -> None:
         if state == self.state and reason == self.reason:
             return
+        if state == SourceState.BACKOFF and self.state == SourceState.UP:
+            self._break_stream()
         self.state = state
         self.reason = reason
         if self._on_state is not None:
@@ -214,6 +216,16 @@ class Source(ABC):
     def set_reason(self, reason: str) -> None:
         """Say what the source is doing now within its state (no state change, no log line)."""
         self.reason = reason
+
+    def _break_stream(self) -> None:
+        """The stream went down: a break after the frames already queued (live sources).
+
+        What follows comes from a new connection: the graph ends the stream's tracks
+        at the break (:class:`~pipeline.queues.StreamBreak`).
+        """
+        with self._queue_lock:
+            if self._queue is not None and not self._ended.is_set():
+                self._queue.put_break(self._next_index)
 
     def count_reconnect(self, reason: ReconnectReason) -> None:
         """Record a reconnect attempt; ``reason`` becomes a metric label."""

@@ -36,7 +36,9 @@ more than one reader; :func:`reader_threads` counts them all
 tenth of a second whatever FFmpeg is doing.
 
 Frame indices keep counting across reconnects and ``pts`` keeps increasing;
-``capture_ts`` is the wall time a frame came out of the decoder.
+``capture_ts`` is the wall time a frame came out of the decoder. Going from ``up``
+to ``backoff`` leaves a :class:`~pipeline.queues.StreamBreak` in the queue: the
+graph ends the connection's tracks there.
 """
 
 from __future__ import annotations

@@ -123,7 +123,9 @@ class Stage(ABC):
         """Do this stage's work on one frame."""
 
     def end_source(self, source: str) -> list[Event]:
-        """The source has no more frames (it ended, was removed, or the pipeline stops).
+        """The source has no more frames (it ended, was removed, or the pipeline stops),
+        or its live stream broke (left ``up`` for ``backoff``; frames of a new
+        connection may follow, and state kept across frames should start over).
 
         Called in order after its last frame, for ordered stages; returns the events
         that closes (tracks that end), which are published like a frame's.

@@ -17,10 +17,11 @@
 
 The maths lives in :mod:`pipeline.tracking`; this stage keeps one tracker per
 source and per detector stage (ids are unique per source), in frame order
-(``ordered``), so ids never depend on timing. Objects of a detector that
-skipped the frame (infer ``interval``) are the tracker's predicted boxes,
-added with ``predicted`` set. A detection that is not (yet) part of a
-confirmed track keeps no ``track_id``.
+(``ordered``), so ids never depend on timing. When a live source goes down
+(``up`` to ``backoff``) its tracks end: the next connection's objects get new
+ids. Objects of a detector that skipped the frame (infer ``interval``) are the
+tracker's predicted boxes, added with ``predicted`` set. A detection that is
+not (yet) part of a confirmed track keeps no ``track_id``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Literal
 import numpy as np
 
 from inference.schema import spec
+from pipeline.events import Event
 from pipeline.frames import DetectedObject, Frame
 from pipeline.stages.base import Stage, StageContext, StageOptions
 from pipeline.tracking.base import Tracker
@@ -164,6 +166,14 @@ class TrackStage(Stage):
                     predicted=True,
                 )
             )
+
+    def end_source(self, source: str) -> list[Event]:
+        # The source ended or its live stream broke: its tracks end with it. The id
+        # counter stays, so objects of a next connection get ids never used before.
+        state = self._sources.get(source)
+        if state is not None:
+            state.by_stage.clear()
+        return []
 
     def forget_source(self, source: str) -> None:
         self._sources.pop(source, None)

@@ -20,7 +20,9 @@ events, attached to the frame and published after its message on
 ``vidpipe.<pipeline>.<source>.events`` (:mod:`pipeline.events`):
 
 - ``track_start`` when a track id first appears, ``track_end`` once it has not
-  been seen for ``track_end_after`` frames or its source ends;
+  been seen for ``track_end_after`` frames, or its source ends, or its live
+  source goes down (leaves ``up`` for ``backoff``: the tracks of a connection end
+  with it, and the next connection's objects get new ids);
 - ``zone_enter`` / ``zone_exit`` (a track that ends inside a zone exits it first);
 - ``line_cross`` when the anchor passes from one side of a line's segment to
   the other: ``in`` from its left to its right, walking from its first point to
@@ -298,7 +300,9 @@ class ZonesStage(Stage):
         return [*exits, track.event("track_end", track_id)]
 
     def end_source(self, source: str) -> list[Event]:
-        state = self._sources.pop(source, None)
+        # The source ended, or its live stream broke (frames may follow from a new
+        # connection, with new track ids): its tracks end; line counts are kept.
+        state = self._sources.get(source)
         if state is None:
             return []
         events = [e for tid, track in list(state.tracks.items()) for e in self._end(state, tid, track)]

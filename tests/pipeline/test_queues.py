@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.queues import END, FrameQueue
+from pipeline.queues import END, FrameQueue, StreamBreak
 
 
 class CountingLoop:
@@ -76,6 +76,27 @@ def test_drop_oldest_keeps_the_newest_frames_and_reports_the_dropped_one() -> No
     got, dropped = asyncio.run(main())
     assert got == [2, 3]
     assert dropped == [0, 1]
+
+
+def test_a_stream_break_is_never_dropped_and_only_a_queue_that_asks_gets_one() -> None:
+    async def main() -> tuple[list[Any], list[int], int]:
+        dropped: list[int] = []
+        loop = asyncio.get_running_loop()
+        queue: FrameQueue[int] = FrameQueue(3, "drop_oldest", loop, dropped.append, breaks=True)
+        plain: FrameQueue[int] = FrameQueue(3, "drop_oldest", loop)
+        for q in (queue, plain):
+            q.put(0)
+            q.put_break(1)
+            for i in range(1, 4):
+                q.put(i)
+        got = [await queue.get() for _ in range(3)]
+        return [repr(g) if isinstance(g, StreamBreak) else g for g in got], dropped, len(plain)
+
+    got, dropped, plain = asyncio.run(main())
+    # The full queue dropped the oldest frames around the break, never the break itself.
+    assert got == ["StreamBreak(next_index=1)", 2, 3]
+    assert dropped == [0, 1]
+    assert plain == 3
 
 
 def test_a_closed_queue_refuses_frames() -> None:

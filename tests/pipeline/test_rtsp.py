@@ -21,7 +21,7 @@ import yaml
 
 from pipeline.backoff import backoff_delay
 from pipeline.config import PipelineConfig, ReconnectConfig, SourceConfig, load_config
-from pipeline.frames import Frame
+from pipeline.frames import DetectedObject, Frame
 from pipeline.nats_server import EmbeddedNats
 from pipeline.queues import EndOfStream, FrameQueue
 from pipeline.redact import redact_text
@@ -479,3 +479,74 @@ def test_timeline_is_strictly_increasing_from_zero() -> None:
     # No timestamp on the first frame, then 10.0.. ; a reset back to 3.0 continues after 10.2.
     got = [round(line.next(raw), 6) for raw in (None, 10.0, 10.1, None, 3.0, 3.1)]
     assert got == [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
+
+
+class OneObject(Stage):
+    """A detector stand-in: one sure object in the middle of every frame."""
+
+    kind = "one_object"
+    finds_objects = True
+
+    async def process(self, frame: Frame) -> None:
+        frame.objects.append(
+            DetectedObject(frame.next_object_id(), "car", 0, 0.9, (100.0, 80.0, 200.0, 160.0), self.name)
+        )
+
+
+@needs_gstreamer
+async def test_an_outage_ends_the_tracks_of_the_stream_and_a_reconnect_starts_new_ones(
+    rtsp_server: RtspTestServer, nats_server: EmbeddedNats, collector: Collector, tmp_path: Path
+) -> None:
+    with stage_kinds(OneObject):
+        cfg = make_config(
+            tmp_path,
+            [{"id": "cam", "url": rtsp_server.url(), **FAST}],
+            stages=[
+                {"name": "cars", "type": "one_object"},
+                {"name": "track", "type": "track", "min_hits": 1},
+                {"name": "gate", "type": "zones",
+                 "zones": [{"name": "dock", "polygon": [[0, 0], [320, 0], [320, 240], [0, 240]]}]},
+            ],
+        )  # fmt: skip
+        await collector.start(nats_server.url, "vidpipe.cams.cam.>")
+        zone = {"source": "cam", "zone": "dock"}
+
+        def events() -> list[tuple[str, int]]:
+            return [(m["type"], m["track_id"]) for m in collector.messages if "type" in m]
+
+        async with running(cfg, nats_server.url) as runtime:
+            source = runtime.sources["cam"].source
+            await until(lambda: ("zone_enter", 1) in events(), 10, "track 1 in the dock")
+            assert metric(runtime, "vidpipe_zone_objects", **zone) == 1.0
+            assert metric(runtime, "vidpipe_active_tracks", source="cam") == 1.0
+            rtsp_server.kill()
+            # The stream's end ends its track at once, while the camera is still away.
+            await until(lambda: ("track_end", 1) in events(), 5, "track 1 to end")
+            assert source.state == SourceState.BACKOFF
+            assert metric(runtime, "vidpipe_zone_objects", **zone) == 0.0
+            assert metric(runtime, "vidpipe_active_tracks", source="cam") == 0.0
+            assert events() == [("track_start", 1), ("zone_enter", 1), ("zone_exit", 1), ("track_end", 1)]
+            rtsp_server.start()
+            await until(lambda: ("zone_enter", 2) in events(), 10, "a new track after the reconnect")
+            assert metric(runtime, "vidpipe_zone_objects", **zone) == 1.0
+            assert metric(runtime, "vidpipe_active_tracks", source="cam") == 1.0
+        assert metric(runtime, "vidpipe_zone_objects", **zone) == 0.0
+    await until(lambda: ("track_end", 2) in events(), 5, "track 2 to end with the pipeline")
+    assert events() == [
+        ("track_start", 1), ("zone_enter", 1), ("zone_exit", 1), ("track_end", 1),
+        ("track_start", 2), ("zone_enter", 2), ("zone_exit", 2), ("track_end", 2),
+    ]  # fmt: skip
+    # Track 1 ends at its last frame before the outage; track 2 starts at the first after it.
+    messages = collector.messages
+    down = next(i for i, m in enumerate(messages) if m.get("type") == "track_end")
+    last_before = [m["frame"] for m in messages[:down] if "type" not in m][-1]
+    first_after = next(m["frame"] for m in messages[down:] if "type" not in m)
+    assert [(m["type"], m["frame"]) for m in messages[down - 1 : down + 1]] == [
+        ("zone_exit", last_before), ("track_end", last_before),
+    ]  # fmt: skip
+    start = next(m for m in messages if m.get("type") == "track_start" and m["track_id"] == 2)
+    assert start["frame"] == first_after > last_before
+    # Every frame's object carries the track of its own connection.
+    ids = {m["frame"]: m["objects"][0]["track_id"] for m in messages if "type" not in m}
+    assert {ids[f] for f in ids if f <= last_before} == {1}
+    assert {ids[f] for f in ids if f >= first_after} == {2}
