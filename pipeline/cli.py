@@ -813,7 +813,7 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         else:
             await runtime.start()
         _log_models(runtime)
-        if getattr(args, "progress", False) and _wants_progress(cfg):
+        if getattr(args, "progress", False) and _wants_progress(cfg, args.log_format):
             total = await asyncio.to_thread(_total_frames, cfg, args.max_frames)
             progress = Progress(runtime.published_total, total, sys.stderr)
             progress.start()
@@ -988,9 +988,10 @@ def _check_nats_port_free(cfg: PipelineConfig, args: argparse.Namespace) -> None
         )  # fmt: skip
 
 
-def _wants_progress(cfg: PipelineConfig) -> bool:
-    """A progress line for a run of files (not looped) when a person watches stderr."""
-    if not cfg.sources or not sys.stderr.isatty():
+def _wants_progress(cfg: PipelineConfig, log_format: str = "plain") -> bool:
+    """A progress line for a run of files (not looped) when a person watches stderr; never
+    in JSON logs, where every line must parse (a container run with a TTY)."""
+    if not cfg.sources or not sys.stderr.isatty() or log_format == "json":
         return False
     return all(s.scheme == "file" and not s.loop for s in cfg.sources)
 

@@ -9,18 +9,27 @@ then ends the command as one a moment later would: a ``run`` stops (one line, ex
 
 from __future__ import annotations
 
+import signal
 import sys
+from types import FrameType
 
 # The commands with sub-commands, and theirs (as pipeline/cli.py's parser has them).
 SUBCOMMANDS = {"models": ("list", "add", "quantize"), "fleet": ("add", "remove", "list")}
 
 
 def main() -> int:
+    # SIGTERM (a pod deleted, `docker stop`) while the CLI loads is a stop like Ctrl-C, not
+    # a silent exit 143; `run` installs its own handler once its loop runs.
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         from pipeline.cli import main as run_command
     except KeyboardInterrupt:
         return _stopped_while_loading(sys.argv[1:])
     return run_command()
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def _stopped_while_loading(argv: list[str]) -> int:

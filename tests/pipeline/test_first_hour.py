@@ -296,12 +296,20 @@ def _until_loaded(proc: subprocess.Popen[str], library: str) -> None:
 
 # Three moments of the second the CLI spends importing the runtime, in the order they come:
 # a library of NumPy, of OpenCV and of SciPy mapped.
+# SIGTERM too: a pod deleted, or `docker stop`, while vidpipe starts (it used to end silently, 143).
 @pytest.mark.parametrize(
-    ("loaded", "log_format"),
-    [("_multiarray_umath", "plain"), ("/cv2/", "plain"), ("/scipy/linalg/", "plain"), ("/cv2/", "json")],
+    ("loaded", "log_format", "sig"),
+    [
+        ("_multiarray_umath", "plain", signal.SIGINT),
+        ("/cv2/", "plain", signal.SIGINT),
+        ("/scipy/linalg/", "plain", signal.SIGINT),
+        ("/cv2/", "json", signal.SIGINT),
+        ("_multiarray_umath", "plain", signal.SIGTERM),
+        ("/scipy/linalg/", "plain", signal.SIGTERM),
+    ],
 )
 def test_ctrl_c_while_vidpipe_loads_is_one_line_and_exit_0(
-    squares_config: Path, loaded: str, log_format: str
+    squares_config: Path, loaded: str, log_format: str, sig: signal.Signals
 ) -> None:
     proc = subprocess.Popen(
         [_console_script(), "run", str(squares_config), "--source", "test://", "--log-format", log_format],
@@ -313,7 +321,7 @@ def test_ctrl_c_while_vidpipe_loads_is_one_line_and_exit_0(
     )
     try:
         _until_loaded(proc, loaded)
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, sig)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -545,15 +553,12 @@ def test_validate_refuses_the_settings_run_refuses(tmp_path: Path, squares_confi
 # -- feedback ------------------------------------------------------------------------------
 
 
-def test_a_file_run_on_a_terminal_shows_progress(
-    tmp_path: Path, squares_config: Path, nats_server: EmbeddedNats
-) -> None:
-    clip = write_clip(tmp_path / "clip.mp4", frames=30, fps=15, width=160, height=120)
+def _on_a_terminal(*args: str) -> tuple[int, str]:
+    """``vidpipe ARGS`` with its stderr on a pseudo-terminal (as a person, or `docker run -t`,
+    has it); the exit code and everything written there."""
     master, slave = pty.openpty()
     try:
-        proc = _start(
-            "run", str(squares_config), "--source", str(clip), "--nats", nats_server.url, stderr=slave
-        )
+        proc = _start(*args, stderr=slave)
         os.close(slave)
         chunks = []
         while True:
@@ -567,9 +572,23 @@ def test_a_file_run_on_a_terminal_shows_progress(
         proc.wait(timeout=60)
     finally:
         os.close(master)
-    shown = b"".join(chunks).decode(errors="replace")
-    assert proc.returncode == 0, shown
+    return proc.returncode, b"".join(chunks).decode(errors="replace")
+
+
+def test_a_file_run_on_a_terminal_shows_progress(
+    tmp_path: Path, squares_config: Path, nats_server: EmbeddedNats
+) -> None:
+    clip = write_clip(tmp_path / "clip.mp4", frames=30, fps=15, width=160, height=120)
+    code, shown = _on_a_terminal("run", str(squares_config), "--source", str(clip), "--nats", nats_server.url)
+    assert code == 0, shown
     assert re.search(r"\r30/30 frames \(100%\)  [\d.]+ fps  ETA 0:00", shown), shown
+    # JSON logs on a terminal (a container run with a TTY): every line parses, no progress.
+    code, shown = _on_a_terminal(
+        "run", str(squares_config), "--source", str(clip), "--nats", nats_server.url, "--log-format", "json"
+    )
+    assert code == 0, shown
+    lines = shown.replace("\r\n", "\n").strip().split("\n")
+    assert [json.loads(line)["level"] for line in lines][-1] == "info" and " frames (" not in shown
     # Not on a pipe, and not when asked not to.
     piped = run_cli("run", str(squares_config), "--source", str(clip), "--nats", nats_server.url)
     assert piped.returncode == 0 and " frames (" not in piped.stderr
