@@ -72,6 +72,8 @@ HOLD_OUT_EVERY = 4  # every fourth frame checks, the others calibrate
 MAX_SIDE = 1280  # frames read for calibration are scaled down to this (models take 320-1280)
 INT8_FILE = "model.xml"
 REPORT_FILE = "quantize.txt"
+# The config.yaml the INT8 version replaced, kept in its folder.
+BEFORE_FILE = "config.before.yaml"
 DETECTION_KINDS = ("yolo", "text_detect")
 # The source schemes read_frames opens (PyAV): files and network streams. vidpipe's own
 # sources (test://, whip://, v4l2://) are not among them.
@@ -326,11 +328,20 @@ def _model_file_text(config: ModelConfig) -> str:
     return f"{{{package}path: {mf.path}}}"
 
 
-def _rollback_hint(source: ModelSource) -> str:
-    previous = _model_file_text(source.config)
-    if source.version is not None:
-        return f"set version: {source.version} and model_file: {previous}"
-    return f"set model_file: {previous} and remove the INT8 version folder"
+def _rollback_hint(source: ModelSource, version: int) -> str:
+    """Every key the INT8 config changes, back as it was; and the whole previous file, kept."""
+    config = source.config
+    previous = _model_file_text(config)
+    undo = f"set version: {source.version} and model_file: {previous}" if source.version is not None else (
+        f"set model_file: {previous}"
+    )  # fmt: skip
+    if config.backend != "openvino":
+        undo += f", backend: {config.backend}"
+        if config.backend_options:
+            undo += " and its backend_options"
+    if source.version is None:
+        undo += " and remove the INT8 version folder"
+    return f"{undo}; or copy {version}/{BEFORE_FILE} over {source.file.name}"
 
 
 def _rewrite_config(source: ModelSource, version: int) -> tuple[str, list[str], str]:
@@ -340,7 +351,7 @@ def _rewrite_config(source: ModelSource, version: int) -> tuple[str, list[str], 
     from inference.tuning import round_trip_yaml, set_key
 
     text = source.file.read_text(encoding="utf-8")
-    rollback = _rollback_hint(source)
+    rollback = _rollback_hint(source, version)
     y = round_trip_yaml()
     doc = y.load(text)
     changes: list[str] = []
@@ -355,12 +366,11 @@ def _rewrite_config(source: ModelSource, version: int) -> tuple[str, list[str], 
     changes.append(f"model_file: {_model_file_text(source.config)} -> {{path: {INT8_FILE}}}")
     if source.config.version is not None:
         set_key(doc, "version", version, changes, "version")
-    doc.yaml_set_start_comment(
-        f"INT8 version {version} written by `vidpipe models quantize`; to roll back, {rollback}."
-    )
     out = io.StringIO()
     y.dump(doc, out)
-    new_text = out.getvalue()
+    # A first line on top of the file's own comments, which stay.
+    new_text = f"# INT8 version {version} written by `vidpipe models quantize`; to roll back, {rollback}.\n"
+    new_text += out.getvalue()
     build(load_yaml_text(new_text, str(source.file)), ModelConfig, str(source.file))
     return new_text, changes, rollback
 
@@ -451,6 +461,7 @@ def quantize_model(
             f"to roll back: {rollback}\n",
             encoding="utf-8",
         )
+        shutil.copyfile(source.file, staging / BEFORE_FILE)  # the whole way back
         tmp.write_text(new_text, encoding="utf-8")
         staging.rename(target)
         # The last step: until config.yaml is replaced, an interruption (Ctrl-C) leaves nothing.

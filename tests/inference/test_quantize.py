@@ -158,6 +158,33 @@ def test_quantize_warns_when_the_sources_end_before_the_frames_asked(
     assert proc.returncode == 1
 
 
+def test_the_way_back_names_every_key_the_int8_config_changes(tmp_path: Path) -> None:
+    from inference.quantize import _rewrite_config
+    from inference.repository import read_source
+
+    repo = det_repo(tmp_path)
+    config = repo / "ppocr_det" / "config.yaml"
+    # As `vidpipe tune` may leave it: another runtime, with its own options.
+    config.write_text(
+        config.read_text()
+        .replace("backend: openvino", "backend: onnxruntime")
+        .replace(
+            "backend_options: {precision: auto, static_batch_sizes: [1]}",
+            "backend_options: {intra_op_threads: 1}",
+        )
+    )
+    text, changes, rollback = _rewrite_config(read_source(repo, "ppocr_det"), 2)
+    assert rollback == (
+        "set version: 1 and model_file: {path: model.onnx}, backend: onnxruntime and its backend_options; "
+        "or copy 2/config.before.yaml over config.yaml"
+    )
+    assert changes[:2] == [
+        "backend: onnxruntime -> openvino",
+        "backend_options: removed (they were the previous runtime's)",
+    ]
+    assert text.splitlines()[1:3] == config.read_text().splitlines()[:2]  # its own comments stay
+
+
 @pytest.mark.slow
 def test_quantize_writes_the_int8_detector_as_the_next_version_and_keeps_the_float_one(
     tmp_path: Path,
@@ -166,6 +193,7 @@ def test_quantize_writes_the_int8_detector_as_the_next_version_and_keeps_the_flo
     clip = plate_clip(tmp_path)
     float_file = repo / "ppocr_det" / "1" / "model.onnx"
     before = digest(float_file)
+    original = (repo / "ppocr_det" / "config.yaml").read_text()
     # --repo relative to the working directory, as a user types it.
     proc = run_cli(
         "models", "quantize", "ppocr_det", "--repo", os.path.relpath(repo, ROOT), "--from", str(clip),
@@ -178,13 +206,22 @@ def test_quantize_writes_the_int8_detector_as_the_next_version_and_keeps_the_flo
     # Three held-out frames, each with the two standing plates (and the moving one once it is in).
     assert "per-frame counts equal on 1.000 of 3 frames" in proc.stdout
     assert "box agreement 1.000" in proc.stdout
-    assert "to roll back: set version: 1 and model_file: {path: model.onnx}" in proc.stdout
+    assert (
+        "to roll back: set version: 1 and model_file: {path: model.onnx}; or copy 2/config.before.yaml "
+        "over config.yaml"
+    ) in proc.stdout
     v2 = repo / "ppocr_det" / "2"
-    assert sorted(p.name for p in v2.iterdir()) == ["model.bin", "model.xml", "quantize.txt"]
+    assert sorted(p.name for p in v2.iterdir()) == [
+        "config.before.yaml", "model.bin", "model.xml", "quantize.txt",
+    ]  # fmt: skip
+    assert (v2 / "config.before.yaml").read_text() == original  # the whole way back
     assert digest(float_file) == before
     config = (repo / "ppocr_det" / "config.yaml").read_text()
     assert "model_file: {path: model.xml}" in config
     assert config.startswith("# INT8 version 2 written by `vidpipe models quantize`")
+    # The file's own header comments stay, under the new first line.
+    header = [line for line in original.splitlines() if line.startswith("#")][:2]
+    assert config.splitlines()[1 : 1 + len(header)] == header
     # The rest of the file is as it was: comments and options kept.
     assert "# pixel probability threshold" in config
     assert "backend_options: {precision: auto, static_batch_sizes: [1]}" in config
