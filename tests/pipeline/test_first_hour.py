@@ -294,6 +294,26 @@ def _until_loaded(proc: subprocess.Popen[str], library: str) -> None:
         time.sleep(0.002)
 
 
+def _signal_while_loading(args: list[str], loaded: str, sig: signal.Signals) -> tuple[int, str, str]:
+    """``vidpipe ARGS`` sent ``sig`` once it has loaded ``loaded``: exit code, stdout, stderr."""
+    proc = subprocess.Popen(
+        [_console_script(), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _until_loaded(proc, loaded)
+        os.killpg(proc.pid, sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out, err
+
+
 # Three moments of the second the CLI spends importing the runtime, in the order they come:
 # a library of NumPy, of OpenCV and of SciPy mapped.
 # SIGTERM too: a pod deleted, or `docker stop`, while vidpipe starts (it used to end silently, 143).
@@ -311,22 +331,9 @@ def _until_loaded(proc: subprocess.Popen[str], library: str) -> None:
 def test_ctrl_c_while_vidpipe_loads_is_one_line_and_exit_0(
     squares_config: Path, loaded: str, log_format: str, sig: signal.Signals
 ) -> None:
-    proc = subprocess.Popen(
-        [_console_script(), "run", str(squares_config), "--source", "test://", "--log-format", log_format],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _until_loaded(proc, loaded)
-        os.killpg(proc.pid, sig)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err
+    args = ["run", str(squares_config), "--source", "test://", "--log-format", log_format]
+    code, out, err = _signal_while_loading(args, loaded, sig)
+    assert code == 0, err
     assert out == ""
     if log_format == "json":
         (line,) = err.splitlines()
@@ -352,22 +359,8 @@ def test_ctrl_c_while_another_command_loads_says_interrupted_and_exits_130(
     sample_models: Path, command: tuple[str, ...], said: str
 ) -> None:
     args = [arg.format(models=sample_models) for arg in command]
-    proc = subprocess.Popen(
-        [_console_script(), *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _until_loaded(proc, "/cv2/")
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert (proc.returncode, out, err) == (130, "", f"vidpipe {said}: interrupted; nothing was written\n")
+    result = _signal_while_loading(args, "/cv2/", signal.SIGINT)
+    assert result == (130, "", f"vidpipe {said}: interrupted; nothing was written\n")
 
 
 def test_the_done_line_counts_the_frames_dropped_by_reason(tmp_path: Path, sample_models: Path) -> None:
