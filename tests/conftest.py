@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -16,6 +17,14 @@ import pytest
 
 from pipeline.messages import detections_schema
 from pipeline.nats_server import EmbeddedNats
+
+# A test run started in the background by a shell without job control (`make test &` in a
+# script, a CI runner) inherits SIGINT ignored, and so would every vidpipe it starts: the
+# tests that press Ctrl-C on one would see nothing happen. A handler here is reset to the
+# default in each child, so the children get a Ctrl-C as a terminal gives it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
