@@ -690,7 +690,7 @@ class Runtime:
                 task.add_done_callback(run.frame_tasks.discard)
                 in_flight.put_nowait(task)
                 if self.max_frames is not None and accepted >= self.max_frames:
-                    run.source.stop()
+                    run.source.stop(f"max frames reached: {self.max_frames}")
                     run.queue.close()
                     for frame in run.queue.drain():
                         frame.release()

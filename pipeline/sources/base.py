@@ -177,6 +177,7 @@ class Source(ABC):
         self._last_kept_pts: float | None = None
         # Added to every pts so they keep increasing across loops, reconnects, publishers.
         self._pts_offset = 0.0
+        self.stop_reason = "stop requested"
 
     @property
     def live(self) -> bool:
@@ -190,8 +191,10 @@ class Source(ABC):
     def start(self, queue: FrameQueue[Frame]) -> None:
         """Begin producing into ``queue``."""
 
-    def stop(self) -> None:
-        """Ask the source to end; END follows in its queue."""
+    def stop(self, reason: str = "stop requested") -> None:
+        """Ask the source to end; END follows in its queue, and its state says ``reason``."""
+        if not self._stop.is_set():
+            self.stop_reason = reason
         self._stop.set()
 
     def join(self, timeout: float | None = None) -> None:
@@ -387,7 +390,7 @@ class ThreadedSource(Source):
         try:
             self.run()
             if self.stopping:
-                reason = "stop requested"
+                reason = self.stop_reason
         except SourceError as exc:
             state, reason = SourceState.FAILED, str(exc)
         except Exception as exc:  # a decoder bug must not take the process down

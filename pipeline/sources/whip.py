@@ -109,10 +109,10 @@ class WhipSource(Source):
         # Nothing runs until a publisher POSTs its offer (see the module docstring).
         self._queue = queue
 
-    def stop(self) -> None:
+    def stop(self, reason: str = "stop requested") -> None:
         """Stop the source, end its stream and close the publisher's peer connection, if any."""
-        super().stop()
-        self._finish(SourceState.STOPPED, "stop requested")
+        super().stop(reason)
+        self._finish(SourceState.STOPPED, self.stop_reason)
         if self.session is None or self._loop is None or self._loop.is_closed():
             return
         session = self.session

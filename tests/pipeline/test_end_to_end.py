@@ -111,6 +111,8 @@ async def test_max_frames_stops_each_source_after_n(
     assert sorted({m["source"] for m in collector.messages}) == ["test", "test_2"]
     for source in ("test", "test_2"):
         assert [m["frame"] for m in collector.by_source(source)] == list(range(15))
+        # The log says why each source stopped: the limit, not a stop someone asked for.
+        assert f"source {source}: stopped (max frames reached: 15)" in err
 
 
 def test_embedded_nats_is_started_printed_and_stopped(squares_config: Path, tmp_path: Path) -> None:
