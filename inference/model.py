@@ -449,7 +449,7 @@ class Model:
         """Run one H×W×3 uint8 RGB image through the model (batched with others)."""
         batcher = self._batcher
         if batcher is None or self.state is not ModelState.READY:
-            raise ModelUnavailable(self.name, self.state, self.reason)
+            raise self._unavailable()
         # Refused at the caller, before it reaches (and fails) a batch.
         check_image(image, model=self.name)
         result: Result = await batcher.infer(image, priority=priority, timeout_us=timeout_us)
@@ -461,10 +461,16 @@ class Model:
         """Thread-safe, non-async :meth:`infer`; returns a future of the result."""
         batcher = self._batcher
         if batcher is None or self.state is not ModelState.READY:
-            raise ModelUnavailable(self.name, self.state, self.reason)
+            raise self._unavailable()
         # Refused at the caller, before it reaches (and fails) a batch.
         check_image(image, model=self.name)
         return batcher.submit(image, priority=priority, timeout_us=timeout_us)
+
+    def _unavailable(self) -> ModelUnavailable:
+        """The refusal of a request while the model does not serve, counted where its
+        served requests are (``vidpipe_inference_requests_total{status="unavailable"}``)."""
+        self.observer.counters(self.name).refused(UNAVAILABLE)
+        return ModelUnavailable(self.name, self.state, self.reason)
 
     def _execute(self, inst: ModelInstance, images: list[Any]) -> list[Result]:
         """One batch on one instance (runs on that instance's worker thread)."""

@@ -44,7 +44,7 @@ from typing import Any
 
 from inference.backends import create_backend
 from inference.backends.base import TensorSpec
-from inference.batcher import InferenceObserver, NullObserver
+from inference.batcher import UNAVAILABLE, InferenceObserver, NullObserver
 from inference.config import ModelConfig, YoloOptions
 from inference.errors import VidpipeError
 from inference.introspect import (
@@ -338,6 +338,15 @@ class ModelRepository:
         raise ModelNotFoundError(
             f"no model {name!r} in {self.root}; models: {', '.join(self.names()) or 'none'}"
         )
+
+    def for_request(self, name: str) -> Model:
+        """:meth:`get` for a request about to be sent: a refusal is counted as one of the
+        model's ``unavailable`` requests (``vidpipe_inference_requests_total``)."""
+        try:
+            return self.get(name)
+        except ModelUnavailable:
+            self.observer.counters(name).refused(UNAVAILABLE)
+            raise
 
     def status(self) -> list[ModelStatus]:
         """One entry per model folder (and per loaded model whose folder went away)."""

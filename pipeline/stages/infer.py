@@ -224,7 +224,7 @@ class InferStage(Stage):
         repo = self.context.models
         # The runtime loads every model an infer stage names before any frame flows.
         assert repo is not None
-        return repo.get(self.opts.model)
+        return repo.for_request(self.opts.model)
 
     async def process(self, frame: Frame) -> None:
         kwargs = self._request_options()

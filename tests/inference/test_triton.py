@@ -292,6 +292,12 @@ async def test_readiness_and_model_ready_follow_the_remote_server(tmp_path: Path
         why = f"squares on {server.url}: the server cannot be reached (StatusCode.UNAVAILABLE)"
         assert (status, body) == (503, {"ready": False, "reasons": [f"model squares is unavailable: {why}"]})
         assert model_ready() == 0.0
+        # The frames that reach the stage meanwhile are refused, and counted as such.
+        refused = {"model": "squares", "status": "unavailable"}
+        await until(
+            lambda: (registry.get_sample_value("vidpipe_inference_requests_total", refused) or 0) >= 3,
+            what="refused requests counted",
+        )
 
         server.start()
         # Probed every 0.5 s while away; the channel reconnects within 2 s.
