@@ -44,6 +44,7 @@ import numpy as np
 from inference.config import ModelConfig, OpenVinoOptions
 from inference.errors import VidpipeError
 from inference.model import Model, ModelState, resolve_model_file
+from inference.processing.crop import crop_box, crop_upright
 from inference.processing.nms import iou_matrix
 from inference.processing.resize import ImagePreprocessor
 from inference.repository import CONFIG_FILE, ModelSource, read_source
@@ -57,6 +58,7 @@ __all__ = [
     "QuantizeResult",
     "check_quantizable",
     "compare_results",
+    "crops_from",
     "quantize_model",
     "read_frames",
     "split_frames",
@@ -75,6 +77,9 @@ REPORT_FILE = "quantize.txt"
 # The config.yaml the INT8 version replaced, kept in its folder.
 BEFORE_FILE = "config.before.yaml"
 DETECTION_KINDS = ("yolo", "text_detect")
+# Crops smaller than this on a side are not calibrated or checked on (a box of a pixel or
+# two says nothing about the ranges a classifier sees).
+MIN_CROP_SIDE = 4
 # The source schemes read_frames opens (PyAV): files and network streams. vidpipe's own
 # sources (test://, whip://, v4l2://) are not among them.
 READABLE_SCHEMES = ("file", "rtsp", "rtsps", "http", "https", "udp", "rtp", "srt")
@@ -111,15 +116,16 @@ class Agreement:
     box_agreement: float = 1.0  # 2 × matched / (float boxes + INT8 boxes)
     count_agreement: float = 1.0  # frames with as many INT8 boxes as float ones
     equal: int = 0  # classifiers/recognisers: answers that are the same
+    unit: str = "frames"  # what was checked: "frames", or "crops" of a detector's objects
 
     def describe(self) -> str:
         if self.kind == "detection":
             return (
                 f"box agreement {self.box_agreement:.3f} ({self.boxes_matched} of {self.boxes_float} float / "
                 f"{self.boxes_int8} INT8 boxes matched at IoU >= {MATCH_IOU}), per-frame counts equal on "
-                f"{self.count_agreement:.3f} of {self.frames} frames"
+                f"{self.count_agreement:.3f} of {self.frames} {self.unit}"
             )
-        return f"{self.kind} equal on {self.equal} of {self.frames} frames ({self.score:.3f})"
+        return f"{self.kind} equal on {self.equal} of {self.frames} {self.unit} ({self.score:.3f})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +138,10 @@ class QuantizeResult:
     config_file: Path
     agreement: Agreement
     threshold: float
-    calibration_frames: int
+    calibration_frames: int  # images: frames, or crops when ``crops_of`` names a detector
     changes: list[str]
     rollback: str
+    crops_of: str | None = None
 
 
 def read_frames(
@@ -375,6 +382,38 @@ def _rewrite_config(source: ModelSource, version: int) -> tuple[str, list[str], 
     return new_text, changes, rollback
 
 
+def is_detector(config: ModelConfig) -> bool:
+    """Whether the model finds objects in whole frames (the rest read crops of them)."""
+    return config.task.kind in DETECTION_KINDS
+
+
+def crops_from(root: Path, detector: str, frames: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """What ``detector`` (a model of the same repository) finds in ``frames``, cut the way an
+    infer stage with ``on:`` cuts it: rotated text lines warped upright, boxes as they are.
+
+    A classifier or recogniser reads these crops in a pipeline, so they, not whole frames,
+    hold the ranges its INT8 model must be calibrated for and the answers it must keep.
+    """
+    source = read_source(Path(root), detector)
+    if not is_detector(source.config):
+        raise QuantizeError(
+            f"--crops-of {detector}: a {source.config.task.kind} model finds no objects to crop; "
+            f"name a detector: a model of task kind {' or '.join(DETECTION_KINDS)}"
+        )
+    from inference.introspect import fill_input_shape
+
+    path = resolve_model_file(source.config, source.model_dir, source.version_dir)
+    config = fill_input_shape(source.config, path)
+    crops: list[np.ndarray] = []
+    for frame, found in zip(frames, _answers(config, source, frames), strict=True):
+        assert isinstance(found, list)
+        for det in found:
+            crop = crop_upright(frame, det.polygon) if det.polygon else crop_box(frame, det.box)
+            if min(crop.shape[:2]) >= MIN_CROP_SIDE:
+                crops.append(np.ascontiguousarray(crop))
+    return crops
+
+
 def check_quantizable(root: Path, name: str) -> tuple[ModelSource, Path]:
     """``root/name`` and its float model file, or why it cannot be quantized: a runtime that
     builds its own INT8 (TensorRT, Triton), or a served version that is INT8 already. Cheap:
@@ -401,11 +440,14 @@ def quantize_model(
     *,
     held_out: Sequence[np.ndarray] | None = None,
     min_agreement: float = DEFAULT_MIN_AGREEMENT,
+    crops_of: str | None = None,
 ) -> QuantizeResult:
     """Quantize ``root/name`` with ``frames`` (RGB uint8) and write it as a new version if it agrees.
 
     Every :data:`HOLD_OUT_EVERY`-th frame is held out for the check unless ``held_out``
-    gives the check its own frames (then all of ``frames`` calibrate). Raises
+    gives the check its own frames (then all of ``frames`` calibrate). With ``crops_of``
+    (a detector of the repository), the model is calibrated and checked on the objects
+    that detector finds in those frames (:func:`crops_from`), as a pipeline feeds it. Raises
     :class:`QuantizeRefused` (nothing written) when the INT8 model's agreement with the
     float model on the held-out frames is below ``min_agreement``.
     """
@@ -420,6 +462,18 @@ def quantize_model(
             f"model {name}: {len(frames)} frame(s) are too few: at least {HOLD_OUT_EVERY} are needed "
             "(three calibrate, one checks); give a longer clip or more sources"
         )
+    unit = "frame(s)"
+    if crops_of is not None:
+        # Held out by frame: no crop of a checking frame calibrates.
+        log.info("%s: cutting the objects %s finds in %d frame(s)", name, crops_of, len(calib) + len(held))
+        calib, held = crops_from(root, crops_of, calib), crops_from(root, crops_of, held)
+        if len(held) < 1 or len(calib) < 2:
+            raise QuantizeError(
+                f"model {name}: {crops_of} found {len(calib) + len(held)} object(s) in "
+                f"{len(frames)} frame(s), too few to calibrate and check on; give frames that show "
+                "what it detects"
+            )
+        unit = f"crop(s) of {crops_of}'s objects"
     from inference.introspect import fill_input_shape
 
     config = fill_input_shape(config, float_path)
@@ -434,9 +488,9 @@ def quantize_model(
     staging.mkdir()
     try:
         int8_path = staging / INT8_FILE
-        log.info("%s: calibrating on %d frame(s)", name, len(calib))
+        log.info("%s: calibrating on %d %s", name, len(calib), unit)
         _quantize(config, float_path, calib, int8_path)
-        log.info("%s: checking against the float model on %d held-out frame(s)", name, len(held))
+        log.info("%s: checking against the float model on %d held-out %s", name, len(held), unit)
         reference = _answers(config, source, held)
         candidate = _answers(int8_config(config, int8_path), source, held)
         if all(isinstance(r, list) and not r for r in reference):
@@ -445,6 +499,8 @@ def quantize_model(
                 "the check would prove nothing; give frames that show what the model detects"
             )
         agreement = compare_results(reference, candidate)
+        if crops_of is not None:
+            agreement = dataclasses.replace(agreement, unit="crops")
         if agreement.score < min_agreement:
             raise QuantizeRefused(
                 f"model {name}: the INT8 model agrees with the float model at {agreement.score:.3f}, below "
@@ -455,8 +511,8 @@ def quantize_model(
             )
         new_text, changes, rollback = _rewrite_config(source, version)
         (staging / REPORT_FILE).write_text(
-            f"INT8 by NNCF from {float_path.name}, calibrated on {len(calib)} frame(s)\n"
-            f"checked on {len(held)} held-out frame(s): {agreement.describe()}\n"
+            f"INT8 by NNCF from {float_path.name}, calibrated on {len(calib)} {unit}\n"
+            f"checked on {len(held)} held-out {unit}: {agreement.describe()}\n"
             f"threshold: {min_agreement:g}\n"
             f"to roll back: {rollback}\n",
             encoding="utf-8",
@@ -482,4 +538,5 @@ def quantize_model(
         calibration_frames=len(calib),
         changes=changes,
         rollback=rollback,
+        crops_of=crops_of,
     )

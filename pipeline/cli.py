@@ -229,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SOURCE",
         help="a file or camera URL to take frames from (repeatable)",
     )
+    quantize.add_argument(
+        "--crops-of",
+        metavar="DETECTOR",
+        help="calibrate and check on the objects this detector of the repository finds in the frames "
+        "(for a classifier or recogniser a pipeline feeds crops, e.g. --crops-of ppocr_det)",
+    )
     quantize.add_argument("--frames", type=int, default=300, metavar="N", help="frames in all")
     quantize.add_argument("--every", type=int, default=5, metavar="K", help="take every K-th frame")
     quantize.add_argument(
@@ -499,6 +505,8 @@ def cmd_models_quantize(args: argparse.Namespace) -> int:
     if not repo.is_dir():
         raise ConfigError(args.repo, None, "", "model repository folder not found", "check the path")
     _check_model(repo, args.name)
+    if args.crops_of is not None:
+        _check_model(repo, args.crops_of)
     urls = []
     for source in args.sources:
         problem = check_url(source)
@@ -518,7 +526,8 @@ def cmd_models_quantize(args: argparse.Namespace) -> int:
         urls.append(url.removeprefix("file://"))
     config_file = repo / args.name / "config.yaml"
     try:
-        check_quantizable(repo, args.name)
+        source, _ = check_quantizable(repo, args.name)
+        _check_crops_of(args, repo, source.config)
         frames = read_frames(urls, args.frames, every=args.every)
         print(f"{len(frames)} frame(s) from {len(urls)} source(s)", flush=True)
         if len(frames) < args.frames:
@@ -531,7 +540,9 @@ def cmd_models_quantize(args: argparse.Namespace) -> int:
                 level="warning",
                 stream=sys.stderr,
             )
-        result = quantize_model(repo, args.name, frames, min_agreement=args.min_agreement)
+        result = quantize_model(
+            repo, args.name, frames, min_agreement=args.min_agreement, crops_of=args.crops_of
+        )
     except QuantizeRefused as exc:
         print(f"vidpipe: refused: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
@@ -540,14 +551,41 @@ def cmd_models_quantize(args: argparse.Namespace) -> int:
         return EXIT_RUNTIME
     except KeyboardInterrupt:
         return _interrupted(args, f"nothing was written ({config_file} unchanged)")
+    images = f"crop(s) of {result.crops_of}'s objects" if result.crops_of else "frame(s)"
     print(
         f"model {result.name}: INT8 version {result.version} written to {result.model_file} "
-        f"(calibrated on {result.calibration_frames} frame(s))"
+        f"(calibrated on {result.calibration_frames} {images})"
     )
     print(f"check: {result.agreement.describe()} (threshold {result.threshold:g})")
     print(f"wrote {result.config_file}: " + "; ".join(result.changes))
     print(f"to roll back: {result.rollback}")
     return EXIT_OK
+
+
+def _check_crops_of(args: argparse.Namespace, repo: Path, config: Any) -> None:
+    """``--crops-of`` names a detector; a model that reads crops is warned without it."""
+    from inference.quantize import DETECTION_KINDS, is_detector
+    from inference.repository import read_source
+
+    if args.crops_of is not None:
+        detector = read_source(repo, args.crops_of).config
+        if not is_detector(detector):
+            raise ConfigError(
+                "--crops-of",
+                None,
+                "",
+                f"{args.crops_of}: a {detector.task.kind} model finds no objects to crop",
+                f"name a detector: a model of task kind {' or '.join(DETECTION_KINDS)}",
+            )
+    elif not is_detector(config):
+        _say(
+            args,
+            f"vidpipe: warning: {args.name} is a {config.task.kind} model: in a pipeline it reads crops of "
+            "a detector's objects, not whole frames; calibrated on whole frames, its INT8 ranges and its "
+            "check are not those of the crops (give --crops-of DETECTOR)",
+            level="warning",
+            stream=sys.stderr,
+        )
 
 
 def _check_model(repo: Path, name: str) -> None:

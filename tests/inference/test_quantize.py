@@ -17,6 +17,7 @@ from inference.quantize import (
     Agreement,
     QuantizeRefused,
     compare_results,
+    crops_from,
     quantize_model,
     read_frames,
     split_frames,
@@ -36,19 +37,27 @@ PLATES = (
 )
 
 
-def det_repo(tmp_path: Path) -> Path:
-    """A repository with PP-OCR det as version 1 (the ONNX file from the rapidocr wheel)."""
+WHEEL_FILES = {
+    "ppocr_det": "ch_PP-OCRv4_det_infer.onnx",
+    "ppocr_cls": "ch_ppocr_mobile_v2.0_cls_infer.onnx",
+    "ppocr_rec": "ch_PP-OCRv4_rec_infer.onnx",
+}
+
+
+def det_repo(tmp_path: Path, *names: str) -> Path:
+    """A repository with PP-OCR det (and ``names``) as version 1 (ONNX files from the rapidocr wheel)."""
     import rapidocr_onnxruntime
 
-    wheel = Path(rapidocr_onnxruntime.__file__).parent / "models" / "ch_PP-OCRv4_det_infer.onnx"
     repo = tmp_path / "models"
-    (repo / "ppocr_det" / "1").mkdir(parents=True)
-    shutil.copyfile(wheel, repo / "ppocr_det" / "1" / "model.onnx")
-    text = (ROOT / "samples" / "models" / "ppocr_det" / "config.yaml").read_text()
-    text = text.replace(
-        "{package: rapidocr_onnxruntime, path: models/ch_PP-OCRv4_det_infer.onnx}", "{path: model.onnx}"
-    )
-    (repo / "ppocr_det" / "config.yaml").write_text(text)
+    for name in ("ppocr_det", *names):
+        wheel = Path(rapidocr_onnxruntime.__file__).parent / "models" / WHEEL_FILES[name]
+        (repo / name / "1").mkdir(parents=True)
+        shutil.copyfile(wheel, repo / name / "1" / "model.onnx")
+        text = (ROOT / "samples" / "models" / name / "config.yaml").read_text()
+        text = text.replace(
+            f"{{package: rapidocr_onnxruntime, path: models/{WHEEL_FILES[name]}}}", "{path: model.onnx}"
+        )
+        (repo / name / "config.yaml").write_text(text)
     return repo
 
 
@@ -156,6 +165,31 @@ def test_quantize_warns_when_the_sources_end_before_the_frames_asked(
     )
     assert error.startswith("vidpipe: model squares: 2 frame(s) are too few")
     assert proc.returncode == 1
+
+
+def test_crops_of_must_name_a_detector_and_a_crop_reader_is_told_to_give_one(tmp_path: Path) -> None:
+    repo = det_repo(tmp_path, "ppocr_cls")
+    clip = write_clip(tmp_path / "short.mp4", frames=2, width=320, height=180)
+    args = ("models", "quantize", "ppocr_cls", "--repo", str(repo), "--from", str(clip))
+    proc = run_cli(*args, "--crops-of", "ppocr_cls")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == (
+        "--crops-of: ppocr_cls: a classify model finds no objects to crop "
+        "(hint: name a detector: a model of task kind yolo or text_detect)\n"
+    )
+    proc = run_cli(*args, "--crops-of", "ppocr_dt")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert (
+        proc.stderr == f"{repo}: no model 'ppocr_dt' in this repository (hint: did you mean 'ppocr_det'?)\n"
+    )
+    # Without --crops-of, a classifier is quantized on whole frames, with a warning first.
+    proc = run_cli(*args, "--every", "1")
+    assert proc.stderr.splitlines()[0] == (
+        "vidpipe: warning: ppocr_cls is a classify model: in a pipeline it reads crops of a detector's "
+        "objects, not whole frames; calibrated on whole frames, its INT8 ranges and its check are not "
+        "those of the crops (give --crops-of DETECTOR)"
+    )
+    assert proc.returncode == 1  # two frames are too few
 
 
 def test_the_way_back_names_every_key_the_int8_config_changes(tmp_path: Path) -> None:
@@ -270,3 +304,30 @@ def test_quantize_refuses_a_model_that_fails_its_check_and_writes_nothing(tmp_pa
     assert "nothing was written" in message
     assert sorted(p.name for p in (repo / "ppocr_det").iterdir()) == ["1", "config.yaml"]
     assert (repo / "ppocr_det" / "config.yaml").read_text() == config_before
+
+
+@pytest.mark.slow
+def test_a_classifier_is_calibrated_and_checked_on_the_crops_of_its_detector(tmp_path: Path) -> None:
+    repo = det_repo(tmp_path, "ppocr_cls")
+    clip = plate_clip(tmp_path)
+    frames = decoded(clip)
+    calib, held = split_frames(frames)
+    # What the pipeline would feed the classifier: each plate's text line, warped upright.
+    crops = crops_from(repo, "ppocr_det", calib)
+    assert len(crops) >= 2 * len(calib)  # two standing plates a frame, and the moving one once in
+    assert all(c.shape[0] < 60 and c.shape[1] < 320 for c in crops)  # text lines, not frames
+    proc = run_cli(
+        "models", "quantize", "ppocr_cls", "--repo", str(repo), "--from", str(clip),
+        "--frames", "12", "--every", "1", "--crops-of", "ppocr_det", timeout=170,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr
+    held_crops = len(crops_from(repo, "ppocr_det", held))
+    assert f"(calibrated on {len(crops)} crop(s) of ppocr_det's objects)" in proc.stdout
+    assert f"check: label equal on {held_crops} of {held_crops} crops (1.000)" in proc.stdout
+    report = (repo / "ppocr_cls" / "2" / "quantize.txt").read_text().splitlines()
+    assert (
+        report[0]
+        == f"INT8 by NNCF from model.onnx, calibrated on {len(crops)} crop(s) of ppocr_det's objects"
+    )
+    assert report[1].startswith(f"checked on {held_crops} held-out crop(s) of ppocr_det's objects: ")
