@@ -669,6 +669,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
             return EXIT_OK
         changes = write_tuned_config(report.config_file, point)
         print(f"wrote {report.config_file}: " + "; ".join(changes))
+        callers = args.streams or args.concurrency
+        if point.max_batch_size < report.start.max_batch_size and point.max_batch_size <= callers:
+            # The search tries batches up to the callers it measured with: a pipeline that
+            # sends more at once would batch more than this file now allows.
+            how = f"--streams {args.streams}" if args.streams else f"--concurrency {args.concurrency}"
+            print(
+                f"note: max_batch_size went from {report.start.max_batch_size} to {point.max_batch_size}: "
+                f"measured with {callers} caller(s) ({how}); if more sources or crops reach this model "
+                "at once, tune with as many",
+            )
     return EXIT_OK
 
 

@@ -81,6 +81,13 @@ def test_tune_searches_prints_the_table_and_writes_only_the_tuned_keys(
     assert "median of 3 interleaved turn(s) each): faster" in verified
     start = "max_queue_delay_microseconds: 300000" in new and "preferred_batch_size: [8]" in new
     assert not start, "the slow starting point was kept"
+    # A smaller max_batch_size than before is pointed out: it was measured with 4 callers.
+    notes = [line for line in lines if line.startswith("note: max_batch_size")]
+    expected = (
+        f"note: max_batch_size went from 8 to {written.max_batch_size}: measured with 4 caller(s) "
+        "(--concurrency 4); if more sources or crops reach this model at once, tune with as many"
+    )
+    assert notes == ([expected] if written.max_batch_size < 8 else [])
 
 
 def test_tune_refuses_bad_arguments_as_usage_errors(tmp_path: Path, sample_models: Path) -> None:
