@@ -331,3 +331,34 @@ def test_a_classifier_is_calibrated_and_checked_on_the_crops_of_its_detector(tmp
         == f"INT8 by NNCF from model.onnx, calibrated on {len(crops)} crop(s) of ppocr_det's objects"
     )
     assert report[1].startswith(f"checked on {held_crops} held-out crop(s) of ppocr_det's objects: ")
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_calibrating_writes_nothing_and_exits_130(tmp_path: Path) -> None:
+    import signal
+
+    from tests.pipeline.test_cli_interrupt import _start
+
+    repo = det_repo(tmp_path, "ppocr_cls")
+    config = repo / "ppocr_cls" / "config.yaml"
+    before = config.read_bytes()
+    clip = plate_clip(tmp_path)
+    proc = _start(
+        "models", "quantize", "ppocr_cls", "--repo", str(repo), "--from", str(clip),
+        "--frames", "12", "--every", "1", "--crops-of", "ppocr_det",
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        while "ppocr_cls: calibrating on" not in (line := proc.stderr.readline()):
+            assert line, "quantize ended before it calibrated"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1] == (
+        f"vidpipe models quantize: interrupted; nothing was written ({config} unchanged)"
+    )
+    assert config.read_bytes() == before
+    assert sorted(p.name for p in (repo / "ppocr_cls").iterdir()) == ["1", "config.yaml"]
