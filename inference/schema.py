@@ -386,7 +386,8 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
+    """A value as an error message shows it: its kind for containers, else its repr (cut short)."""
     if isinstance(value, dict):
         return "a mapping"
     if isinstance(value, list):
@@ -426,21 +427,21 @@ def _convert(value: Any, tp: Any, ctx: _Ctx, meta: Mapping[str, Any]) -> Any:
         # One non-None alternative: its own error is the most precise.
         if len(errors) == 1:
             raise errors[0]
-        raise ctx.error(f"expected {_describe(tp)}, got {_shown(value)}", meta.get("help", ""))
+        raise ctx.error(f"expected {_describe(tp)}, got {shown(value)}", meta.get("help", ""))
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if not isinstance(value, dict):
-            raise ctx.error(f"expected a mapping, got {_shown(value)}", meta.get("help", ""))
+            raise ctx.error(f"expected a mapping, got {shown(value)}", meta.get("help", ""))
         return _build_dataclass(value, tp, ctx)
     if origin is Literal:
         choices = get_args(tp)
         if value not in choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f"did you mean {close[0]!r}?" if close else meta.get("help", "")
-            raise ctx.error(f"expected {_describe(tp)}, got {_shown(value)}", hint)
+            raise ctx.error(f"expected {_describe(tp)}, got {shown(value)}", hint)
         return value
     if origin in (list, tuple):
         if not isinstance(value, list):
-            raise ctx.error(f"expected a list, got {_shown(value)}", meta.get("help", ""))
+            raise ctx.error(f"expected a list, got {shown(value)}", meta.get("help", ""))
         item_tp = (get_args(tp) or (Any,))[0]
         lines = getattr(value, "item_lines", [None] * len(value))
         items: list[Any] = []
@@ -454,23 +455,23 @@ def _convert(value: Any, tp: Any, ctx: _Ctx, meta: Mapping[str, Any]) -> Any:
         return tuple(items) if origin is tuple else items
     if origin in (dict, Mapping):
         if not isinstance(value, dict):
-            raise ctx.error(f"expected a mapping, got {_shown(value)}", meta.get("help", ""))
+            raise ctx.error(f"expected a mapping, got {shown(value)}", meta.get("help", ""))
         _, val_tp = get_args(tp) or (str, Any)
         key_lines = getattr(value, "key_lines", {})
         return {k: _convert(v, val_tp, ctx.child(k, key_lines.get(k)), {}) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            raise ctx.error(f"expected true or false, got {_shown(value)}", meta.get("help", ""))
+            raise ctx.error(f"expected true or false, got {shown(value)}", meta.get("help", ""))
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ctx.error(f"expected an integer, got {_shown(value)}", meta.get("help", ""))
+            raise ctx.error(f"expected an integer, got {shown(value)}", meta.get("help", ""))
         if not -MAX_INTEGER <= value <= MAX_INTEGER:
             raise ctx.error(_too_large(value), meta.get("help", ""))
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ctx.error(f"expected a number, got {_shown(value)}", meta.get("help", ""))
+            raise ctx.error(f"expected a number, got {shown(value)}", meta.get("help", ""))
         if isinstance(value, int) and not -MAX_INTEGER <= value <= MAX_INTEGER:
             raise ctx.error(_too_large(value), meta.get("help", ""))
         if not math.isfinite(value):
@@ -480,7 +481,7 @@ def _convert(value: Any, tp: Any, ctx: _Ctx, meta: Mapping[str, Any]) -> Any:
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ctx.error(f"expected a string, got {_shown(value)}", meta.get("help", ""))
+            raise ctx.error(f"expected a string, got {shown(value)}", meta.get("help", ""))
         return value
     raise TypeError(f"unsupported config type {tp!r} at {ctx.path}")
 
@@ -566,7 +567,7 @@ def build(data: Any, cls: type[T], file: str, path: str = "") -> T:
     line = getattr(data, "line", None) or 1
     ctx = _Ctx(file, path, line)
     if not isinstance(data, dict):
-        raise ctx.error(f"expected a mapping at the top level, got {_shown(data)}")
+        raise ctx.error(f"expected a mapping at the top level, got {shown(data)}")
     return _build_dataclass(data, cls, ctx)
 
 

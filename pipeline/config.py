@@ -30,7 +30,7 @@ from inference.introspect import fill_input_shape, metadata_labels, read_onnx
 from inference.model import load_labels, resolve_model_file
 from inference.processing.tasks import create_task, finds_objects
 from inference.repository import CONFIG_FILE, read_source
-from inference.schema import ConfigError, LineDict, build, line_of, load_yaml, raise_errors, spec
+from inference.schema import ConfigError, LineDict, build, line_of, load_yaml, raise_errors, shown, spec
 from pipeline.names import NAME_HELP, check_name
 from pipeline.redact import redact_url
 from pipeline.sources.schemes import SCHEME_OPTIONS, SCHEMES, resolve_live, scheme_of, url_check
@@ -782,16 +782,33 @@ def model_misfits(
     return out
 
 
+# What each top-level list looks like, for the hint when it is not a list.
+LIST_EXAMPLES = {
+    "sources": "sources: [{url: clip.mp4}], or one '- url: ...' line per source",
+    "stages": "stages: [{name: detect, type: infer, model: NAME}], or one '- name: ...' line per stage",
+    "outputs": "outputs: [{type: clips, dir: clips/}], or one '- type: ...' line per output",
+}
+
+
+def _not_a_list(raw: Any, file: str, key: str, line: int | None) -> ConfigError:
+    """``key:`` holds a scalar or a mapping: its line (a scalar has none of its own) and an example."""
+    return ConfigError(
+        file,
+        line_of(raw) or line,
+        key,
+        f"expected a list, got {shown(raw)}",
+        f"e.g. {LIST_EXAMPLES[key]}",
+    )
+
+
 def _build_sources(
-    raw: Any, file: str, base_dir: Path, errors: list[ConfigError]
+    raw: Any, file: str, base_dir: Path, errors: list[ConfigError], line: int | None = None
 ) -> list[tuple[int, SourceConfig]]:
     """Each ``sources[]`` entry parsed on its own, so every bad entry is reported; with its index."""
     if raw is None:
         return []
     if not isinstance(raw, list):
-        errors.append(
-            ConfigError(file, line_of(raw), "sources", f"expected a list, got {type(raw).__name__}")
-        )
+        errors.append(_not_a_list(raw, file, "sources", line))
         return []
     # Ids derived from URLs avoid every id the file gives, wherever it is given.
     taken = {item["id"] for item in raw if isinstance(item, dict) and isinstance(item.get("id"), str)}
@@ -823,12 +840,25 @@ def _build_sources(
     return out
 
 
-def _build_stages(raw: Any, file: str, errors: list[ConfigError]) -> list[tuple[int, StageOptions]]:
+def _misspelt_type(item: dict[str, Any], file: str, path: str) -> ConfigError | None:
+    """An entry without ``type`` but with a key that looks like it (``typ:``): that key, named."""
+    keys = [k for k in item if isinstance(k, str)]
+    close = difflib.get_close_matches("type", keys, n=1, cutoff=0.7)
+    if not close:
+        return None
+    return ConfigError(
+        file, line_of(item, close[0]), f"{path}.{close[0]}", "unknown key", "did you mean 'type'?"
+    )
+
+
+def _build_stages(
+    raw: Any, file: str, errors: list[ConfigError], line: int | None = None
+) -> list[tuple[int, StageOptions]]:
     """Each ``stages[]`` entry validated against the options of its ``type``, with its index."""
     if raw is None:
         return []
     if not isinstance(raw, list):
-        errors.append(ConfigError(file, line_of(raw), "stages", f"expected a list, got {type(raw).__name__}"))
+        errors.append(_not_a_list(raw, file, "stages", line))
         return []
     kinds = stage_kinds()
     # Keys some kind takes: on another kind they are misplaced, not misspelled.
@@ -844,7 +874,10 @@ def _build_stages(raw: Any, file: str, errors: list[ConfigError]) -> list[tuple[
             continue
         kind = item.get("type")
         if kind is None:
-            errors.append(ConfigError(file, line, path, "missing required key 'type'", " or ".join(kinds)))
+            errors.append(
+                _misspelt_type(item, file, path)
+                or ConfigError(file, line, path, "missing required key 'type'", " or ".join(kinds))
+            )
             continue
         cls = kinds.get(kind) if isinstance(kind, str) else None
         if cls is None:
@@ -884,14 +917,14 @@ def _build_stages(raw: Any, file: str, errors: list[ConfigError]) -> list[tuple[
     return out
 
 
-def _build_outputs(raw: Any, file: str, errors: list[ConfigError]) -> list[OutputConfig]:
+def _build_outputs(
+    raw: Any, file: str, errors: list[ConfigError], line: int | None = None
+) -> list[OutputConfig]:
     """Each ``outputs[]`` entry validated against the options of its ``type``."""
     if raw is None:
         return []
     if not isinstance(raw, list):
-        errors.append(
-            ConfigError(file, line_of(raw), "outputs", f"expected a list, got {type(raw).__name__}")
-        )
+        errors.append(_not_a_list(raw, file, "outputs", line))
         return []
     out: list[OutputConfig] = []
     for i, item in enumerate(raw):
@@ -906,6 +939,9 @@ def _build_outputs(raw: Any, file: str, errors: list[ConfigError]) -> list[Outpu
             continue
         kind = item.get("type")
         cls = OUTPUT_TYPES.get(kind) if isinstance(kind, str) else None
+        if kind is None and (misspelt := _misspelt_type(item, file, path)) is not None:
+            errors.append(misspelt)
+            continue
         if cls is None:
             choices = " or ".join(repr(k) for k in OUTPUT_TYPES)
             problem = "missing required key 'type'" if kind is None else f"expected {choices}, got {kind!r}"
@@ -1001,9 +1037,11 @@ def load_config(
         named.line, named.key_lines = getattr(fleet, "line", 0), getattr(fleet, "key_lines", {})
         top["fleet"] = named
     cfg = _build_top(top, file, errors)
-    file_sources = _build_sources(raw.get("sources"), file, p.parent.resolve(), errors)
-    stages = _build_stages(raw.get("stages"), file, errors)
-    outputs = _build_outputs(raw.get("outputs"), file, errors)
+    file_sources = _build_sources(
+        raw.get("sources"), file, p.parent.resolve(), errors, line_of(raw, "sources")
+    )
+    stages = _build_stages(raw.get("stages"), file, errors, line_of(raw, "stages"))
+    outputs = _build_outputs(raw.get("outputs"), file, errors, line_of(raw, "outputs"))
     if cfg is None:
         raise_errors(errors)
         raise AssertionError("unreachable: a config that did not build has errors")

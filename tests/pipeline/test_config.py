@@ -94,6 +94,16 @@ BROKEN = [
                  7, "does not apply", id="first-error-wins"),
     pytest.param(GOOD + "  - {name: t, type: track}\n  - {name: c, type: infer, model: c, on: t}\n", 8,
                  "stages[2].on: stage 't' is a track stage and finds no objects", id="on-a-track-stage"),
+    pytest.param(GOOD.replace("sources:\n  - url: test://?frames=3", "sources: clip.mp4"), 3,
+                 "sources: expected a list, got 'clip.mp4' (hint: e.g. sources: [{url: clip.mp4}], or one "
+                 "'- url: ...' line per source)", id="sources-not-a-list"),
+    pytest.param(GOOD.replace("  - {name: det, type: infer, model: squares}", "  name: det\n  type: track"), 6,
+                 "stages: expected a list, got a mapping (hint: e.g. stages: [{name: detect, type: infer, "
+                 "model: NAME}], or one '- name: ...' line per stage)", id="stages-not-a-list"),
+    pytest.param(GOOD.replace("type: infer", "typ: infer"), 6,
+                 "stages[0].typ: unknown key (hint: did you mean 'type'?)", id="type-key-typo"),
+    pytest.param(GOOD + "outputs:\n  - {tpye: clips, dir: clips/}\n", 8,
+                 "outputs[0].tpye: unknown key (hint: did you mean 'type'?)", id="output-type-key-typo"),
 ]  # fmt: skip
 
 
