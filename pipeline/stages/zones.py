@@ -235,7 +235,31 @@ class ZonesStage(Stage):
                 )
                 for ln in self.opts.lines
             ]
+            self._warn_outside(frame, state)
         return state
+
+    def _warn_outside(self, frame: Frame, state: _Source) -> None:
+        """One warning per zone or line that lies wholly outside this source's frame: nothing
+        can ever enter or cross it (coordinates drawn on a snapshot of another size, say)."""
+        w, h = frame.width, frame.height
+        shapes = [("zone", name, pts) for name, pts in state.zones]
+        shapes += [("line", name, [a, b]) for name, a, b in state.lines]
+        for what, name, pts in shapes:
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            if max(xs) >= 0 and min(xs) <= w and max(ys) >= 0 and min(ys) <= h:
+                continue
+            fix = (
+                "give fractions of the frame (0-1)"
+                if self.opts.normalized
+                else "draw it in this source's pixels, or give fractions with normalized: true"
+            )
+            log.warning(
+                "stage %s: %s %s lies outside the %dx%d frame of source %s (x %g to %g, y %g to %g): "
+                "nothing can %s it; %s",
+                self.name, what, name, w, h, frame.source,
+                min(xs), max(xs), min(ys), max(ys),
+                "enter" if what == "zone" else "cross", fix,
+            )  # fmt: skip
 
     async def process(self, frame: Frame) -> None:
         state = self._source(frame)

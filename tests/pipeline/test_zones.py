@@ -422,3 +422,25 @@ def test_docs_cover_zones_events_and_their_metrics() -> None:
     exprs = "\n".join(expr for _, expr in dashboard_exprs(load_one(DASHBOARD)))
     missing = [name for name in new if not re.search(rf"\b{name}\b", exprs)]
     assert not missing, f"the Grafana dashboard has no panel for {missing}"
+
+
+async def test_a_zone_or_line_outside_the_frame_is_warned_once_per_source(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Drawn on a 1280x720 snapshot; the camera sends 400x200.
+    stage, _ = zones_stage(
+        tmp_path,
+        "  - {name: gate, type: zones, lines: [{name: door, points: [[900, 300], [900, 700]]}],\n"
+        "     zones: [{name: dock, polygon: [[500, 250], [1200, 250], [1200, 700]]},\n"
+        "             {name: edge, polygon: [[-50, -50], [100, -50], [100, 100]]}]}\n",
+    )
+    with caplog.at_level("WARNING", logger="vidpipe"):
+        await run_path(stage, [150, 160, 170])
+    warned = [r.getMessage() for r in caplog.records if "lies outside" in r.getMessage()]
+    fix = "draw it in this source's pixels, or give fractions with normalized: true"
+    assert warned == [
+        "stage gate: zone dock lies outside the 400x200 frame of source cam (x 500 to 1200, y 250 to 700): "
+        f"nothing can enter it; {fix}",
+        "stage gate: line door lies outside the 400x200 frame of source cam (x 900 to 900, y 300 to 700): "
+        f"nothing can cross it; {fix}",
+    ]
