@@ -922,9 +922,26 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     )
     # Nothing produced is a failure, unless the operator stopped the run before the first
     # frame (Ctrl-C, SIGTERM) and no source failed: a stop asked for is exit 0 at any time.
-    if published == 0 and runtime.sources and (failed or not signals):
-        return EXIT_RUNTIME
-    return EXIT_OK
+    code = EXIT_RUNTIME if published == 0 and runtime.sources and (failed or not signals) else EXIT_OK
+    _exit_on_signal(loop, code)
+    return code
+
+
+def _exit_on_signal(loop: asyncio.AbstractEventLoop, code: int) -> None:
+    """The run is over and said so: a stop signal from now on (a supervisor's second
+    SIGTERM) ends the process at once with the run's own exit code. Without this, closing
+    the loop puts SIGTERM back to its default, and a signal during the interpreter's
+    teardown (threads joined, buffers flushed) ended a finished run as killed (143)."""
+
+    def finish(signum: int, frame: Any) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, finish)
 
 
 def _dropped(runtime: Any) -> dict[str, int]:

@@ -453,6 +453,30 @@ def test_a_stop_before_the_first_frame_still_exits_1_when_a_source_failed(
     ]
 
 
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_a_second_stop_signal_after_the_done_line_still_exits_0(
+    squares_config: Path, second: signal.Signals
+) -> None:
+    # A supervisor that signals again (systemd, Kubernetes) once the run has said it is done,
+    # while the interpreter tears down: the run finished, so its exit code stands.
+    proc = _start("run", str(squares_config), "--source", "test://?fps=25", "--source", "test://?fps=25")
+    try:
+        _embedded_url(proc)
+        assert proc.stderr is not None
+        while "source test_2: up" not in (line := proc.stderr.readline()):
+            assert line, "vidpipe ended before its sources were up"
+        os.killpg(proc.pid, signal.SIGTERM)
+        while " done: " not in (line := proc.stderr.readline()):
+            assert line, "vidpipe ended without its done line"
+        os.killpg(proc.pid, second)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, line + err
+    assert "forced exit" not in err
+
+
 def test_the_embedded_server_takes_4222_so_subscribe_needs_no_flags(squares_config: Path) -> None:
     if not port_is_free(DEFAULT_PORT):
         pytest.skip("port 4222 is taken on this machine")
