@@ -923,25 +923,20 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     # Nothing produced is a failure, unless the operator stopped the run before the first
     # frame (Ctrl-C, SIGTERM) and no source failed: a stop asked for is exit 0 at any time.
     code = EXIT_RUNTIME if published == 0 and runtime.sources and (failed or not signals) else EXIT_OK
-    _exit_on_signal(loop, code)
+    _ignore_stop_signals(loop)
     return code
 
 
-def _exit_on_signal(loop: asyncio.AbstractEventLoop, code: int) -> None:
+def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
     """The run is over and said so: a stop signal from now on (a supervisor's second
-    SIGTERM) ends the process at once with the run's own exit code. Without this, closing
-    the loop puts SIGTERM back to its default, and a signal during the interpreter's
-    teardown (threads joined, buffers flushed) ended a finished run as killed (143)."""
-
-    def finish(signum: int, frame: Any) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
-
+    SIGTERM) is ignored while the process exits with the run's own code. Without this,
+    closing the loop and then the interpreter's finalization put SIGTERM back to its
+    default, and a signal during the teardown (threads joined, native libraries unloaded,
+    up to a few hundred ms) ended a finished run as killed (143). Only SIG_IGN outlives
+    finalization; a teardown that hangs still ends with SIGKILL."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.remove_signal_handler(sig)
-        signal.signal(sig, finish)
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _dropped(runtime: Any) -> dict[str, int]:
