@@ -912,17 +912,21 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
             embedded.cleanup()
     published = runtime.published_total()
     failed = [r.source.id for r in runtime.sources.values() if r.source.state.value == "failed"]
+    unsent = sum(runtime.publisher.unsent.values())
     log.info(
-        "done: %d frame(s) published from %d source(s)%s%s%s",
+        "done: %d frame(s) published from %d source(s)%s%s%s%s",
         published,
         len(runtime.source_ids_seen),
         _dropped_text(_dropped(runtime)),
+        f"; not sent: {unsent} message(s), NATS unreachable at the stop" if unsent else "",
         f"; failed: {', '.join(failed)}" if failed else "",
         "".join(f"; {sid} never up ({why})" for sid, why in silent.items()),
     )
     # Nothing produced is a failure, unless the operator stopped the run before the first
     # frame (Ctrl-C, SIGTERM) and no source failed: a stop asked for is exit 0 at any time.
-    code = EXIT_RUNTIME if published == 0 and runtime.sources and (failed or not signals) else EXIT_OK
+    # So are messages lost at the end of a run that ended by itself (the files' end).
+    nothing = published == 0 and runtime.sources and (failed or not signals)
+    code = EXIT_RUNTIME if nothing or (unsent and not signals) else EXIT_OK
     _ignore_stop_signals(loop)
     return code
 

@@ -469,7 +469,7 @@ class Runtime:
         for run in self.sources.values():
             run.source.join(timeout=2.0)
         await self.outputs.close()
-        await self.publisher.close()
+        await self.publisher.close(timeout=self.config.runtime.drain_timeout)
         for stage in self.stages:
             await stage.stop()
         if self.models is not None:

@@ -116,6 +116,8 @@ class Publisher:
         self._drained = asyncio.Event()  # set whenever the outbox is empty
         self._drained.set()
         self._closing = False
+        # Messages of each source still in the outbox when the stop gave up on them.
+        self.unsent: dict[str, int] = {}
         # Set while the connection is up; the reconnect callback sets it, which wakes the flusher.
         self.connected = asyncio.Event()
         # Told of every detections message that really left (sent, flushed from the outbox, or acked).
@@ -371,13 +373,32 @@ class Publisher:
         if self.nc is None:
             return
         deadline = time.monotonic() + timeout
-        if self._outbox and self.nc.is_connected:
+        if self._outbox:
+            # Waited for whether the link is up or not: a broker back within the timeout
+            # still gets what was accepted.
+            if not self.nc.is_connected:
+                log.warning(
+                    "stopping: %d message(s) wait for NATS at %s, which is not connected; "
+                    "waiting up to %gs for it",
+                    len(self._outbox),
+                    self.display_url,
+                    timeout,
+                )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), timeout)
         await cancel_and_wait(self._flusher)
-        for _, source, _, _ in self._outbox:
-            self.metrics.publish_errors.labels(self.pipeline, source, "shutdown").inc()
+        lost = collections.Counter(source for _, source, _, _ in self._outbox)
         self._outbox.clear()
+        for source, n in lost.items():
+            self.metrics.publish_errors.labels(self.pipeline, source, "shutdown").inc(n)
+            self.unsent[source] = self.unsent.get(source, 0) + n
+        if lost:
+            log.warning(
+                "%d message(s) not sent: NATS at %s did not take them before the stop (%s)",
+                sum(lost.values()),
+                self.display_url,
+                ", ".join(f"{source} {n}" for source, n in sorted(lost.items())),
+            )
         try:
             if self.nc.is_connected:
                 await self.nc.flush(timeout=max(1, int(deadline - time.monotonic())))

@@ -346,6 +346,88 @@ async def test_core_outbox_sends_after_a_broker_restart_and_no_task_runs_while_i
     assert count("vidpipe_publish_errors_total", reason="shutdown") == 0
 
 
+async def test_a_stop_waits_for_the_broker_and_says_what_it_could_not_send(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = EmbeddedNats().start()
+    url = server.url
+
+    def frame(index: int) -> Frame:
+        return Frame("cam", index, index / 30, time.time(), np.zeros((4, 4, 3), np.uint8))
+
+    async def queued(publisher: Publisher, n: int) -> None:
+        """``n`` frames published after the broker went: all in the outbox."""
+        await publisher.connect()
+        server.stop(kill=True)
+        await until(lambda: not publisher.connected.is_set(), what="the client to see the broker go")
+        for index in range(n):
+            await publisher.publish(frame(index))
+        assert publisher.outbox_size == n
+
+    # The broker comes back while the stop waits for it: everything accepted is sent.
+    sent: list[str] = []
+    publisher = Publisher(NatsConfig(), url, "rel", Metrics(), on_sent=sent.append)
+    try:
+        await queued(publisher, 3)
+        closing = asyncio.create_task(publisher.close(timeout=60))
+        server = EmbeddedNats(port=server.port).start()
+        await asyncio.wait_for(closing, 60)
+    finally:
+        server.cleanup()
+    assert (sent, publisher.unsent) == (["cam"] * 3, {})
+
+    # It does not come back: the messages are counted, logged and reported as not sent.
+    metrics = Metrics()
+    publisher = Publisher(NatsConfig(), url, "rel", metrics)
+    server = EmbeddedNats(port=server.port).start()
+    try:
+        await queued(publisher, 4)
+        with caplog.at_level("WARNING", logger="vidpipe"):
+            await publisher.close(timeout=0.5)
+    finally:
+        server.cleanup()
+    assert publisher.unsent == {"cam": 4}
+    labels = {"pipeline": "rel", "source": "cam", "reason": "shutdown"}
+    assert metrics.registry.get_sample_value("vidpipe_publish_errors_total", labels) == 4
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("vidpipe")]
+    assert said[-2:] == [
+        f"stopping: 4 message(s) wait for NATS at {url}, which is not connected; waiting up to 0.5s for it",
+        f"4 message(s) not sent: NATS at {url} did not take them before the stop (cam 4)",
+    ]
+
+
+async def test_a_run_that_ends_with_messages_it_could_not_send_says_so_and_exits_1(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    clip = write_clip(tmp_path / "cam.mp4", frames=40, fps=10, width=160, height=120)
+    cfg = config_file(tmp_path, sample_models, f"  - {{url: {clip}, realtime: true}}")
+    cfg.write_text(cfg.read_text() + "runtime: {drain_timeout: 1}\n")
+    server = EmbeddedNats().start()
+    try:
+        proc = await start_cli("run", str(cfg), "--nats", server.url)
+        assert proc.stderr is not None
+        lines: list[str] = []
+        while "source cam: up" not in (line := (await proc.stderr.readline()).decode()):
+            assert line, "".join(lines)
+            lines.append(line)
+        server.stop(kill=True)  # the broker goes away for good while the clip plays
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        server.cleanup()
+    text = "".join(lines) + err.decode()
+    assert proc.returncode == 1, text
+    done = re.search(r" done: (\d+) frame\(s\) published from 1 source\(s\); not sent: (\d+) message\(s\), "
+                     r"NATS unreachable at the stop\n", text)  # fmt: skip
+    assert done, text
+    published, unsent = int(done.group(1)), int(done.group(2))
+    # Every frame of the clip was processed: each was either sent or is counted as not sent.
+    assert unsent > 0 and published + unsent == 40, text
+    assert (
+        f"{unsent} message(s) not sent: NATS at {server.url} did not take them before the stop (cam {unsent})"
+        in text
+    )
+
+
 async def test_jetstream_keeps_every_run_of_a_source(tmp_path: Path, sample_models: Path) -> None:
     # Frame numbers start at 0 on every run; a restart must not look like a retry.
     clip = write_clip(tmp_path / "cam.mp4", frames=5, fps=10, width=160, height=120)
