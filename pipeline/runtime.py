@@ -820,6 +820,8 @@ class Runtime:
         events = [event for stage in self._ordered for event in stage.end_source(run.source.id)]
         if not events:
             return
+        # A track leaves every zone before it ends, whichever zones stage says which.
+        events.sort(key=lambda event: event.type == "track_end")
         try:
             await self.publisher.publish_events(run.source.id, events, run.stream_id, key)
         except Exception as exc:

@@ -174,6 +174,7 @@ class _Track:
     zones: dict[str, bool] = field(default_factory=dict)  # zone -> inside
     sides: dict[str, int] = field(default_factory=dict)  # line -> -1 left, +1 right
     points: dict[str, Point] = field(default_factory=dict)  # line -> last anchor clearly on its side
+    owned: bool = True  # this stage says when it starts and ends (see ZonesStage._owns)
 
     def event(
         self,
@@ -191,6 +192,7 @@ class _Track:
 
 @dataclass(slots=True)
 class _Source:
+    source: str
     tracks: dict[int, _Track] = field(default_factory=dict)
     size: tuple[int, int] = (0, 0)
     zones: list[tuple[str, list[Point]]] = field(default_factory=list)
@@ -211,6 +213,14 @@ class ZonesStage(Stage):
         self.opts = options
         self.pipeline = context.config.pipeline
         self._sources: dict[str, _Source] = {}
+        stages = context.config.stages
+        # The zones stages before this one: a track one of them follows is theirs to start
+        # and end, so two zones stages do not publish each track_start and track_end twice.
+        self._earlier = [
+            s.classes
+            for s in stages[: [s.name for s in stages].index(self.name)]
+            if isinstance(s, ZonesOptions)
+        ]
 
     async def start(self) -> None:
         before = self.context.config.stages[: [s.name for s in self.context.config.stages].index(self.name)]
@@ -221,7 +231,7 @@ class ZonesStage(Stage):
             )
 
     def _source(self, frame: Frame) -> _Source:
-        state = self._sources.setdefault(frame.source, _Source())
+        state = self._sources.setdefault(frame.source, _Source(frame.source))
         if state.size != (frame.width, frame.height):
             # Coordinates in pixels of this stream; fractions scale with its size.
             sx, sy = (frame.width, frame.height) if self.opts.normalized else (1, 1)
@@ -285,7 +295,10 @@ class ZonesStage(Stage):
         metrics = self.context.metrics
         for name, _ in state.zones:
             metrics.zone_objects.labels(self.pipeline, frame.source, name).set(occupancy[name])
-        metrics.active_tracks.labels(self.pipeline, frame.source).set(len(state.tracks))
+
+    def _owns(self, label: str) -> bool:
+        """Whether this stage is the first zones stage to follow objects of ``label``."""
+        return not any(not classes or label in classes for classes in self._earlier)
 
     def _follow(self, state: _Source, frame: Frame, obj: DetectedObject, point: Point) -> list[str]:
         """Update one tracked object's track, adding its events to the frame; its zones."""
@@ -294,8 +307,10 @@ class ZonesStage(Stage):
         track = state.tracks.get(track_id)
         sighting = (frame.index, frame.pts, frame.capture_ts, obj.bbox)
         if track is None:
-            track = state.tracks[track_id] = _Track(obj.label, *sighting)
-            frame.events.append(track.event("track_start", track_id))
+            track = state.tracks[track_id] = _Track(obj.label, *sighting, owned=self._owns(obj.label))
+            if track.owned:
+                frame.events.append(track.event("track_start", track_id))
+                self.context.metrics.active_tracks.labels(self.pipeline, frame.source).inc()
         track.label, (track.frame, track.pts, track.ts, track.bbox) = obj.label, sighting
         for name, polygon in state.zones:
             was = track.zones.get(name)
@@ -321,6 +336,9 @@ class ZonesStage(Stage):
         """A track ends at its last sighting: it leaves its zones, then ends."""
         del state.tracks[track_id]
         exits = [track.event("zone_exit", track_id, zone=z) for z, inside in track.zones.items() if inside]
+        if not track.owned:
+            return exits
+        self.context.metrics.active_tracks.labels(self.pipeline, state.source).dec()
         return [*exits, track.event("track_end", track_id)]
 
     def end_source(self, source: str) -> list[Event]:
@@ -337,4 +355,7 @@ class ZonesStage(Stage):
         return events
 
     def forget_source(self, source: str) -> None:
-        self._sources.pop(source, None)
+        state = self._sources.pop(source, None)
+        owned = sum(track.owned for track in state.tracks.values()) if state is not None else 0
+        if owned:  # removed without an end: its tracks no longer count as active
+            self.context.metrics.active_tracks.labels(self.pipeline, source).dec(owned)

@@ -388,6 +388,31 @@ async def test_a_square_crossing_a_line_each_way_gives_two_crossings_and_matchin
         assert ids[-1].split("/")[3:] == ["end", "0"]
 
 
+async def test_a_second_zones_stage_adds_its_zone_events_and_the_track_still_ends_last(
+    tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats, collector: Collector
+) -> None:
+    path = tmp_path / "zones.yaml"
+    whole = f"[[0, 0], [{W}, 0], [{W}, {H}], [0, {H}]]"
+    path.write_text(
+        PIPELINE.format(models=sample_models)
+        + f"  - {{name: yard, type: zones, zones: [{{name: all, polygon: {whole}}}]}}\n"
+    )
+    await collector.start(nats_server.url, "vidpipe.zones.pattern.events")
+    runtime = Runtime(load_config(path), nats_url=nats_server.url)
+    await runtime.start()
+    await runtime.wait(60)
+    await runtime.stop()
+    await collector.wait_for(8)
+    # One start and one end for the track, though two zones stages follow it; the square is
+    # still in "all" at the source's end, and leaves it before its track ends.
+    assert [(e["type"], e.get("zone") or e.get("line")) for e in collector.messages] == [
+        ("track_start", None), ("zone_enter", "all"), ("line_cross", "door"), ("zone_enter", "dock"),
+        ("zone_exit", "dock"), ("line_cross", "door"), ("zone_exit", "all"), ("track_end", None),
+    ]  # fmt: skip
+    labels = {"pipeline": "zones", "source": "pattern", "type": "track_start"}
+    assert runtime.metrics.registry.get_sample_value("vidpipe_events_total", labels) == 1
+
+
 def test_summary_counts_frames_not_events(tmp_path: Path, sample_models: Path) -> None:
     path = tmp_path / "zones.yaml"
     path.write_text(PIPELINE.format(models=sample_models))
@@ -444,3 +469,47 @@ async def test_a_zone_or_line_outside_the_frame_is_warned_once_per_source(
         "stage gate: line door lies outside the 400x200 frame of source cam (x 900 to 900, y 300 to 700): "
         f"nothing can cross it; {fix}",
     ]
+
+
+async def test_two_zones_stages_start_and_end_each_track_once(tmp_path: Path) -> None:
+    path = tmp_path / "zones.yaml"
+    path.write_text(
+        "pipeline: z\nstages:\n  - {name: track, type: track}\n"
+        "  - {name: gate, type: zones, lines: [{name: door, points: [[200, 0], [200, 200]]}]}\n"
+        "  - {name: yard, type: zones, zones: [{name: right, polygon: [[250, 0], [400, 0], [400, 200], [250, 200]]}]}\n"
+        "  - {name: cars, type: zones, classes: [car], zones: [{name: all, polygon: [[0, 0], [400, 0], [400, 200]]}]}\n"
+    )
+    config = load_config(path)
+    metrics = Metrics()
+    stages = [
+        create_stage(options, StageContext(config=config, models=None, metrics=metrics))
+        for options in config.stages[1:]
+    ]
+    frames = []
+    for i, x in enumerate([150, 190, 230, 270, 300]):
+        frame = frame_with(i, (7, box_at(x)))
+        frame.objects.append(
+            DetectedObject(frame.next_object_id(), "car", 1, 0.9, box_at(50 + x), "det", track_id=8)
+        )
+        for stage in stages:
+            await stage.process(frame)
+        frames.append(frame)
+    ended = [e for stage in stages for e in stage.end_source("cam")]  # type: ignore[attr-defined]
+    events = [(e.type, e.track_id, e.zone or e.line) for f in frames for e in f.events]
+    events += [(e.type, e.track_id, e.zone or e.line) for e in ended]
+    # The person is the first zones stage's to start and end; the car too (it follows every
+    # class), though "cars" follows it as well. Each stage says its own zones and lines.
+    assert events == [
+        ("track_start", 7, None),
+        ("track_start", 8, None),
+        ("zone_enter", 8, "all"),
+        ("line_cross", 7, "door"),
+        ("zone_enter", 8, "right"),
+        ("zone_enter", 7, "right"),
+        ("track_end", 7, None),
+        ("track_end", 8, None),
+        ("zone_exit", 7, "right"),
+        ("zone_exit", 8, "right"),
+        ("zone_exit", 8, "all"),
+    ]
+    assert metrics.registry.get_sample_value("vidpipe_active_tracks", {"pipeline": "z", "source": "cam"}) == 0
