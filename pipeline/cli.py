@@ -375,6 +375,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     # Everything `run` would refuse, the model repository and source files included.
     cfg = load_config(args.config, require_sources=True, check_resources=True)
     _check_settings(_with_http(cfg, None), args)
+    whip = _whip_without_http(cfg, args)
+    if whip is not None:
+        _say(args, f"warning: {whip}", level="warning", stream=sys.stderr)
     _say(
         args,
         f"{args.config}: ok (pipeline {cfg.pipeline}: {len(cfg.sources)} source(s), "
@@ -999,6 +1002,9 @@ def _check_settings(cfg: PipelineConfig, args: argparse.Namespace) -> None:
                     else ("", text)
                 )
                 errors.append(ConfigError(cfg.file, line, key, problem))
+    whip = _whip_without_http(cfg, args)
+    if whip is not None and args.command == "run":
+        errors.append(whip)
     nats_port = getattr(args, "nats_port", None)
     port = nats_port or cfg.nats.port
     where, line = ("--nats-port", None) if nats_port else (cfg.file, cfg.line("nats.port"))
@@ -1012,6 +1018,26 @@ def _check_settings(cfg: PipelineConfig, args: argparse.Namespace) -> None:
             "drop one of them",
         ))  # fmt: skip
     raise_errors(errors)
+
+
+def _whip_without_http(cfg: PipelineConfig, args: argparse.Namespace) -> ConfigError | None:
+    """A ``whip://`` source with no HTTP server to take its publisher's offer: it would wait
+    for ever. ``run`` refuses it; ``validate`` (which cannot see ``--http``) warns."""
+    if cfg.http is not None or cfg.fleet is not None:
+        return None
+    for i, source in enumerate(cfg.sources):
+        if source.scheme == "whip":
+            given = getattr(args, "source", None)
+            where, line = ("--source", None) if given else (cfg.file, cfg.line(f"sources[{i}].url"))
+            return ConfigError(
+                where,
+                line,
+                "" if given else f"sources[{i}].url",
+                f"{f'{source.url}: ' if given else ''}a whip:// source needs the HTTP server, which takes "
+                "its publisher's offer",
+                "add http: {listen: 127.0.0.1:8080} to the file, or run with --http 127.0.0.1:8080",
+            )
+    return None
 
 
 def _check_http_port_free(cfg: PipelineConfig, args: argparse.Namespace) -> None:

@@ -540,6 +540,25 @@ def test_an_http_port_in_use_is_a_usage_error_before_anything_starts(squares_con
     )
 
 
+def test_a_whip_source_without_the_http_server_is_refused_by_run_and_warned_by_validate(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "door.yaml"
+    config.write_text("pipeline: shop\nsources:\n  - url: whip://door\n")
+    problem = (
+        "a whip:// source needs the HTTP server, which takes its publisher's offer "
+        "(hint: add http: {listen: 127.0.0.1:8080} to the file, or run with --http 127.0.0.1:8080)"
+    )
+    proc = run_cli("run", str(config))
+    assert (proc.returncode, proc.stderr) == (2, f"{config}:3: sources[0].url: {problem}\n")
+    proc = run_cli("run", str(config), "--source", "whip://yard")
+    assert (proc.returncode, proc.stderr) == (2, f"--source: whip://yard: {problem}\n")
+    # validate cannot see a --http the run may be given: it says so, and passes.
+    proc = run_cli("validate", str(config))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == f"warning: {config}:3: sources[0].url: {problem}\n"
+
+
 def test_validate_refuses_the_settings_run_refuses(tmp_path: Path, squares_config: Path) -> None:
     # Each of these passed validate and was refused only by run (exit 2) or, for an
     # http:// NATS URL, only timed out there.
