@@ -121,6 +121,16 @@ def hwaccel_support() -> tuple[bool, str]:
     return True, ""
 
 
+class NoHardwareDecoder(RuntimeError):
+    """``decode: cuda`` where NVDEC cannot run; it will not start working while the process runs."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(
+            f"decode: cuda is not possible here ({reason}); it needs an NVIDIA GPU, its driver and "
+            "an FFmpeg with CUDA: set decode: auto to fall back to the CPU, or decode: cpu"
+        )
+
+
 # Set once a CUDA open failed where a software open of the same URL worked: stop trying.
 _hw_broken: str | None = None
 
@@ -132,13 +142,14 @@ def open_with_hwaccel(
     decode: DecodeMode = "auto",
     container_options: dict[str, str] | None = None,
     input_format: str | None = None,
+    source: str = "",
 ) -> tuple[Any, str]:
     """Open ``url`` for decoding; returns ``(container, "cuda" | "software")``.
 
     ``options`` go to the container and its streams, ``container_options`` to the
     container only (``protocol_whitelist``, ``format_whitelist``). ``auto`` tries
     the CUDA hwaccel and falls back to software with one log line; ``cuda`` raises
-    ``RuntimeError`` instead of falling back; ``cpu`` never tries. Errors opening
+    :class:`NoHardwareDecoder` instead of falling back; ``cpu`` never tries. Errors opening
     the URL itself propagate unchanged (the caller's message names the source).
     ``input_format`` forces a demuxer (a device cannot be probed).
     """
@@ -155,10 +166,11 @@ def open_with_hwaccel(
     if decode == "cpu":
         return av.open(url, **kwargs), "software"
     supported, reason = hwaccel_support()
+    who = f"source {source}: " if source else ""
     if not supported:
         if decode == "cuda":
-            raise RuntimeError(f"decode: cuda is not possible: {reason}")
-        log.info("hardware decoding unavailable (%s); decoding in software", reason)
+            raise NoHardwareDecoder(reason)
+        log.info("%shardware decoding unavailable (%s); decoding in software", who, reason)
         return av.open(url, **kwargs), "software"
     from av.codec.hwaccel import HWAccel
 
@@ -177,9 +189,16 @@ def open_with_hwaccel(
         container = av.open(url, **kwargs)
         if decode == "cuda":
             container.close()
-            raise RuntimeError(f"decode: cuda is not possible: {ffmpeg_reason(exc, url)}") from None
+            raise NoHardwareDecoder(
+                f"FFmpeg could not start the CUDA decoder: {ffmpeg_reason(exc, url)}"
+            ) from None
         _hw_broken = ffmpeg_reason(exc, url)
-        log.info("hardware decoding failed to start (%s); decoding in software", _hw_broken)
+        log.info(
+            "%shardware decoding failed to start (%s); decoding in software, and every source "
+            "with decode: auto from now on",
+            who,
+            _hw_broken,
+        )
         return container, "software"
 
 
@@ -319,6 +338,7 @@ class AvSource(ThreadedSource):
                 self.config.decode,
                 self.container_options(),
                 self.input_format(),
+                source=self.id,
             )
         except av.FFmpegError as exc:
             kind = ffmpeg_error_kind(exc)
@@ -331,8 +351,8 @@ class AvSource(ThreadedSource):
             raise SourceError(
                 self.id, f"cannot open {self.display_url}: {reason}", ffmpeg_error_kind(exc), reason
             ) from None
-        except RuntimeError as exc:  # decode: cuda asked for, not possible here
-            raise SourceError(self.id, redact_text(str(exc), self.url)) from None
+        except NoHardwareDecoder as exc:  # decode: cuda asked for, not possible here
+            raise SourceError(self.id, redact_text(str(exc), self.url), "no_gpu") from None
         return container
 
     def video_stream(self, container: Any) -> Any:

@@ -234,8 +234,8 @@ class LiveSource(AvSource):
             failure = None if attempt.abandoned else self._decode_live(container, attempt)
         except SourceError as exc:
             failure = self._classify(exc, attempt)
-            if exc.kind in ("too_large", "budget"):
-                attempt.fatal = exc
+            if exc.kind in ("too_large", "budget", "no_gpu"):
+                attempt.fatal = exc  # no later attempt would fare better
         except Exception as exc:  # a bug, not the camera: reconnect all the same
             detail = redact_text(str(exc), self.url)
             failure = ("error", f"lost {self.display_url}: {type(exc).__name__}: {detail}")

@@ -154,6 +154,34 @@ async def test_camera_publishes_frames_in_order(
     assert all(m["capture_ts"] <= m["publish_ts"] for m in messages)
 
 
+async def test_decode_cuda_without_a_gpu_fails_the_camera_once_and_others_go_on(
+    rtsp_server: RtspTestServer, nats_server: EmbeddedNats, collector: Collector, tmp_path: Path
+) -> None:
+    from inference.device import gpu_available
+
+    if gpu_available()[0]:
+        pytest.skip("this machine has a GPU")
+    cfg = make_config(
+        tmp_path,
+        [
+            {"id": "nv", "url": rtsp_server.url(), "decode": "cuda", **FAST},
+            {"id": "cam", "url": rtsp_server.url(), **FAST},
+        ],
+    )
+    await collector.start(nats_server.url)
+    async with running(cfg, nats_server.url) as runtime:
+        nv = runtime.sources["nv"].source
+        await until(lambda: nv.state == SourceState.FAILED, 20, "nv failed")
+        await until(lambda: len(collector.by_source("cam")) >= 5, 20, "5 messages from cam")
+        # Failed at its first attempt: no later one would find a GPU.
+        assert metric(runtime, "vidpipe_source_reconnects_total", source="nv", reason="error") == 0
+        assert nv.reason.startswith("source nv: decode: cuda is not possible here (")
+        assert nv.reason.endswith(
+            "); it needs an NVIDIA GPU, its driver and an FFmpeg with CUDA: set decode: auto to fall "
+            "back to the CPU, or decode: cpu"
+        )
+
+
 @needs_gstreamer
 async def test_udp_transport(
     rtsp_server: RtspTestServer, nats_server: EmbeddedNats, collector: Collector, tmp_path: Path
