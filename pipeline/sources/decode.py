@@ -92,6 +92,8 @@ def ffmpeg_error_kind(exc: BaseException) -> str:
         return "invalid_data"
     if isinstance(exc, av.error.EOFError):
         return "end_of_stream"
+    if getattr(exc, "errno", None) == errno.EIO:
+        return "io_error"  # also what FFmpeg's udp:// read gives when nothing arrived in time
     return "error"
 
 

@@ -296,10 +296,12 @@ class LiveSource(AvSource):
             return ("error", exc.problem)
         if kind == "redirect":
             return ("redirect", exc.problem)
-        # A silent peer shows up as PyAV's interrupt, a socket timeout, or, while FFmpeg
-        # waits for an RTSP reply, "invalid data" once the socket read gave up.
+        # A silent peer shows up as PyAV's interrupt, a socket timeout, while FFmpeg waits
+        # for an RTSP reply as "invalid data" once the socket read gave up, and from a
+        # udp:// port nobody sends to as an I/O error at the read timeout.
         timeout_limit = min(cfg.open_timeout, cfg.read_timeout) if opening else cfg.read_timeout
-        timed_out = kind == "timeout" or (kind == "invalid_data" and elapsed >= 0.9 * timeout_limit)
+        late = elapsed >= 0.9 * timeout_limit
+        timed_out = kind == "timeout" or (kind in ("invalid_data", "io_error") and late)
         if timed_out and opening:
             return ("timeout", f"no answer from {url} in {elapsed:.1f}s")
         if timed_out:

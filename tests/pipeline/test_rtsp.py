@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -275,6 +276,26 @@ async def test_stalled_stream_is_detected_while_ffmpeg_blocks(
         assert reason == f"stalled: no frame for 1s from {rtsp_server.url()}; retry 1 in 0.10s"
         await until(lambda: runtime.sources["cam"].source.state == SourceState.UP, 6, "up again")
         assert metric(runtime, "vidpipe_source_reconnects_total", source="cam", reason="stalled") == 1
+
+
+@pytest.mark.parametrize("scheme", ["udp", "rtp"])
+async def test_a_udp_port_nobody_sends_to_is_no_answer_not_an_io_error(
+    nats_server: EmbeddedNats, tmp_path: Path, scheme: str
+) -> None:
+    url = f"{scheme}://127.0.0.1:{free_port()}"
+    cfg = make_config(tmp_path, [{"id": "enc", "url": url, **{**FAST, "read_timeout": 1.0}}])
+    async with running(cfg, nats_server.url) as runtime:
+        source = runtime.sources["enc"].source
+        await until(lambda: source.state == SourceState.BACKOFF, 20, "the first attempt given up")
+        assert re.fullmatch(rf"no answer from {url} in 1\.\d+s; retry 1 in 0\.10s", source.reason), (
+            source.reason
+        )
+
+        def counted(reason: str) -> float:
+            return metric(runtime, "vidpipe_source_reconnects_total", source="enc", reason=reason)
+
+        await until(lambda: counted("timeout") >= 1, 20, "the reconnect counted")
+        assert counted("error") == 0
 
 
 async def test_closed_port_is_reported_redacted_and_retried_with_growing_backoff(
