@@ -60,6 +60,10 @@ class CountedSource(Protocol):
     def queue_depth(self) -> int: ...
     @property
     def frame_pool(self) -> BufferPool | None: ...
+    @property
+    def scheme(self) -> str: ...
+    @property
+    def live(self) -> bool: ...
 
 
 class Metrics:
@@ -82,6 +86,7 @@ class Metrics:
         r.register(_Family(c.frames_decoded))
         r.register(_Family(c.frames_dropped))
         r.register(_Family(c.source_up))
+        r.register(_Family(c.source_info))
         r.register(_Family(c.source_reconnects))
         self.stage_latency = Histogram(
             "vidpipe_stage_latency_seconds",
@@ -331,6 +336,19 @@ class CountersCollector:
         )
         for run in self._runs():
             family.add_metric([self.pipeline, run.id], 1.0 if run.up else 0.0)
+        return family
+
+    def source_info(self) -> Metric:
+        """1 per source, labelled with what alerts tell sources apart by: a camera that
+        should always stream (``live="true"``) from a file that ends, or a WHIP source
+        whose publisher comes and goes (``scheme="whip"``)."""
+        family = GaugeMetricFamily(
+            "vidpipe_source_info",
+            "1 per source: its URL scheme and whether it is live",
+            labels=["pipeline", "source", "scheme", "live"],
+        )
+        for run in self._runs():
+            family.add_metric([self.pipeline, run.id, run.scheme, "true" if run.live else "false"], 1.0)
         return family
 
     def source_reconnects(self) -> Metric:

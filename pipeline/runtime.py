@@ -224,6 +224,14 @@ class SourceRun:
         return self.source.frame_pool
 
     @property
+    def scheme(self) -> str:
+        return self.source.config.scheme
+
+    @property
+    def live(self) -> bool:
+        return self.source.live
+
+    @property
     def published(self) -> int:
         return self.source.stats.published
 

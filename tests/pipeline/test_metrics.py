@@ -82,6 +82,16 @@ async def test_counters_and_histograms_match_the_frames(
     assert (pool.capacity, pool.allocations, pool.in_use) == (76, 76, 1)
 
     assert value(s, "vidpipe_frames_total", pipeline="m", source="cam") == 24
+    # What alerts tell a camera from a file or a WHIP source by.
+    info = sorted(
+        (dict(labels)["source"], dict(labels), v)
+        for (n, labels), v in s.items()
+        if n == "vidpipe_source_info"
+    )
+    assert info == [
+        ("cam", {"live": "true", "pipeline": "m", "scheme": "test", "source": "cam"}, 1.0),
+        ("door", {"live": "true", "pipeline": "m", "scheme": "rtsp", "source": "door"}, 1.0),
+    ]
     assert value(s, "vidpipe_published_messages_total", pipeline="m", source="cam") == 24
     assert value(s, "vidpipe_e2e_latency_seconds_count", pipeline="m", source="cam") == 24
     for stage in ("objects", "track"):
