@@ -46,6 +46,37 @@ class PlainFormatter(logging.Formatter):
         return line
 
 
+class MalformedHttpFilter(logging.Filter):
+    """aiohttp logs a request that is not valid HTTP (a broken request line, a header given
+    twice where HTTP allows one) as an ERROR "Error handling request" with a traceback. It
+    is the client's fault, answered with a plain 400 before vidpipe sees the request: one
+    warning line that says what was wrong, and who sent it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if record.getMessage().startswith("Error handling request") and _is_bad_http(exc):
+            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg = "HTTP: refused a request from %s that is not valid HTTP: %s"
+            record.args = (peer, _bad_http_text(exc))
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = None
+        return True
+
+
+def _is_bad_http(exc: BaseException | None) -> bool:
+    try:
+        from aiohttp.http_exceptions import HttpProcessingError
+    except ImportError:  # the API's extra is not installed
+        return False
+    return isinstance(exc, HttpProcessingError)
+
+
+def _bad_http_text(exc: BaseException | None) -> str:
+    # aiohttp's message, e.g. "400, message: Duplicate 'Content-Type' header found.", in one line.
+    text = str(getattr(exc, "message", "") or exc).splitlines()
+    return text[0].strip() if text else type(exc).__name__
+
+
 def setup_logging(level: str = "info", fmt: str = "plain", debug: bool = False) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else PlainFormatter(debug))
@@ -55,3 +86,6 @@ def setup_logging(level: str = "info", fmt: str = "plain", debug: bool = False) 
     # Library chatter (aiortc, aioice, nats reconnect noise) stays out of an operator's log.
     for noisy in ("aioice", "aiortc", "nats", "asyncio", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING if not debug else logging.INFO)
+    server = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedHttpFilter) for f in server.filters):
+        server.addFilter(MalformedHttpFilter())

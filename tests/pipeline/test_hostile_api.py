@@ -124,6 +124,38 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def test_a_request_that_is_not_valid_http_is_one_warning_line(
+    tmp_path: Path, nats_server: EmbeddedNats
+) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(config(nats_server))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", str(path)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        while "HTTP API on http://127.0.0.1:" not in (line := proc.stderr.readline()):
+            assert line, "vidpipe ended before its API was up"
+        port = int(line.rsplit(":", 1)[1].split()[0])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/sources HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: a\r\n"
+                b"Content-Type: b\r\nContent-Length: 0\r\n\r\n"
+            )
+            answer = sock.recv(4096)
+    finally:
+        stop_process(proc)  # type: ignore[arg-type]
+    err = proc.stderr.read()
+    assert answer.startswith(b"HTTP/1.0 400 Bad Request\r\n"), answer
+    said = [ln.split(" ", 1)[1] for ln in err.splitlines() if "not valid HTTP" in ln]
+    assert said == [
+        "warning HTTP: refused a request from 127.0.0.1 that is not valid HTTP: "
+        "Duplicate 'Content-Type' header found."
+    ], err
+    assert " error " not in err, err
+
+
 def test_open_file_limit_no_flood_no_busy_loop(tmp_path: Path, nats_server: EmbeddedNats) -> None:
     path = tmp_path / "p.yaml"
     path.write_text(config(nats_server))
