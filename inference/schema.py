@@ -480,6 +480,12 @@ def _convert(value: Any, tp: Any, ctx: _Ctx, meta: Mapping[str, Any]) -> Any:
             raise ctx.error(f"expected a finite number, got {value}", meta.get("help", ""))
         return float(value)
     if tp is str:
+        if isinstance(value, (int, float)):
+            # YAML read `id: 7` (or `name: 1.5`, `pipeline: yes`...) as a number or a boolean.
+            key = ctx.path.rsplit(".", 1)[-1]
+            written = str(value).lower() if isinstance(value, bool) else str(value)
+            quoted = f'"{written}"' if key.endswith("]") else f'{key}: "{written}"'
+            raise ctx.error(f"expected a string, got {shown(value)}", f"write it in quotes: {quoted}")
         if not isinstance(value, str):
             raise ctx.error(f"expected a string, got {shown(value)}", meta.get("help", ""))
         return value

@@ -36,7 +36,7 @@ from pipeline.redact import redact_url
 from pipeline.sources.schemes import SCHEME_OPTIONS, SCHEMES, resolve_live, scheme_of, url_check
 from pipeline.stages.base import StageOptions
 from pipeline.stages.registry import stage_kinds
-from pipeline.urls import derive_id, normalise_url, resolve_url, scheme_name, whip_name
+from pipeline.urls import derive_id, missing_file, normalise_url, resolve_url, scheme_name, whip_name
 from pipeline.webrtc_guard import parse_network
 
 # 8K UHD: the largest picture any camera or clip in scope sends. A frame over it is
@@ -52,10 +52,13 @@ MAX_SOURCE_SECONDS = 3600
 MAX_SOURCE_FPS = 1000
 
 
-def _url_problem(url: str) -> str | None:
-    """The url field's check; :func:`parse_source` adds the problem's own hint."""
+def _url_problem(url: str) -> tuple[str, str] | None:
+    """The url field's check: the problem with its own hint (never the field's example,
+    which would not fit a bad test:// parameter or a whip:// name)."""
+    if not url.strip():
+        return ("the URL is empty", "e.g. samples/clip.mp4 or rtsp://cam/stream")
     problem = url_check(url)
-    return problem.problem if problem else None
+    return (problem.problem, problem.hint) if problem else None
 
 
 @dataclass(frozen=True)
@@ -686,9 +689,8 @@ def _check_resources(
     # without a missing one, as with a camera that is down.
     if source_index is not None:
         for i, src in zip(source_index, cfg.sources, strict=True):
-            if src.scheme == "file" and not Path(src.url).is_file():
-                err(f"sources[{i}].url", f"file not found: {src.url}",
-                    "relative paths start at the folder of this file")  # fmt: skip
+            if src.scheme == "file" and (missing := missing_file(Path(src.url))) is not None:
+                err(f"sources[{i}].url", *missing)
     used = {name: i for i, s in reversed(stages) for name in s.models()}
     root = cfg.models_path()
     if not used or root is None:

@@ -227,9 +227,23 @@ def scheme_name(url: str) -> str:
 
 
 def file_path(url: str) -> Path:
-    """The path a file source reads: a plain path, or ``file://`` (host part included, as written)."""
+    """The path a file source reads: a plain path, or ``file://`` (``file://localhost/p`` is
+    ``/p``, RFC 8089; any other host part is kept as written, a path relative to the config)."""
     parts = urlsplit(url)
-    return Path(parts.netloc + parts.path) if parts.scheme == "file" else Path(url)
+    if parts.scheme != "file":
+        return Path(url)
+    return Path(parts.path if parts.netloc == "localhost" else parts.netloc + parts.path)
+
+
+def missing_file(path: Path) -> tuple[str, str] | None:
+    """Why a file source cannot read ``path`` (problem, hint), or None when it is a file."""
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return (f"{path} is a folder, not a video file", "name a file in it")
+    if path.exists():
+        return (f"{path} is not a regular file", "give a video file; a webcam is /dev/videoN")
+    return (f"file not found: {path}", "relative paths start at the folder of this file")
 
 
 def whip_name(url: str) -> str:

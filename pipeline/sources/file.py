@@ -35,7 +35,7 @@ from typing import Any
 from pipeline.config import SourceConfig
 from pipeline.sources.base import SourceContext, SourceError
 from pipeline.sources.decode import AvSource, frame_rate
-from pipeline.urls import file_path
+from pipeline.urls import file_path, missing_file
 
 log = logging.getLogger("vidpipe.source")
 
@@ -58,8 +58,9 @@ class FileSource(AvSource):
         self._warned_short = False
 
     def run(self) -> None:
-        if self.path is not None and not self.path.is_file():
-            raise SourceError(self.id, f"file not found: {self.path}", "not_found")
+        missing = missing_file(self.path) if self.path is not None else None
+        if missing is not None:
+            raise SourceError(self.id, missing[0], "not_found")
         realtime = self.config.realtime
         while not self.stopping:
             container = self.open()

@@ -141,6 +141,31 @@ def test_validate_exits_2_with_file_line_errors_and_no_traceback(
     assert "Traceback" not in proc.stderr
 
 
+def test_source_url_mistakes_each_get_their_own_words(tmp_path: Path, demo_clip: Path) -> None:
+    path = tmp_path / "urls.yaml"
+    path.write_text(
+        "pipeline: shop\nsources:\n"
+        '  - url: "test://?width=abc"\n'  # 3: the parameter's own problem, no unrelated example
+        "  - url: whip://admin:x@door\n"  # 4
+        '  - url: ""\n'  # 5
+        f"  - url: {tmp_path}\n"  # 6: a folder
+        "  - url: /dev/null\n"  # 7: there, but not a file
+        f"  - url: file://localhost{demo_clip}\n"  # 8: RFC 8089: the local file, found
+        "  - {url: test://, id: 7}\n"  # 9: YAML read the id as a number
+    )
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"{path}:3: sources[0].url: test:// parameter width='abc' is not a whole number",
+        f"{path}:4: sources[1].url: a whip:// URL is whip://<name>: it takes no user or password",
+        f"{path}:5: sources[2].url: the URL is empty (hint: e.g. samples/clip.mp4 or rtsp://cam/stream)",
+        f"{path}:6: sources[3].url: {tmp_path} is a folder, not a video file (hint: name a file in it)",
+        f"{path}:7: sources[4].url: /dev/null is not a regular file "
+        "(hint: give a video file; a webcam is /dev/videoN)",
+        f'{path}:9: sources[6].id: expected a string, got 7 (hint: write it in quotes: id: "7")',
+    ]
+
+
 def test_validate_good_file_exits_0(tmp_path: Path, sample_models: Path) -> None:
     (tmp_path / "models").symlink_to(sample_models)
     proc = run_cli("validate", str(write(tmp_path, GOOD)))
