@@ -304,7 +304,15 @@ def load_yaml(path: str | Path) -> Any:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(str(p), None, "", "file not found", "check the path") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            str(p),
+            None,
+            "",
+            f"not a YAML text file (byte {exc.start} is not UTF-8 text)",
+            "is this the right file?",
+        ) from None
+    except OSError as exc:
         raise ConfigError(str(p), None, "", f"cannot read file: {exc}") from None
     return load_yaml_text(text, str(p))
 

@@ -373,6 +373,7 @@ def _say(
 
 def cmd_validate(args: argparse.Namespace) -> int:
     # Everything `run` would refuse, the model repository and source files included.
+    _not_a_video(args.config)
     cfg = load_config(args.config, require_sources=True, check_resources=True)
     _check_settings(_with_http(cfg, None), args)
     whip = _whip_without_http(cfg, args)
@@ -793,7 +794,23 @@ def cmd_serve_rtsp(args: argparse.Namespace) -> int:
         return EXIT_RUNTIME
 
 
+# A file given where the pipeline's YAML goes, that is a video: say where it goes instead.
+VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".ts", ".mts", ".flv", ".h264", ".h265")
+
+
+def _not_a_video(config: str) -> None:
+    if Path(config).suffix.lower() in VIDEO_SUFFIXES:
+        raise ConfigError(
+            config,
+            None,
+            "",
+            "is a video, not a pipeline file",
+            f"run a pipeline on it: vidpipe run configs/demo.yaml --source {config}",
+        )
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    _not_a_video(args.config)
     cfg = load_config(
         args.config, sources=args.source, require_sources=not (args.http or args.fleet), fleet_name=args.fleet
     )

@@ -166,6 +166,23 @@ def test_source_url_mistakes_each_get_their_own_words(tmp_path: Path, demo_clip:
     ]
 
 
+def test_a_video_or_a_binary_file_given_as_the_pipeline_says_so(tmp_path: Path, demo_clip: Path) -> None:
+    for command in ("run", "validate"):
+        proc = run_cli(command, str(demo_clip))
+        assert (proc.returncode, proc.stderr) == (
+            2,
+            f"{demo_clip}: is a video, not a pipeline file "
+            f"(hint: run a pipeline on it: vidpipe run configs/demo.yaml --source {demo_clip})\n",
+        )
+    blob = tmp_path / "pipeline.yaml"
+    blob.write_bytes(b"pipeline: x\n\xe0\x00\xff")
+    proc = run_cli("validate", str(blob))
+    assert (proc.returncode, proc.stderr) == (
+        2,
+        f"{blob}: not a YAML text file (byte 12 is not UTF-8 text) (hint: is this the right file?)\n",
+    )
+
+
 def test_validate_good_file_exits_0(tmp_path: Path, sample_models: Path) -> None:
     (tmp_path / "models").symlink_to(sample_models)
     proc = run_cli("validate", str(write(tmp_path, GOOD)))
