@@ -173,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         "validate", help="check a pipeline YAML, its models and files, and exit", parents=[common]
     )
     validate.add_argument("config", help="pipeline YAML")
+    validate.add_argument(
+        "--source",
+        action="append",
+        metavar="URL",
+        help="check with these sources in place of the config's, as `run --source` runs it (repeatable)",
+    )
 
     subscribe = sub.add_parser("subscribe", help="print detections as JSON lines", parents=[common])
     subscribe.add_argument("subject", nargs="?", default="vidpipe.>", help="NATS subject (wildcards allowed)")
@@ -374,7 +380,7 @@ def _say(
 def cmd_validate(args: argparse.Namespace) -> int:
     # Everything `run` would refuse, the model repository and source files included.
     _not_a_video(args.config)
-    cfg = load_config(args.config, require_sources=True, check_resources=True)
+    cfg = load_config(args.config, sources=args.source, require_sources=True, check_resources=True)
     _check_settings(_with_http(cfg, None), args)
     whip = _whip_without_http(cfg, args)
     if whip is not None:

@@ -1085,7 +1085,7 @@ def load_config(
                 line_of(raw, "sources") or line_of(raw),
                 "sources",
                 "no sources",
-                "add sources: in the file, or pass --source URL to vidpipe run",
+                "add sources: in the file, or pass --source URL",
             )
         )
     if check_resources:

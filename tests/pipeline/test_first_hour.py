@@ -124,10 +124,19 @@ def test_validate_refuses_what_run_refuses(tmp_path: Path, sample_models: Path) 
     proc = run_cli("validate", str(path))
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
-        f"{path}:1: sources: no sources (hint: add sources: in the file, or pass --source URL to vidpipe run)",
+        f"{path}:1: sources: no sources (hint: add sources: in the file, or pass --source URL)",
         f"{path}:2: models: repository folder {tmp_path / 'nowhere'} not found "
         "(hint: relative paths start at the folder of this file)",
     ]
+    # A file meant for `run --source` is checked the same way.
+    path.write_text(path.read_text().replace("models: nowhere", f"models: {sample_models}"))
+    proc = run_cli("validate", str(path), "--source", "test://?frames=3", "--source", "rstp://cam/x")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "--source: unsupported source scheme 'rstp' in 'rstp://cam/x' (hint: did you mean rtsp://?)"
+    ]
+    proc = run_cli("validate", str(path), "--source", "test://?frames=3")
+    assert (proc.returncode, proc.stdout) == (0, f"{path}: ok (pipeline shop: 1 source(s), 1 stage(s))\n")
 
 
 def test_validate_checks_the_model_configs_the_pipeline_uses(tmp_path: Path, sample_models: Path) -> None:
