@@ -1013,7 +1013,12 @@ def _check_settings(cfg: PipelineConfig, args: argparse.Namespace) -> None:
         try:
             check_http_config(cfg.http)
         except ApiConfigError as exc:
-            if getattr(args, "http", None):
+            env_token = os.environ.get("VIDPIPE_HTTP_TOKEN")
+            if exc.key == "http.token" and env_token and cfg.http.token == env_token:
+                # The token came from the environment, not from the file's http.token.
+                problem = str(exc).removeprefix("http.token ")
+                errors.append(ConfigError("VIDPIPE_HTTP_TOKEN", None, "", problem))
+            elif getattr(args, "http", None):
                 errors.append(ConfigError("--http", None, "", str(exc)))
             else:
                 line = cfg.line(exc.key) or cfg.line("http")

@@ -451,10 +451,16 @@ def test_short_token_off_loopback_is_refused(tmp_path: Path) -> None:
         "run", str(path), "--http", "0.0.0.0:0", timeout=60, env={"VIDPIPE_HTTP_TOKEN": "short-token"}
     )
     assert result.returncode == 2, result.stderr
+    # The token came from the environment: the error names it, not a key the file lacks.
     assert result.stderr.startswith(
-        "--http: http.token is 11 characters; off loopback it must have at least 16"
+        "VIDPIPE_HTTP_TOKEN: is 11 characters; off loopback it must have at least 16"
     ), result.stderr
     assert "Traceback" not in result.stderr
+    # From the file, with --http: the file's key.
+    path.write_text(path.read_text() + "http: {token: short-token}\n")
+    result = run_cli("run", str(path), "--http", "0.0.0.0:0", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("--http: http.token is 11 characters;"), result.stderr
 
 
 async def test_readyz_without_the_token_gives_counts_only(tmp_path: Path, nats_server: EmbeddedNats) -> None:
