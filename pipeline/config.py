@@ -501,6 +501,17 @@ def _scheme_key_errors(item: dict[str, Any], url: str, path: str, file: str) -> 
     ]
 
 
+def _live_refused(url: str, live: Any) -> bool:
+    """Whether ``live:`` is a value the URL's scheme cannot be (the build refuses it)."""
+    if not isinstance(live, bool):
+        return False
+    try:
+        resolve_live(url, live)
+    except ValueError:
+        return True
+    return False
+
+
 def parse_source(
     data: Any,
     *,
@@ -536,7 +547,13 @@ def parse_source(
     errors: list[ConfigError] = []
     if isinstance(url, str) and found is None:
         # A key of another scheme is an error, but the source is still checked further.
-        errors.extend(_scheme_key_errors(item, url, path, file))
+        errors.extend(
+            err
+            for err in _scheme_key_errors(item, url, path, file)
+            # A `live:` the scheme cannot be is the build's to say, in better words
+            # ("file sources are never live"): one line, not two.
+            if err.path != f"{path}.live" or not _live_refused(url, item["live"])
+        )
     config: SourceConfig | None = None
     try:
         config = build(item, SourceConfig, file, path=path)

@@ -176,6 +176,16 @@ def test_live_false_makes_an_http_stream_a_file_and_is_refused_elsewhere(tmp_pat
         load_config(path)
     with pytest.raises(ValueError, match="file sources are never live"):
         SourceConfig(url="/clips/a.mp4", live=True)
+    # One line per problem: a `live:` the scheme cannot be is not also "does not apply".
+    for url, live, problem in (
+        ("/clips/a.mp4", "true", "sources[0]: live: file sources are never live; remove live: true"),
+        ("rtsp://cam/x", "false", "sources[0]: live: rtsp:// sources are always live; live: false applies to http(s) files only"),
+        ("test://", "true", "sources[0].live: does not apply to a test source (hint: a test source takes: url, id, max_fps, queue_size, max_pixels)"),
+    ):  # fmt: skip
+        path.write_text(f"pipeline: p\nsources:\n  - {{url: '{url}', live: {live}}}\n")
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        assert [str(e) for e in info.value.errors] == [f"{path}:3: {problem}"]
 
 
 def test_webcam_urls_name_their_options() -> None:
