@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
 from pipeline.fleet.buckets import META_PREFIX, bucket_items, bucket_name
-from pipeline.fleet.leases import parse_lease
+from pipeline.fleet.leases import StoredLease, parse_lease
 
 
 def _number(data: dict[str, Any], key: str, default: float) -> float:
@@ -82,6 +83,7 @@ def source_json(
     epoch: int | None,
     lease: int | None,
     placed_on: str | None,
+    last_owner: str | None = None,
 ) -> dict[str, Any]:
     return {
         "id": sid,
@@ -90,7 +92,22 @@ def source_json(
         "epoch": epoch,
         "lease": lease,
         "placed_on": placed_on,
+        "last_owner": last_owner,
     }
+
+
+def lease_owner(stored: StoredLease, alive: Collection[str]) -> tuple[bool, str | None]:
+    """Whether a stored lease makes its worker the source's owner, and else who last held it.
+
+    A claim its holder has not confirmed (number 0) is no owner. Nor is the lease of a
+    worker that is gone (no heartbeat within its TTL): with no room left in the fleet
+    nobody takes the source over, and the lease would name the dead worker for ever.
+    """
+    if stored.number <= 0:
+        return False, None
+    if stored.worker not in alive:
+        return False, stored.worker
+    return True, None
 
 
 async def _items(js: JetStreamContext, kv: KeyValue, bucket: str) -> dict[str, bytes]:
@@ -115,17 +132,19 @@ async def read_status(js: JetStreamContext, fleet: str) -> dict[str, Any]:
     now = time.time()
     skipped = 0
     workers = []
+    alive: set[str] = set()
     for wid, value in buckets["workers"].items():
         try:
             info = WorkerInfo.parse(wid, value)
         except ValueError:
             skipped += 1
             continue
-        alive = now - info.ts < (info.lease_ttl or 12.0)
-        workers.append(worker_json(info, alive))
+        if now - info.ts < (info.lease_ttl or 12.0):
+            alive.add(info.id)
+        workers.append(worker_json(info, info.id in alive))
     sources = []
     for sid in buckets["sources"]:
-        owner, since, epoch, number = None, None, None, None
+        owner, since, epoch, number, last = None, None, None, None, None
         held = buckets["leases"].get(sid)
         if held is not None:
             try:
@@ -133,9 +152,10 @@ async def read_status(js: JetStreamContext, fleet: str) -> dict[str, Any]:
             except ValueError:
                 skipped += 1
             else:
-                if stored.number > 0:  # a claim not yet confirmed is no owner
+                owns, last = lease_owner(stored, alive)
+                if owns:
                     owner, since, epoch, number = stored.worker, stored.since, stored.epoch, stored.number
-        sources.append(source_json(sid, owner, since, epoch, number, None))
+        sources.append(source_json(sid, owner, since, epoch, number, None, last))
     return {"fleet": fleet, "workers": workers, "sources": sources, "skipped": skipped}
 
 
@@ -151,7 +171,8 @@ def format_status(status: dict[str, Any]) -> str:
             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s["owned_since"])) if s["owned_since"] else "-"
         )
         fence = f"{s['epoch']}/{s['lease']}" if s["lease"] else "-"
-        lines.append(f"{s['id']:<24} {s['owner'] or '-':<32} {fence:>16}  {since}")
+        owner = s["owner"] or (f"- (was {s['last_owner']})" if s.get("last_owner") else "-")
+        lines.append(f"{s['id']:<24} {owner:<32} {fence:>16}  {since}")
     if status.get("skipped"):
         lines += ["", f"{status['skipped']} stored entr(y/ies) did not parse and were skipped"]
     return "\n".join(lines)

@@ -63,7 +63,7 @@ from pipeline.fleet.buckets import (
 from pipeline.fleet.desired import DesiredCache, DesiredSources
 from pipeline.fleet.leases import EPOCH_KEY, Lease, LeaseTable, StoredLease, parse_epoch, parse_lease
 from pipeline.fleet.placement import LiveSet, place
-from pipeline.fleet.status import WorkerInfo, source_json, worker_json
+from pipeline.fleet.status import WorkerInfo, lease_owner, source_json, worker_json
 from pipeline.redact import redact_url
 from pipeline.runtime import Runtime
 from pipeline.urls import whip_name
@@ -942,17 +942,18 @@ class FleetWorker:
         placed = self.placement(now, desired, alive)
         sources = []
         for sid in sorted(desired):
-            owner, since, epoch, number = None, None, None, None
+            owner, since, epoch, number, last = None, None, None, None, None
             entry = self._views["leases"].entries.get(sid)
             if entry is not None:
                 with contextlib.suppress(ValueError):
                     stored = parse_lease(entry.value)
-                    if stored.number > 0:  # a claim not yet confirmed is no owner
+                    owns, last = lease_owner(stored, alive)
+                    if owns:
                         owner, since, epoch, number = stored.worker, stored.since, stored.epoch, stored.number
             if sid in self.owned:
                 own = self.owned[sid]
-                owner, since, epoch, number = self.id, own.since, own.epoch, own.number
-            sources.append(source_json(sid, owner, since, epoch, number, placed.get(sid)))
+                owner, since, epoch, number, last = self.id, own.since, own.epoch, own.number, None
+            sources.append(source_json(sid, owner, since, epoch, number, placed.get(sid), last))
         return {
             "fleet": self.name,
             "worker": self.id,

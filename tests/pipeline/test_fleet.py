@@ -25,6 +25,7 @@ import nats
 import pytest
 
 import pipeline.api.fleet as fleet_api
+from pipeline.config import SourceConfig
 from pipeline.fleet.buckets import (
     BucketView,
     bucket_items,
@@ -34,10 +35,11 @@ from pipeline.fleet.buckets import (
     open_bucket,
     purge_markers,
 )
+from pipeline.fleet.desired import encode_source
 from pipeline.fleet.fence import default_worker_id
 from pipeline.fleet.leases import EPOCH_KEY, LeaseTable, lease_value, parse_lease
 from pipeline.fleet.placement import LiveSet, place, quotas, score
-from pipeline.fleet.status import read_status
+from pipeline.fleet.status import format_status, read_status
 from pipeline.nats_server import EmbeddedNats, free_port
 from tests.conftest import ROOT, run_cli, validate_message
 from tests.support.fault_proxy import Faults, Proxy
@@ -1362,3 +1364,36 @@ async def test_healthz_fails_when_the_worker_cannot_reach_the_fleet_and_recovers
         faults.set("ok")
         await until(lambda: worker.health_problem() is None, "healthz never recovered", timeout=20)
         assert await healthz() == (200, {"status": "ok"})
+
+
+async def test_a_lease_of_a_worker_that_is_gone_shows_no_owner_but_names_it(
+    nats_server: EmbeddedNats,
+) -> None:
+    # No worker had room to take cam2 over: its lease still names the dead worker.
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    try:
+        sources = await open_bucket(js, "gone", "sources")
+        leases = await open_bucket(js, "gone", "leases")
+        workers = await open_bucket(js, "gone", "workers")
+        for sid in ("cam1", "cam2"):
+            await sources.put(sid, encode_source(SourceConfig(url="test://?fps=5", id=sid)))
+        now = time.time()
+        for wid, ts in (("alive-1", now), ("dead-2", now - 60)):
+            beat = {"capacity": 1, "load": 1, "version": "0", "ts": ts, "lease_ttl": 4.0}
+            await workers.put(wid, json.dumps(beat).encode())
+        await leases.put("cam1", lease_value("alive-1", now - 30, 7, 1))
+        await leases.put("cam2", lease_value("dead-2", now - 90, 5, 1))
+        status = await read_status(js, "gone")
+    finally:
+        await nc.close()
+    assert [(s["id"], s["owner"], s["last_owner"]) for s in status["sources"]] == [
+        ("cam1", "alive-1", None),
+        ("cam2", None, "dead-2"),
+    ]
+    table = format_status(status).splitlines()
+    assert [line.split()[:2] for line in table if line.startswith("cam")] == [
+        ["cam1", "alive-1"],
+        ["cam2", "-"],
+    ]
+    assert "(was dead-2)" in next(line for line in table if line.startswith("cam2"))
