@@ -156,10 +156,11 @@ class Pipeline:
     ) -> None:
         self.config = config
         # No URL here or in the config: no NATS at all (no embedded server either).
-        self.nats_url = nats_url or config.nats.url
+        self.nats_url = nats_url or config.nats.url or (",".join(config.nats.servers) or None)
         self.runtime = Runtime(
             config, nats_url=self.nats_url, max_frames=max_frames, on_message=self._deliver
         )
+        self.runtime.publisher.connect_hint = "check nats_url= or nats.url / nats.servers in the config"
         self._keep_running = keep_running
         self._callbacks: list[ResultCallback] = []
         self._channels: set[_Channel] = set()
@@ -177,14 +178,16 @@ class Pipeline:
         """A pipeline YAML file; ``sources`` replaces its sources (like ``vidpipe run --source``).
 
         ``options`` are :class:`Pipeline`'s (``nats_url``, ``max_frames``, ``keep_running``).
-        Raises :class:`~inference.schema.ConfigError` (``FILE:LINE: ...``) for a bad file.
+        Raises :class:`~inference.schema.ConfigError` (``FILE:LINE: ...``) for a bad file, with
+        every problem ``vidpipe validate`` reports (a model the repository lacks, a missing file).
         """
-        return cls(load_config(path, sources=sources), **options)
+        return cls(load_config(path, sources=sources, check_resources=True), **options)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, base_dir: str | Path = ".", **options: Any) -> Pipeline:
-        """A config as a dict, keyed as the YAML file is; relative paths start at ``base_dir``."""
-        return cls(load_config(Path(base_dir) / "<config>", data=dict(data)), **options)
+        """A config as a dict, keyed as the YAML file is; relative paths start at ``base_dir``.
+        Checked as :meth:`from_file` checks a file."""
+        return cls(load_config(Path(base_dir) / "<config>", data=dict(data), check_resources=True), **options)
 
     # -- lifecycle -----------------------------------------------------------------------
 

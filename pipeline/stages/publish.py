@@ -116,6 +116,8 @@ class Publisher:
         self._drained = asyncio.Event()  # set whenever the outbox is empty
         self._drained.set()
         self._closing = False
+        # What a failed first connection says to do (the CLI's flags; an embedding program's own).
+        self.connect_hint = "check --nats / nats.url, or omit both to start an embedded server"
         # Messages of each source still in the outbox when the stop gave up on them.
         self.unsent: dict[str, int] = {}
         # Set while the connection is up; the reconnect callback sets it, which wakes the flusher.
@@ -176,8 +178,7 @@ class Publisher:
                 # Why it kept retrying: a refused port, wrong credentials ("authorization violation").
                 reason = f"timed out after {timeout:g}s; last error: {_connect_error(last[0])}"
             raise PublishError(
-                f"cannot connect to NATS at {self.display_url}: {reason}; "
-                "check --nats / nats.url, or omit both to start an embedded server"
+                f"cannot connect to NATS at {self.display_url}: {reason}; {self.connect_hint}"
             ) from None
         self.connected.set()
         if self.mode == "jetstream":

@@ -16,8 +16,9 @@ import pytest
 
 from inference.schema import ConfigError
 from pipeline import Pipeline
-from pipeline.nats_server import EmbeddedNats
+from pipeline.nats_server import EmbeddedNats, free_port
 from pipeline.sources.pattern import pattern_square_box
+from pipeline.stages.publish import PublishError
 from tests.conftest import ROOT, Collector
 
 
@@ -146,6 +147,41 @@ def test_a_bad_dict_is_a_config_error_naming_the_key(sample_models: Path) -> Non
     with pytest.raises(ConfigError) as err:
         Pipeline.from_dict(data)
     assert str(err.value) == "<config>:1: stages[0].modle: unknown key (hint: did you mean 'model'?)"
+
+
+def test_what_validate_refuses_is_a_config_error_before_start(sample_models: Path, tmp_path: Path) -> None:
+    data = squares(sample_models) | {"stages": [{"name": "objects", "type": "infer", "model": "sqares"}]}
+    with pytest.raises(ConfigError) as err:
+        Pipeline.from_dict(data)
+    assert str(err.value) == (
+        "<config>: stages[0].model: model 'sqares' is not in the repository "
+        f"{sample_models} (hint: did you mean 'squares'?)"
+    )
+    data = squares(tmp_path / "nowhere")
+    with pytest.raises(ConfigError) as err:
+        Pipeline.from_dict(data)
+    assert str(err.value) == (
+        f"<config>: models: repository folder {tmp_path / 'nowhere'} not found "
+        "(hint: relative paths start at the folder of this file)"
+    )
+
+
+async def test_nats_servers_in_the_config_are_used_and_a_failed_connect_says_what_to_check(
+    sample_models: Path, nats_server: EmbeddedNats, collector: Collector
+) -> None:
+    await collector.start(nats_server.url, "vidpipe.embedded.>")
+    data = squares(sample_models) | {"nats": {"servers": [nats_server.url]}}
+    async with Pipeline.from_dict(data, max_frames=5) as pipe:
+        pipe.add_source("test://?width=160&height=120&fps=50")
+        await pipe.wait()
+    await collector.wait_for(5)
+    assert [m["frame"] for m in collector.messages] == list(range(5))
+
+    closed = f"nats://127.0.0.1:{free_port()}"
+    pipe = Pipeline.from_dict(squares(sample_models), nats_url=closed)
+    with pytest.raises(PublishError) as err:
+        await pipe.start()
+    assert str(err.value).endswith("; check nats_url= or nats.url / nats.servers in the config")
 
 
 def test_the_documented_example_runs_as_written() -> None:
