@@ -40,6 +40,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from importlib import metadata
 from typing import Any
 
@@ -175,6 +176,9 @@ class FleetWorker:
         self._last_purge = 0.0
         # (revision, monotonic time) of a heartbeat written and not yet seen by the watcher.
         self._own_heartbeat: tuple[int, float] | None = None
+        # Written in every heartbeat: another process heartbeating under this worker's id
+        # (two hosts given one fleet.worker_id) shows up as a heartbeat with another one.
+        self._instance = uuid.uuid4().hex[:12]
         # No claims before this (monotonic): after a lost lease bucket, until every lease
         # recorded in it has run out on its holder's clock, whoever the holder was.
         self._claim_after = 0.0
@@ -355,6 +359,7 @@ class FleetWorker:
                 "version": self.version,
                 "ts": time.time(),
                 "lease_ttl": self.ttl,
+                "instance": self._instance,
             },
             separators=(",", ":"),
         ).encode()
@@ -376,6 +381,8 @@ class FleetWorker:
             return  # a view still reading its bucket gets a TTL before it is judged
         revision, written = self._own_heartbeat
         seen = self._views["workers"].entries.get(self.id)
+        if seen is not None:
+            self._check_twin(seen.value)
         if seen is not None and seen.revision >= revision:
             self._own_heartbeat = None  # seen: check the next one
             return
@@ -385,6 +392,20 @@ class FleetWorker:
         self._own_heartbeat = None
         for kind, view in self._views.items():
             await view.restart(self._kvs[kind])
+
+    def _check_twin(self, value: bytes) -> None:
+        """Say so when another process heartbeats under this worker's id: the two would
+        overwrite each other's heartbeat and each other's leases' owner."""
+        try:
+            instance = json.loads(value).get("instance")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(instance, str) and instance != self._instance:
+            self._errors(
+                "twin",
+                f"fleet {self.name}: another process runs as worker {self.id}; each worker needs its "
+                "own id: give each host its own fleet.worker_id, or leave it out (host name and pid)",
+            )
 
     async def _probe_publisher(self) -> None:
         """A round trip on the publishing connection; its bound fences every lease like a renewal.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -1397,3 +1398,21 @@ async def test_a_lease_of_a_worker_that_is_gone_shows_no_owner_but_names_it(
         ["cam2", "-"],
     ]
     assert "(was dead-2)" in next(line for line in table if line.startswith("cam2"))
+
+
+async def test_two_processes_with_one_worker_id_are_told_so(
+    nats_server: EmbeddedNats, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="vidpipe")
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    said = (
+        "fleet twins: another process runs as worker twin; each worker needs its own id: give each "
+        "host its own fleet.worker_id, or leave it out (host name and pid)"
+    )
+    async with (
+        one_worker(nats_server.url, first, ["cam1"], fleet="twins", worker_id="twin"),
+        one_worker(nats_server.url, second, [], fleet="twins", worker_id="twin"),
+    ):
+        await until(lambda: any(r.getMessage() == said for r in caplog.records), "the twin named", timeout=20)
