@@ -155,6 +155,12 @@ class Pipeline:
         keep_running: bool = False,
     ) -> None:
         self.config = config
+        if config.fleet is not None:
+            log.warning(
+                "pipeline %s: its fleet: section is for vidpipe run --fleet; an embedded pipeline "
+                "runs the sources it is given (the config's, and add_source) itself",
+                config.pipeline,
+            )
         # No URL here or in the config: no NATS at all (no embedded server either).
         self.nats_url = nats_url or config.nats.url or (",".join(config.nats.servers) or None)
         self.runtime = Runtime(
@@ -233,6 +239,8 @@ class Pipeline:
 
     async def wait(self) -> None:
         """Until the pipeline has finished (its sources ended, or :meth:`stop`)."""
+        if not self._started:
+            raise RuntimeError("wait() needs a started pipeline: start() it, or use async with")
         await self._done.wait()
 
     def request_stop(self) -> None:

@@ -184,6 +184,18 @@ async def test_nats_servers_in_the_config_are_used_and_a_failed_connect_says_wha
     assert str(err.value).endswith("; check nats_url= or nats.url / nats.servers in the config")
 
 
+async def test_waiting_for_a_pipeline_never_started_is_an_error_and_a_fleet_section_is_named(
+    sample_models: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pipe = Pipeline.from_dict(squares(sample_models) | {"fleet": {"name": "cams"}})
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "pipeline embedded: its fleet: section is for vidpipe run --fleet; an embedded pipeline runs "
+        "the sources it is given (the config's, and add_source) itself"
+    ]
+    with pytest.raises(RuntimeError, match=r"wait\(\) needs a started pipeline"):
+        await pipe.wait()
+
+
 def test_the_documented_example_runs_as_written() -> None:
     text = (ROOT / "docs" / "embedding.md").read_text()
     example = re.findall(r"```python\n(.*?)```", text, re.S)[0]
