@@ -61,7 +61,13 @@ def _relay_track(sub: Subscription, on_end: Callable[[], None]) -> Any:
             now = loop.time()
             if self._t0 is None:
                 self._t0 = now
-            frame = VideoFrame.from_ndarray(item.image, format="bgr24")
+            image = item.image
+            h, w = image.shape[:2]
+            if w % 2 or h % 2:
+                # H.264 (x264 in 4:2:0) refuses odd sizes: a viewer that negotiated it got no
+                # video at all from a 321x241 camera. Drop the odd column and row, as recordings do.
+                image = image[: h - h % 2, : w - w % 2]
+            frame = VideoFrame.from_ndarray(image, format="bgr24")
             frame.pts = int((now - self._t0) * VIDEO_CLOCK)
             frame.time_base = Fraction(1, VIDEO_CLOCK)
             return frame

@@ -13,7 +13,7 @@ import aioice.ice
 import cv2
 import numpy as np
 import pytest
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCRtpSender, RTCSessionDescription
 
 from pipeline.annotate import LINE_COLOUR, ZONE_COLOUR
 from pipeline.nats_server import EmbeddedNats
@@ -24,7 +24,7 @@ FPS = 20
 CONFIG = """\
 pipeline: live
 models: {models}
-sources: [{{url: "test://?width=320&height=240&fps={fps}", id: cam}}]
+sources: [{{url: "test://?width={width}&height={height}&fps={fps}", id: cam}}]
 stages: [{{name: objects, type: infer, model: squares}}]
 nats: {{url: "{nats}"}}
 http: {{listen: "127.0.0.1:0", token: {token}}}
@@ -38,14 +38,20 @@ def loopback_ice(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-async def start(tmp_path: Path, nats: EmbeddedNats, models: Path) -> Stack:
-    text = CONFIG.format(models=models, fps=FPS, nats=nats.url, token=TOKEN)
+async def start(
+    tmp_path: Path, nats: EmbeddedNats, models: Path, size: tuple[int, int] = (320, 240)
+) -> Stack:
+    text = CONFIG.format(models=models, fps=FPS, nats=nats.url, token=TOKEN, width=size[0], height=size[1])
     return await Stack.start(tmp_path, text, nats.url, token=TOKEN)
 
 
-async def whep_connect(stack: Stack, pc: RTCPeerConnection) -> tuple[str, Any]:
-    """Ask ``/whep/cam`` for the video, receive-only: the session's Location and its track."""
-    pc.addTransceiver("video", direction="recvonly")
+async def whep_connect(stack: Stack, pc: RTCPeerConnection, codec: str | None = None) -> tuple[str, Any]:
+    """Ask ``/whep/cam`` for the video, receive-only: the session's Location and its track
+    (``codec``: offer only that one, ``video/H264`` as Safari prefers)."""
+    transceiver = pc.addTransceiver("video", direction="recvonly")
+    if codec is not None:
+        codecs = RTCRtpSender.getCapabilities("video").codecs
+        transceiver.setCodecPreferences([c for c in codecs if c.mimeType in (codec, "video/rtx")])
     got: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
     pc.on("track", got.set_result)
     await pc.setLocalDescription(await pc.createOffer())
@@ -167,6 +173,24 @@ async def test_whep_client_receives_annotated_video(
         async with stack.http.delete(location) as resp:
             assert resp.status == 200
         assert stack.api.whep.sessions == {}
+    finally:
+        await pc.close()
+        await stack.close()
+
+
+async def test_an_h264_viewer_gets_video_from_a_camera_of_odd_size(
+    tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path
+) -> None:
+    # x264 refuses odd sizes in 4:2:0; the viewer gets the frame less its odd column and row.
+    stack = await start(tmp_path, nats_server, sample_models, size=(321, 241))
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    try:
+        _, track = await whep_connect(stack, pc, codec="video/H264")
+        sizes = set()
+        for _ in range(10):
+            frame = await asyncio.wait_for(track.recv(), 10)
+            sizes.add((frame.width, frame.height))
+        assert sizes == {(320, 240)}
     finally:
         await pc.close()
         await stack.close()
