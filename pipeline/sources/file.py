@@ -56,6 +56,7 @@ class FileSource(AvSource):
             self.path = file_path(config.url)
             self.url = str(self.path)
         self._warned_short = False
+        self._pass = (0.0, 0.0, 25.0)  # a pass's first and last pts (the file's) and its rate
 
     def run(self) -> None:
         missing = missing_file(self.path) if self.path is not None else None
@@ -70,8 +71,11 @@ class FileSource(AvSource):
                 container.close()
             if not self.config.loop:
                 break
-            # Keep pts increasing across loops so max_fps and latency maths stay monotonic.
-            self._pts_offset = (self._last_kept_pts or 0.0) + 1e-3
+            # The next pass starts one frame after this one's last: the timeline goes on as
+            # if the clip were played twice in a row (a 1 ms step left the seam frame 1 ms
+            # long, and a recording or clip across it a frame short).
+            first, last, rate = self._pass
+            self._pts_offset += (last - first) + 1.0 / rate
 
     def _play(self, container: Any, realtime: bool) -> None:
         """Decode every frame of one pass; pace it at the clip's rate when ``realtime``."""
@@ -93,6 +97,7 @@ class FileSource(AvSource):
                     if delay > 0 and self._stop.wait(delay):
                         return
                 decoded += 1
+                self._pass = (first_pts, pts, rate)
                 if not self.emit_frame(frame, pts):
                     return
         except SourceError as exc:

@@ -192,3 +192,21 @@ async def test_a_source_is_built_with_its_context_and_only_demuxers_take_packets
         f.release()
     source.release_pools()
     assert budget.used == 0
+
+
+async def test_a_looping_file_runs_on_one_frame_after_each_pass(tmp_path: Path) -> None:
+    clip = write_clip(tmp_path / "clip.mp4", frames=5, fps=10, width=64, height=48)
+    source = create_source(SourceConfig(url=str(clip), id="clip", loop=True))
+    queue: FrameQueue[Frame] = FrameQueue(32, "block", asyncio.get_running_loop())
+    source.start(queue)
+    pts: list[float] = []
+    while len(pts) < 12:
+        frame = await asyncio.wait_for(queue.get(), 30)
+        assert isinstance(frame, Frame)
+        pts.append(frame.pts)
+        frame.release()
+    source.stop()
+    while not isinstance(await asyncio.wait_for(queue.get(), 30), EndOfStream):
+        pass
+    # Three passes of 0.0-0.4 s at 10 fps: a steady 0.1 s step across the seams too.
+    assert [round(p, 6) for p in pts] == [round(0.1 * i, 6) for i in range(12)]
