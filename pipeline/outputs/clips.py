@@ -61,6 +61,7 @@ from typing import Any
 from pipeline.config import ClipsOutputConfig
 from pipeline.events import Event
 from pipeline.frames import DetectedObject, Frame
+from pipeline.outputs.video_file import recording_path
 
 log = logging.getLogger("vidpipe.clips")
 
@@ -91,7 +92,7 @@ MAX_REORDER = 32
 SAME_TIME_S = 1e-6
 # Track ids remembered per source to tell a new track from a known one.
 KNOWN_TRACKS = 4096
-CLIP_NAME = re.compile(r"^[A-Za-z0-9_.-]+-\d{8}T\d{6}-\d+-[a-z_]+\.mp4$")
+CLIP_NAME = re.compile(r"^[A-Za-z0-9_.-]+-\d{8}T\d{6}-\d+-[a-z_]+(\.\d+)?\.mp4$")  # .N: a name taken twice
 
 
 def clip_event(
@@ -475,7 +476,10 @@ class ClipRecorder:
         name = f"{self.source}-{stamp}-{int(clip.event_pts * 1000)}-{clip.event}.mp4"
         path = self.folder / name
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            # Claimed exclusively, as recordings are: two clips outputs sharing a folder, or
+            # two pipelines with a source of the same id, get .1, .2, ... and never overwrite
+            # a clip already announced.
+            path = recording_path(path)
             joins = _mux(clip, str(path))
         except Exception as exc:
             self.failed += 1

@@ -173,6 +173,39 @@ async def test_an_event_makes_a_clip_with_pre_and_post_roll_and_announces_it(
     assert first == round((event_at - message["start"]) * FPS)
 
 
+async def test_two_clips_outputs_in_one_folder_never_overwrite_an_announced_clip(
+    tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path, collector: Collector
+) -> None:
+    clip = write_pattern_clip(tmp_path / "in.mp4", frames=90, gop=FPS, square_from=FPS)
+    config = tmp_path / "p.yaml"
+    config.write_text(
+        f"pipeline: clipper\nmodels: {sample_models}\nnats: {{url: '{nats_server.url}'}}\n"
+        f"sources: [{{url: {clip}, id: cam}}]\n"
+        "stages: [{name: objects, type: infer, model: squares}, {name: track, type: track}]\n"
+        "outputs:\n"
+        "  - {type: clips, dir: clips, pre_s: 0.5, post_s: 1.0, on: [track_start]}\n"
+        "  - {type: clips, dir: clips, pre_s: 0.5, post_s: 1.0, on: [track_start]}\n"
+    )
+    await collector.start(nats_server.url, "vidpipe.*.*.clips")
+    runtime = Runtime(load_config(config), nats_url=nats_server.url)
+    await runtime.start()
+    await runtime.wait(60)
+    await runtime.stop()
+    await collector.wait_for(2, timeout=10)
+    # Same source and event, written a moment apart: two files, each the one announced
+    # (within the same second the second one is named .1).
+    paths = sorted(Path(m["path"]) for m in collector.messages)
+    assert len(set(paths)) == 2, paths
+    if paths[0].stem[: -len("-track_start")] == paths[1].stem[: -len("-track_start.1")]:
+        assert paths[1] == paths[0].with_name(paths[0].stem + ".1.mp4")
+    for message in collector.messages:
+        path = Path(message["path"])
+        assert path.stat().st_size == message["bytes"]
+        with av.open(str(path)) as f:
+            shown = float(f.duration / 1e6)
+        assert shown == pytest.approx(message["end"] - message["start"] + 1 / FPS, abs=0.05)
+
+
 def obj(track_id: int | None, label: str = "car") -> DetectedObject:
     return DetectedObject(
         id=1, label=label, class_id=0, score=0.9, bbox=(0, 0, 1, 1), stage="d", track_id=track_id
