@@ -38,6 +38,8 @@ class RecordingError(Exception):
 
 # 90 kHz, as MPEG and RTP count: fine enough for any frame rate's pts.
 TIME_BASE = Fraction(1, 90000)
+# MPEG-4 part 2 and H.263 store the clock's rate in 16 bits: 90 kHz is refused there.
+SHORT_CLOCK = {"mpeg4": Fraction(1, 60000), "h263": Fraction(1, 60000), "h263p": Fraction(1, 60000)}
 # The most a crash or kill can cost of an MP4 recording: a fragment is written this often.
 FRAGMENT_S = 1.0
 FRAGMENTED = {
@@ -79,6 +81,7 @@ class VideoFileWriter:
         self.path: Path | None = None
         self.codec = codec
         self.crf = crf
+        self.time_base = SHORT_CLOCK.get(codec, TIME_BASE)
         self.frames = 0
         # Set once the recording could not be opened or written: later frames are not tried.
         self.failed = False
@@ -114,8 +117,8 @@ class VideoFileWriter:
             stream.width = image.shape[1] - image.shape[1] % 2
             stream.height = image.shape[0] - image.shape[0] % 2
             stream.pix_fmt = "yuv420p"
-            stream.time_base = TIME_BASE
-            stream.codec_context.time_base = TIME_BASE
+            stream.time_base = self.time_base
+            stream.codec_context.time_base = self.time_base
         except Exception as exc:
             # Nothing was written: leave no empty file behind.
             self._abandon()
@@ -148,11 +151,13 @@ class VideoFileWriter:
             self._write(image, pts)
         except Exception as exc:
             self._abandon()
+            if self.frames == 0 and self.path is not None:
+                self.path.unlink(missing_ok=True)  # nothing in it: leave no empty file behind
             raise RecordingError(f"cannot write {self.path}: {_reason(exc)}") from None
 
     def _write(self, image: np.ndarray, pts: float) -> None:
         assert self._first_pts is not None
-        ticks = round((pts - self._first_pts) / TIME_BASE)
+        ticks = round((pts - self._first_pts) / self.time_base)
         if self._held is not None:
             held, held_ticks = self._held
             if ticks <= held_ticks:
@@ -166,7 +171,7 @@ class VideoFileWriter:
         h, w = self._stream.height, self._stream.width
         frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image[:h, :w]), format="bgr24")
         frame.pts = ticks
-        frame.time_base = TIME_BASE
+        frame.time_base = self.time_base
         frame.duration = duration
         self._last_duration = duration
         self._durations[ticks] = duration
@@ -186,7 +191,7 @@ class VideoFileWriter:
         if self._held is not None:
             image, ticks = self._held
             self._held = None
-            self._encode(image, ticks, self._last_duration or round(Fraction(1, 25) / TIME_BASE))
+            self._encode(image, ticks, self._last_duration or round(Fraction(1, 25) / self.time_base))
         self._mux(self._stream.encode(None))
         self._container.close()
         self._container = None

@@ -7,10 +7,12 @@ import logging
 from pathlib import Path
 
 import av
+import numpy as np
 import pytest
 
 from pipeline.config import load_config
 from pipeline.frames import Frame
+from pipeline.outputs.video_file import VideoFileWriter
 from pipeline.runtime import PipelineStartError, Runtime
 from pipeline.stages.base import Stage, StageContext, StageOptions
 from tests.pipeline.stack import stage_kinds, until
@@ -128,3 +130,22 @@ async def test_an_output_folder_that_cannot_be_made_stops_the_start_at_its_line(
     assert str(info.value) == (
         f"{path}:4: outputs[0].dir: cannot write to {tmp_path / 'taken' / 'clips'}: Not a directory"
     )
+
+
+@pytest.mark.parametrize(("codec", "suffix"), [("mpeg4", ".avi"), ("mpeg4", ".mov"), ("libvpx-vp9", ".webm")])
+def test_each_suggested_encoder_records_a_file_that_plays_at_the_frames_timing(
+    tmp_path: Path, codec: str, suffix: str
+) -> None:
+    # The encoders validate's hint names (libx264 has its own tests): mpeg4 refused the
+    # 90 kHz clock and left an empty file.
+    writer = VideoFileWriter(tmp_path / f"out{suffix}", codec=codec)
+    image = np.zeros((120, 160, 3), np.uint8)
+    for i in range(15):
+        image[:, :, 1] = 10 * i
+        writer.write(image, i / 15)
+    writer.close()
+    assert writer.path is not None and writer.frames == 15
+    with av.open(str(writer.path)) as f:
+        frames = list(f.decode(video=0))
+    assert len(frames) == 15
+    assert [round(float(fr.time), 3) for fr in frames] == [round(i / 15, 3) for i in range(15)]
