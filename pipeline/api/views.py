@@ -15,6 +15,7 @@ from aiohttp import web
 
 from pipeline.api.answers import error
 from pipeline.frames import Frame
+from pipeline.outputs.relay import ended_source
 from pipeline.runtime import Runtime
 from pipeline.snapshot import render_snapshot
 
@@ -82,6 +83,8 @@ class ViewRoutes:
             fps = -1.0
         if not 0.1 <= fps <= MJPEG_MAX_FPS:
             return error(400, f"fps: expected a number from 0.1 to {MJPEG_MAX_FPS:g}")
+        if self._runtime.outputs.relay.ended(sid):
+            return error(409, ended_source(sid))
         sub = self._runtime.outputs.relay.subscribe(sid, fps)
         try:
             response = web.StreamResponse(

@@ -144,6 +144,7 @@ class Outputs:
         """
         self._loop = asyncio.get_running_loop()
         sid = source.source_id
+        self.relay.begin(sid)
         writers = [
             (o, VideoFileWriter(self._path(o.path, sid), o.codec, o.crf))
             for o in self.config.outputs

@@ -85,16 +85,38 @@ class Subscription:
         self.relay.unsubscribe(self)
 
 
+def ended_source(source: str) -> str:
+    """What a viewer of a source that has ended is told (WHEP and MJPEG alike)."""
+    return (
+        f"source {source!r} has ended: there is no live view; its last frame is "
+        f"/v1/sources/{source}/snapshot.jpg"
+    )
+
+
 class FrameRelay:
     """Per source, the viewers that want its annotated frames (event loop only)."""
 
     def __init__(self) -> None:
         self._subs: dict[str, set[Subscription]] = {}
+        # Sources that ended (and are still listed): a viewer of one gets nothing, ever.
+        self._ended: set[str] = set()
 
     def subscribe(self, source: str, fps: float) -> Subscription:
+        """A viewer of ``source``; of a source that has ended, one that ends at once."""
         sub = Subscription(self, source, fps)
+        if source in self._ended:
+            sub.end()
+            return sub
         self._subs.setdefault(source, set()).add(sub)
         return sub
+
+    def ended(self, source: str) -> bool:
+        """Whether ``source`` has ended: its viewers were ended and new ones get nothing."""
+        return source in self._ended
+
+    def begin(self, source: str) -> None:
+        """``source`` runs (again, when an ended one is added back under its id)."""
+        self._ended.discard(source)
 
     def unsubscribe(self, sub: Subscription) -> None:
         subs = self._subs.get(sub.source)
@@ -115,6 +137,7 @@ class FrameRelay:
             sub.offer(item)
 
     def end(self, source: str) -> None:
+        self._ended.add(source)
         for sub in list(self._subs.pop(source, ())):
             sub.end()
 

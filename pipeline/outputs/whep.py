@@ -18,7 +18,7 @@ from fractions import Fraction
 from typing import Any
 
 from inference.errors import VidpipeError
-from pipeline.outputs.relay import FrameRelay, Subscription
+from pipeline.outputs.relay import FrameRelay, Subscription, ended_source
 from pipeline.webrtc_guard import PENDING_TIMEOUT, PendingSession
 
 log = logging.getLogger("vidpipe.whep")
@@ -117,6 +117,8 @@ class WhepServer:
             raise WhepError(429, f"{self.max_sessions} WHEP sessions already; end one first")
         if "m=video" not in sdp:
             raise WhepError(400, "bad SDP offer: it asks for no video")
+        if self.relay.ended(source):
+            raise WhepError(409, ended_source(source))
         # No ICE servers: the default would be a public STUN server (see WHIP).
         pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         sub = self.relay.subscribe(source, WHEP_FPS)

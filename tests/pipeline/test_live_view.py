@@ -196,6 +196,42 @@ async def test_an_h264_viewer_gets_video_from_a_camera_of_odd_size(
         await stack.close()
 
 
+async def test_a_source_that_has_ended_has_no_live_view_and_takes_no_place(
+    tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path
+) -> None:
+    from samples.make_clip import write_clip
+
+    clip = write_clip(tmp_path / "short.mp4", frames=5, fps=10, width=160, height=120)
+    text = CONFIG.format(
+        models=sample_models, fps=FPS, nats=nats_server.url, token=TOKEN, width=320, height=240
+    )
+    text = text.replace("id: cam}]", f'id: cam}}, {{url: "{clip}", id: short}}]')
+    stack = await Stack.start(tmp_path, text, nats_server.url, token=TOKEN)
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    try:
+        run = stack.runtime.sources["short"]
+        await until(lambda: run.source.state.value == "stopped", what="the file ended")
+        await until(lambda: stack.runtime.outputs.relay.ended("short"), what="its viewers ended")
+        said = {
+            "error": "source 'short' has ended: there is no live view; its last frame is "
+            "/v1/sources/short/snapshot.jpg"
+        }
+        # Answered at once (it used to be a 200 that never sent a frame).
+        assert await stack.json("GET", "/v1/sources/short/stream.mjpeg") == (409, said)
+        pc.addTransceiver("video", direction="recvonly")
+        await pc.setLocalDescription(await pc.createOffer())
+        status, body = await stack.json(
+            "POST", "/whep/short", data=pc.localDescription.sdp, headers={"Content-Type": "application/sdp"}
+        )
+        assert (status, body) == (409, said)
+        assert stack.api.whep.sessions == {}
+        status, _ = await stack.json("GET", "/v1/sources/short/snapshot.jpg")
+        assert status == 200
+    finally:
+        await pc.close()
+        await stack.close()
+
+
 async def test_a_whep_session_ends_with_its_source(
     tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path
 ) -> None:
