@@ -52,6 +52,20 @@ MAX_SOURCE_SECONDS = 3600
 MAX_SOURCE_FPS = 1000
 
 
+def _placeholder_problem(path: str, known: tuple[str, ...]) -> tuple[str, str] | None:
+    """A ``{name}`` in an output path that is not filled in (it would stay in the file name)."""
+    for name in re.findall(r"\{([^{}]*)\}", path):
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = (
+                f"did you mean {{{close[0]}}}?"
+                if close
+                else f"it takes {', '.join('{' + k + '}' for k in known)}"
+            )
+            return (f"{{{name}}} is not a placeholder vidpipe fills in", hint)
+    return None
+
+
 def _url_problem(url: str) -> tuple[str, str] | None:
     """The url field's check: the problem with its own hint (never the field's example,
     which would not fit a bad test:// parameter or a whip:// name)."""
@@ -348,7 +362,12 @@ class FileOutputConfig:
     """``{type: file, path: "out/{source}.mp4"}``: every published frame of a source, as video."""
 
     type: Literal["file"]
-    path: str = field(metadata=spec(help='"{source}" in it becomes the source id, e.g. out/{source}.mp4'))
+    path: str = field(
+        metadata=spec(
+            check=lambda path: _placeholder_problem(path, ("source", "start")),
+            help='"{source}" in it becomes the source id, e.g. out/{source}.mp4',
+        )
+    )
     annotate: bool = field(default=True, metadata=spec(help="draw boxes, labels and tracks on the frames"))
     codec: str = field(
         default="libx264", metadata=spec(check=encoder_problem, help="an FFmpeg video encoder, e.g. libx264")
@@ -362,7 +381,12 @@ class ClipsOutputConfig:
     """``{type: clips, dir: clips/}``: the camera's own packets around each event, not re-encoded."""
 
     type: Literal["clips"]
-    dir: str = field(metadata=spec(help="folder the clips are written to, e.g. clips/"))
+    dir: str = field(
+        metadata=spec(
+            check=lambda path: _placeholder_problem(path, ("source",)),
+            help="folder the clips are written to, e.g. clips/",
+        )
+    )
     pre_s: float = field(default=3.0, metadata=spec(ge=0, le=60, help="seconds kept before the event"))
     post_s: float = field(default=5.0, metadata=spec(gt=0, le=600, help="seconds recorded after it"))
     on: list[ClipEvent] = field(default_factory=lambda: ["track_start"])

@@ -100,6 +100,12 @@ BROKEN = [
     pytest.param(GOOD.replace("  - {name: det, type: infer, model: squares}", "  name: det\n  type: track"), 6,
                  "stages: expected a list, got a mapping (hint: e.g. stages: [{name: detect, type: infer, "
                  "model: NAME}], or one '- name: ...' line per stage)", id="stages-not-a-list"),
+    pytest.param(GOOD + 'outputs: [{type: file, path: "x/{sourc}.mp4"}]\n', 7,
+                 "outputs[0].path: {sourc} is not a placeholder vidpipe fills in (hint: did you mean {source}?)",
+                 id="path-placeholder-typo"),
+    pytest.param(GOOD + 'outputs: [{type: clips, dir: "c/{start}"}]\n', 7,
+                 "outputs[0].dir: {start} is not a placeholder vidpipe fills in (hint: it takes {source})",
+                 id="clips-dir-placeholder"),
     pytest.param(GOOD.replace("type: infer", "typ: infer"), 6,
                  "stages[0].typ: unknown key (hint: did you mean 'type'?)", id="type-key-typo"),
     pytest.param(GOOD + "outputs:\n  - {tpye: clips, dir: clips/}\n", 8,
