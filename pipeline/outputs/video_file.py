@@ -109,7 +109,8 @@ class VideoFileWriter:
         try:
             self._container = av.open(str(path), "w", options=FRAGMENTED if fragmented else {})
             options = {}
-            if self.codec in ("libx264", "libx265"):
+            # By the encoder FFmpeg picks: `codec: h264` is libx264 too, and took no crf.
+            if av.codec.Codec(self.codec, "w").name in ("libx264", "libx265"):
                 # zerolatency: no lookahead and no B-frames, so every frame encoded so far is in
                 # the file (a kill loses at most the last fragment, not the encoder's queue).
                 options = {"crf": str(self.crf), "tune": "zerolatency"}

@@ -149,3 +149,19 @@ def test_each_suggested_encoder_records_a_file_that_plays_at_the_frames_timing(
         frames = list(f.decode(video=0))
     assert len(frames) == 15
     assert [round(float(fr.time), 3) for fr in frames] == [round(i / 15, 3) for i in range(15)]
+
+
+def test_codec_h264_is_libx264_with_its_crf(tmp_path: Path) -> None:
+    # FFmpeg's h264 encoder is libx264: the crf (and zerolatency) must reach it as well.
+    sizes = {}
+    rng = np.random.default_rng(7)
+    images = [rng.integers(0, 256, (120, 160, 3), dtype=np.uint8) for _ in range(8)]
+    for codec, crf in (("h264", 10), ("h264", 45), ("libx264", 45)):
+        writer = VideoFileWriter(tmp_path / f"{codec}-{crf}.mp4", codec=codec, crf=crf)
+        for i, image in enumerate(images):
+            writer.write(image, i / 10)
+        writer.close()
+        assert writer.path is not None
+        sizes[codec, crf] = writer.path.stat().st_size
+    assert sizes["h264", 10] > 2 * sizes["h264", 45]
+    assert sizes["h264", 45] == sizes["libx264", 45]
