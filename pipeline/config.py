@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import os
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -714,6 +715,32 @@ def _check_graph(
     return errors
 
 
+# What a recording's file name may end in: the formats FFmpeg writes video to, by extension.
+RECORDING_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".ts", ".flv", ".nut")
+
+
+def _output_problem(cfg: PipelineConfig, out: OutputConfig) -> tuple[str, str] | None:
+    """Why ``run`` could not write an output there (checked without making anything):
+    a file where its folder should be, a folder it may not write, a file name with no format."""
+    template = out.path if isinstance(out, FileOutputConfig) else out.dir.rstrip("/") + "/x"
+    if isinstance(out, FileOutputConfig) and Path(template).suffix.lower() not in RECORDING_SUFFIXES:
+        return (
+            f"{template!r} does not end in a video file extension FFmpeg writes",
+            f"end it in one of {', '.join(RECORDING_SUFFIXES)}, e.g. out/{{source}}.mp4",
+        )
+    # The folder up to the first placeholder; what follows is made per source.
+    fixed = template.split("{", 1)[0]
+    folder = Path(cfg.base_dir) / fixed.rsplit("/", 1)[0] if "/" in fixed else Path(cfg.base_dir)
+    for parent in (folder, *folder.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                return (f"{parent} is a file, not a folder", "choose another folder")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                return (f"cannot write to {parent}: permission denied", "choose a folder vidpipe may write")
+            return None
+    return None
+
+
 def _check_resources(
     cfg: PipelineConfig, stages: list[tuple[int, StageOptions]], source_index: list[int] | None
 ) -> list[ConfigError]:
@@ -732,6 +759,11 @@ def _check_resources(
         for i, src in zip(source_index, cfg.sources, strict=True):
             if src.scheme == "file" and (missing := missing_file(Path(src.url))) is not None:
                 err(f"sources[{i}].url", *missing)
+    for i, out in enumerate(cfg.outputs):
+        unwritable = _output_problem(cfg, out)
+        if unwritable is not None:
+            key = f"outputs[{i}].path" if isinstance(out, FileOutputConfig) else f"outputs[{i}].dir"
+            err(key, *unwritable)
     used = {name: i for i, s in reversed(stages) for name in s.models()}
     root = cfg.models_path()
     if not used or root is None:

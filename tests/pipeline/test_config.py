@@ -189,6 +189,26 @@ def test_a_video_or_a_binary_file_given_as_the_pipeline_says_so(tmp_path: Path, 
     )
 
 
+def test_validate_refuses_outputs_run_cannot_write(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("")
+    path = tmp_path / "o.yaml"
+    path.write_text(
+        "pipeline: shop\nsources: [{url: test://}]\noutputs:\n"
+        '  - {type: file, path: "afile/{source}.mp4"}\n'  # 4: a file where the folder goes
+        '  - {type: file, path: "out/{source}"}\n'  # 5: no format to write
+        "  - {type: clips, dir: afile/clips}\n"  # 6
+        '  - {type: file, path: "out/{source}-{start}.mkv"}\n'  # 7: fine, made at start
+    )
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"{path}:4: outputs[0].path: {tmp_path / 'afile'} is a file, not a folder (hint: choose another folder)",
+        f"{path}:5: outputs[1].path: 'out/{{source}}' does not end in a video file extension FFmpeg writes "
+        "(hint: end it in one of .mp4, .m4v, .mov, .mkv, .webm, .avi, .ts, .flv, .nut, e.g. out/{source}.mp4)",
+        f"{path}:6: outputs[2].dir: {tmp_path / 'afile'} is a file, not a folder (hint: choose another folder)",
+    ]
+
+
 def test_validate_good_file_exits_0(tmp_path: Path, sample_models: Path) -> None:
     (tmp_path / "models").symlink_to(sample_models)
     proc = run_cli("validate", str(write(tmp_path, GOOD)))
