@@ -176,6 +176,8 @@ class WhipSource(Source):
             state = pc.connectionState
             if state == "connected":
                 _settle(session)
+                if self.session is session:
+                    self._connected(session)
             if state in ("failed", "closed"):
                 label: ReconnectReason = "connection_failed" if state == "failed" else "connection_closed"
                 await self._end(session, SourceState.BACKOFF, f"publisher lost: connection {state}", label)
@@ -197,11 +199,16 @@ class WhipSource(Source):
             await self._discard(session)
             raise WhipError(400, f"bad SDP offer: {exc or type(exc).__name__}") from None
         session.expiry = self._loop.call_later(PENDING_TIMEOUT, self._expire, session)
+        log.debug("source %s: publisher offered (session %s)", self.id, session.id)
+        return session.id, answer
+
+    def _connected(self, session: WhipSession) -> None:
+        """The publisher's connection is up (ICE and DTLS done): only now has it come back.
+        An offer whose connection never comes up is no reconnect (it ends as ``timeout``)."""
         if self._ended_by is not None:
             # A publisher coming back counts as a reconnect, labelled by how the last one ended.
             self.count_reconnect(self._ended_by)
         log.info("source %s: publisher connected (session %s)", self.id, session.id)
-        return session.id, answer
 
     async def end_session(self, session_id: str) -> bool:
         """The publisher's DELETE; False if ``session_id`` is not the active session."""

@@ -193,6 +193,36 @@ async def test_publisher_frames_become_detections_messages(
     assert whip(run).session is None
 
 
+async def test_an_offer_whose_connection_never_comes_up_is_no_reconnect(
+    tmp_path: Path, nats_server: EmbeddedNats
+) -> None:
+    stack = await Stack.start(tmp_path, CONFIG.format(nats=nats_server.url), nats_server.url)
+    first = silent = None
+    try:
+        run = stack.runtime.sources["cam"]
+        first = Publisher(stack.http, SolidColour((200, 40, 40)))
+        assert (await first.publish())[0] == 201
+        await until(lambda: run.source.state.value == "up", timeout=20, what="cam up")
+        assert await first.leave() == 200
+        # This one offers and is answered, but never applies the answer: no ICE, no DTLS.
+        silent = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        silent.addTrack(SolidColour((0, 0, 255)))
+        await silent.setLocalDescription(await silent.createOffer())
+        headers = {"Content-Type": "application/sdp"}
+        async with stack.http.post("/whip/cam", data=silent.localDescription.sdp, headers=headers) as resp:
+            assert resp.status == 201
+            location = resp.headers["Location"]
+        # Counted when a publisher's connection comes up, not when its offer is answered.
+        assert run.source.stats.reconnects == 0
+        async with stack.http.delete(location) as resp:
+            assert resp.status == 200
+        assert run.source.stats.reconnects == 0
+    finally:
+        if silent is not None:
+            await silent.close()
+        await stack.close()
+
+
 async def test_bad_offers_and_unknown_ids(tmp_path: Path, nats_server: EmbeddedNats) -> None:
     stack = await Stack.start(tmp_path, CONFIG.format(nats=nats_server.url), nats_server.url)
     try:
