@@ -170,6 +170,11 @@ class VideoFileWriter:
         import av
 
         h, w = self._stream.height, self._stream.width
+        if self.frames == 0 and duration > 0:
+            # The encoder opens at its first frame: the rate it (and the file's header) states
+            # is the source's, from the first frame's duration, not a fixed 25.
+            rate = (1 / (duration * self.time_base)).limit_denominator(1001)
+            self._stream.codec_context.framerate = rate
         frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image[:h, :w]), format="bgr24")
         frame.pts = ticks
         frame.time_base = self.time_base
