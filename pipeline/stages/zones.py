@@ -214,17 +214,13 @@ class ZonesStage(Stage):
         self.pipeline = context.config.pipeline
         self._sources: dict[str, _Source] = {}
         stages = context.config.stages
+        self._before = stages[: [s.name for s in stages].index(self.name)]
         # The zones stages before this one: a track one of them follows is theirs to start
         # and end, so two zones stages do not publish each track_start and track_end twice.
-        self._earlier = [
-            s.classes
-            for s in stages[: [s.name for s in stages].index(self.name)]
-            if isinstance(s, ZonesOptions)
-        ]
+        self._earlier = [s.classes for s in self._before if isinstance(s, ZonesOptions)]
 
     async def start(self) -> None:
-        before = self.context.config.stages[: [s.name for s in self.context.config.stages].index(self.name)]
-        if not any(s.type == "track" for s in before):
+        if not any(s.type == "track" for s in self._before):
             log.warning(
                 "stage %s: no track stage before it; objects get zones, but events need track ids",
                 self.name,
