@@ -110,10 +110,15 @@ class VideoFileWriter:
             self._container = av.open(str(path), "w", options=FRAGMENTED if fragmented else {})
             options = {}
             # By the encoder FFmpeg picks: `codec: h264` is libx264 too, and took no crf.
-            if av.codec.Codec(self.codec, "w").name in ("libx264", "libx265"):
+            encoder = av.codec.Codec(self.codec, "w").name
+            if encoder in ("libx264", "libx265"):
                 # zerolatency: no lookahead and no B-frames, so every frame encoded so far is in
                 # the file (a kill loses at most the last fragment, not the encoder's queue).
                 options = {"crf": str(self.crf), "tune": "zerolatency"}
+            if encoder == "libx265":
+                # x265 prints its banner and statistics to stderr itself, past FFmpeg's log
+                # callback: lines that break `--log-format json`. FFmpeg still reports a failure.
+                options["x265-params"] = "log-level=none"
             stream = self._container.add_stream(self.codec, rate=25, options=options)
             stream.width = image.shape[1] - image.shape[1] % 2
             stream.height = image.shape[0] - image.shape[0] % 2

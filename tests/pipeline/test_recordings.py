@@ -154,6 +154,20 @@ def test_each_suggested_encoder_records_a_file_that_plays_at_the_frames_timing(
     assert [round(float(fr.time), 3) for fr in frames] == [round(i / 15, 3) for i in range(15)]
 
 
+def test_libx265_records_without_writing_to_stderr(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # x265 prints its banner and statistics on the process's stderr, which broke JSON logs.
+    writer = VideoFileWriter(tmp_path / "hevc.mp4", codec="libx265")
+    for i in range(5):
+        writer.write(np.full((64, 96, 3), 20 * i, np.uint8), i / 10)
+    writer.close()
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
+    assert writer.path is not None
+    with av.open(str(writer.path)) as f:
+        assert f.streams.video[0].codec_context.name == "hevc"
+        assert len(list(f.decode(video=0))) == 5
+
+
 def test_codec_h264_is_libx264_with_its_crf(tmp_path: Path) -> None:
     # FFmpeg's h264 encoder is libx264: the crf (and zerolatency) must reach it as well.
     sizes = {}
