@@ -232,6 +232,18 @@ async def test_bearer_token_is_enforced(tmp_path: Path, nats_server: EmbeddedNat
                 assert resp.status in (200, 503)
             async with anonymous.get("/") as resp:
                 assert resp.status == 200  # the page itself holds no data
+            async with anonymous.get("/web/dashboard.js") as resp:
+                assert resp.status == 200 and resp.content_type in (
+                    "application/javascript",
+                    "text/javascript",
+                )
+            # A missing file is the API's JSON 404, not an empty octet-stream.
+            for path, answer in (
+                ("/web/nope.js", (404, {"error": "no such dashboard file: nope.js"})),
+                ("/web/", (404, {"error": "Not Found"})),
+            ):
+                async with anonymous.get(path) as resp:
+                    assert (resp.status, await resp.json()) == answer, path
         status, listed = await stack.json("GET", "/v1/sources")
         assert status == 200 and [s["id"] for s in listed] == ["a"]
         async with stack.http.get("/metrics") as resp:
