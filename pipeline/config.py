@@ -669,6 +669,22 @@ def _check_graph(
             f"{len(cfg.sources)} sources, more than runtime.max_sources ({limit})",
             "run fewer sources per process, or raise runtime.max_sources",
         )
+    for i, out in enumerate(cfg.outputs):
+        if not isinstance(out, FileOutputConfig) or "{source}" in out.path:
+            continue
+        recorded = [s.source_id for s in cfg.sources if not out.sources or s.source_id in out.sources]
+        if len(recorded) > 1:
+            # One name for several recordings: each would get .1, .2 in the order they
+            # happened to start, and only the log would say which is which.
+            shown = ", ".join(recorded[:4]) + (", ..." if len(recorded) > 4 else "")
+            stem, dot, suffix = out.path.rpartition(".")
+            example = f"{stem}-{{source}}.{suffix}" if dot else f"{out.path}-{{source}}"
+            err(
+                f"outputs[{i}].path",
+                cfg.line(f"outputs[{i}].path") or cfg.line(f"outputs[{i}]"),
+                f"{len(recorded)} sources ({shown}) would record to the one file {out.path!r}",
+                f"put {{source}} in the path, e.g. {example}, or name one source in outputs[{i}].sources",
+            )
 
     raw_stages = raw.get("stages") if isinstance(raw, dict) else None
     unbuilt = {

@@ -103,6 +103,11 @@ BROKEN = [
     pytest.param(GOOD + 'outputs: [{type: file, path: "x/{sourc}.mp4"}]\n', 7,
                  "outputs[0].path: {sourc} is not a placeholder vidpipe fills in (hint: did you mean {source}?)",
                  id="path-placeholder-typo"),
+    pytest.param(GOOD.replace("frames=3\n", "frames=3\n  - url: test://?id=b\n")
+                 + "outputs:\n  - {type: file, path: rec/all.mp4, sources: [b]}\n  - {type: file, path: rec/all.mp4}\n",
+                 10, "outputs[1].path: 2 sources (test, b) would record to the one file 'rec/all.mp4' (hint: put "
+                 "{source} in the path, e.g. rec/all-{source}.mp4, or name one source in outputs[1].sources)",
+                 id="one-recording-for-several-sources"),
     pytest.param(GOOD + 'outputs: [{type: clips, dir: "c/{start}"}]\n', 7,
                  "outputs[0].dir: {start} is not a placeholder vidpipe fills in (hint: it takes {source})",
                  id="clips-dir-placeholder"),
