@@ -495,6 +495,11 @@ class SourcePolicy:
                     None,
                     f"{path}.url",
                     "files can be added over the API only from the folders in http.file_roots",
+                    # Which folders is the operator's business; that there are none is the
+                    # usual first-day surprise.
+                    ""
+                    if self.file_roots
+                    else "it lists none: add a folder to http.file_roots in the pipeline file",
                 )
         return None
 

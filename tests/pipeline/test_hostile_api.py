@@ -506,7 +506,10 @@ async def test_files_outside_file_roots_cannot_be_probed(
     shutil.copy(demo_clip, outside)
     refusal = (
         403,
-        {"error": "sources.url: files can be added over the API only from the folders in http.file_roots"},
+        {
+            "error": "sources.url: files can be added over the API only from the folders in http.file_roots"
+            " (hint: it lists none: add a folder to http.file_roots in the pipeline file)"
+        },
     )
 
     stack = await Stack.start(tmp_path, config(nats_server), nats_server.url)
@@ -517,6 +520,11 @@ async def test_files_outside_file_roots_cannot_be_probed(
     finally:
         await stack.close()
 
+    # With roots set, which folders they are is not told to the caller.
+    refusal = (
+        403,
+        {"error": "sources.url: files can be added over the API only from the folders in http.file_roots"},
+    )
     stack = await Stack.start(tmp_path, config(nats_server, http="file_roots: [clips]"), nats_server.url)
     try:
         answers = [
