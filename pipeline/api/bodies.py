@@ -36,8 +36,25 @@ async def read_body(request: web.Request, content_type: str, limit: int, what: s
     return b"".join(chunks)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed")
+class _Constant:
+    """NaN, Infinity or -Infinity where the body had one: JSON has none of them, and the
+    reader lets them through only to say where they were."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _constant_at(value: Any, path: str = "") -> tuple[str, str] | None:
+    """The first NaN/Infinity in a parsed body and the key path to it (``sources[0].max_fps``)."""
+    if isinstance(value, _Constant):
+        return value.name, path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        inner = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        found = _constant_at(item, inner)
+        if found is not None:
+            return found
+    return None
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -53,10 +70,18 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def parse_json(body: bytes) -> Any:
     """An API request body; ValueError says what is wrong with it (NaN, duplicate keys, depth)."""
     try:
-        return json.loads(body, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+        value = json.loads(body, parse_constant=_Constant, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise ValueError("not valid JSON (nested too deeply)") from None
     except ValueError as exc:
         if str(exc).startswith("duplicate key"):
             raise
         raise ValueError(f"not valid JSON ({exc})") from None
+    try:
+        constant = _constant_at(value)
+    except RecursionError:
+        raise ValueError("not valid JSON (nested too deeply)") from None
+    if constant is not None:
+        name, where = constant
+        raise ValueError(f"not valid JSON ({name} is not allowed" + (f", at {where})" if where else ")"))
+    return value

@@ -119,7 +119,12 @@ async def test_add_and_remove_sources_while_running(
         ({"url": "rtsp://u:secret@/x"}, 400, "sources.url: the rtsp:// URL names no host"),
         ({"queue_size": 4}, 400, "sources: missing required key 'url'"),
         ([1, 2], 400, "sources: expected a mapping at the top level, got a list"),
-        ('{"url": "test://", "max_fps": NaN}', 400, "body: not valid JSON (NaN is not allowed)"),
+        ('{"url": "test://", "max_fps": NaN}', 400, "body: not valid JSON (NaN is not allowed, at max_fps)"),
+        (
+            '{"url": "test://", "x": [1, {"y": -Infinity}]}',
+            400,
+            "body: not valid JSON (-Infinity is not allowed, at x[1].y)",
+        ),
         ("not json", 400, "body: not valid JSON (Expecting value: line 1 column 1 (char 0))"),
         ("[" * 100_000, 400, "body: not valid JSON"),
         ("x" * (1024 * 1024 + 1), 413, "Maximum request body size 1048576 exceeded"),

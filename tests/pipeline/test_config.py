@@ -430,7 +430,8 @@ async def test_a_bad_source_is_refused_alike_at_every_door(tmp_path: Path, nats_
                 )
                 if "NaN" in _json(data):
                     # JSON has no NaN: the API's JSON reader refuses it before any source is parsed.
-                    assert (status, body) == (400, {"error": "body: not valid JSON (NaN is not allowed)"})
+                    refused = f"body: not valid JSON (NaN is not allowed, at {key})"
+                    assert (status, body) == (400, {"error": refused})
                 else:
                     assert status == 400, body
                     match = _API_ERROR.fullmatch(body["error"])
