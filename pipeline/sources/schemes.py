@@ -195,7 +195,12 @@ TEST_OPTIONS = ("width", "height", "fps", "frames", "id")
 
 def parse_test_url(url: str) -> TestPattern:
     """The pattern a ``test://`` URL asks for; ValueError says which parameter is wrong and how."""
-    params = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
+    pairs = parse_qsl(urlsplit(url).query, keep_blank_values=True)
+    params = dict(pairs)
+    if len(params) < len(pairs):
+        # Which one wins is a parser's choice (the last, here): say so rather than guess.
+        twice = next(key for i, (key, _) in enumerate(pairs) if key in dict(pairs[:i]))
+        raise ValueError(f"test:// parameter {twice!r} is given twice; keep one")
     for key in params:
         if key not in TEST_OPTIONS:
             close = difflib.get_close_matches(key, TEST_OPTIONS, n=1)

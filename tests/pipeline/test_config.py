@@ -381,6 +381,7 @@ BAD_SOURCES: list[tuple[dict[str, Any], str, str, str]] = [
     ({"url": "test://?fps=nan"}, "url", "test:// parameter fps='nan' is out of range",
      "use a number in (0, 240]"),
     ({"url": "test://?widht=64"}, "url", "unknown test:// parameter 'widht'", "did you mean width?"),
+    ({"url": "test://?fps=5&width=64&fps=10"}, "url", "test:// parameter 'fps' is given twice", "keep one"),
     (
         {"url": "udp://127.0.0.1:14620?fifo_size=5000000"},
         "url",
