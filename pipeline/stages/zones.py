@@ -20,7 +20,7 @@ events, attached to the frame and published after its message on
 ``vidpipe.<pipeline>.<source>.events`` (:mod:`pipeline.events`):
 
 - ``track_start`` when a track id first appears, ``track_end`` once it has not
-  been seen for ``track_end_after`` frames, or its source ends, or its live
+  been seen (detected or predicted) for ``track_end_after`` frames, or its source ends, or its live
   source goes down (leaves ``up`` for ``backoff``: the tracks of a connection end
   with it, and the next connection's objects get new ids);
 - ``zone_enter`` / ``zone_exit`` (a track that ends inside a zone exits it first);
@@ -29,8 +29,11 @@ events, attached to the frame and published after its message on
   its second, ``out`` the other way.
 
 Within ``hysteresis`` pixels of a line or zone edge a track keeps the side it
-had, so a box jittering on a line crosses it once. The stage is ``ordered``: it
-sees each source's frames in order and keeps its state per source.
+had, so a box jittering on a line crosses it once. Events come from detections:
+a predicted box (a detector's ``interval``) keeps its track alive and carries the
+zones the track is in, and an event's box and frame are the track's last detection.
+The stage is ``ordered``: it sees each source's frames in order and keeps its state
+per source.
 """
 
 from __future__ import annotations
@@ -175,6 +178,7 @@ class _Track:
     sides: dict[str, int] = field(default_factory=dict)  # line -> -1 left, +1 right
     points: dict[str, Point] = field(default_factory=dict)  # line -> last anchor clearly on its side
     owned: bool = True  # this stage says when it starts and ends (see ZonesStage._owns)
+    present: int = -1  # the last frame it was in, detected or predicted (the end counts from it)
 
     def event(
         self,
@@ -282,7 +286,7 @@ class ZonesStage(Stage):
                 obj.zones = self._follow(state, frame, obj, point)
             occupancy.update(obj.zones)
         for track_id, track in list(state.tracks.items()):
-            if frame.index - track.frame >= self.opts.track_end_after:
+            if frame.index - max(track.frame, track.present) >= self.opts.track_end_after:
                 frame.events.extend(self._end(state, track_id, track))
         # What the annotator draws: the shapes, and each line's crossings up to this frame.
         frame.zones.extend(state.zones)
@@ -301,6 +305,14 @@ class ZonesStage(Stage):
         assert obj.track_id is not None
         track_id, band = obj.track_id, self.opts.hysteresis
         track = state.tracks.get(track_id)
+        if obj.predicted:
+            # The tracker's guess on a frame its detector skipped: it keeps the track alive
+            # and shows where it stands, but moves nothing. A prediction overshoots a line
+            # an object only jitters on; the next detection confirms a crossing or not.
+            if track is None:
+                return [name for name, polygon in state.zones if point_in_polygon(point, polygon)]
+            track.present = frame.index
+            return [name for name, _ in state.zones if track.zones.get(name)]
         sighting = (frame.index, frame.pts, frame.capture_ts, obj.bbox)
         if track is None:
             track = state.tracks[track_id] = _Track(obj.label, *sighting, owned=self._owns(obj.label))

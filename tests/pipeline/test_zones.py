@@ -156,6 +156,35 @@ async def test_jitter_on_a_line_gives_one_crossing_each_way(tmp_path: Path) -> N
     assert len(crossings(await run_path(stage, JITTER))) == 10
 
 
+async def test_predicted_boxes_keep_a_track_alive_but_never_cross_or_enter(tmp_path: Path) -> None:
+    # A detector with an interval: detections jitter inside the line's dead band, the
+    # tracker's predictions between them overshoot it (as a Kalman filter does).
+    snippet = (
+        "  - {name: gate, type: zones, track_end_after: 3, lines: [{name: door, points: [[200, 0], [200, 200]]}],\n"
+        "     zones: [{name: right, polygon: [[230, 0], [400, 0], [400, 200], [230, 200]]}]}\n"
+    )
+    stage, metrics = zones_stage(tmp_path, snippet)
+    path = [(190, False), (199, False), (206, True), (201, False), (194, True), (202, False), (207, True),
+            (240, True), (199, False), (240, False), (241, True), (242, True), (243, True), (244, True)]  # fmt: skip
+    frames = []
+    for i, (x, predicted) in enumerate(path):
+        frame = frame_with(i, (7, box_at(x)))
+        frame.objects[0].predicted = predicted
+        await stage.process(frame)
+        frames.append(frame)
+    # Only the detections move the track: out at frame 9 (x 240), where it also enters.
+    assert crossings(frames) == [(9, "out")]
+    events = [(f.index, e.type, e.frame) for f in frames for e in f.events]
+    assert events == [(0, "track_start", 0), (9, "zone_enter", 9), (9, "line_cross", 9)]
+    # A predicted box shows the zones its track is in; it is not a sighting.
+    assert [f.objects[0].zones for f in frames[6:11]] == [[], [], [], ["right"], ["right"]]
+    # Four predicted frames after the last detection the track is still alive (its end
+    # counts from the last frame it was in, detected or not), and ends at its last detection.
+    assert stage.end_source("cam")[-1].frame == 9
+    labels = {"pipeline": "z", "source": "cam", "line": "door", "label": "person", "direction": "in"}
+    assert metrics.registry.get_sample_value("vidpipe_line_crossings_total", labels) is None
+
+
 async def test_passing_beyond_the_end_of_a_line_is_no_crossing(tmp_path: Path) -> None:
     stage, _ = zones_stage(
         tmp_path, "  - {name: gate, type: zones, lines: [{name: door, points: [[200, 0], [200, 80]]}]}\n"
