@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
 import uuid
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -937,10 +939,16 @@ class FleetWorker:
             await self._leases().release(lease)
 
     def _source_policy(self) -> tuple[SourcePolicy, str]:
-        """What a stored source may be here: what this worker's API would accept, and where
-        relative paths start."""
+        """What a stored source may be here: what this worker's API would accept, plus the
+        files its own pipeline file names (it seeds them), and where relative paths start."""
         cfg = self.runtime.config
-        return SourcePolicy.from_http(cfg.http, cfg.base_dir), cfg.base_dir
+        policy = SourcePolicy.from_http(cfg.http, cfg.base_dir)
+        # The operator's own file is trusted as `vidpipe run` trusts it: without this, a
+        # file source the worker seeded was refused by the API's http.file_roots.
+        own = tuple(Path(s.url).resolve() for s in cfg.sources if s.scheme == "file")
+        if own and policy.file_roots is not None:
+            policy = dataclasses.replace(policy, file_roots=(*policy.file_roots, *own))
+        return policy, cfg.base_dir
 
     def desired_configs(self) -> list[SourceConfig]:
         """The desired sources as this worker last saw them (decoded once per revision)."""

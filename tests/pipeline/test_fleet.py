@@ -26,7 +26,7 @@ import nats
 import pytest
 
 import pipeline.api.fleet as fleet_api
-from pipeline.config import SourceConfig
+from pipeline.config import SourceConfig, SourceRefused
 from pipeline.fleet.buckets import (
     BucketView,
     bucket_items,
@@ -36,7 +36,7 @@ from pipeline.fleet.buckets import (
     open_bucket,
     purge_markers,
 )
-from pipeline.fleet.desired import encode_source
+from pipeline.fleet.desired import decode_source, encode_source
 from pipeline.fleet.fence import default_worker_id
 from pipeline.fleet.leases import EPOCH_KEY, LeaseTable, lease_value, parse_lease
 from pipeline.fleet.placement import LiveSet, place, quotas, score
@@ -663,7 +663,11 @@ async def one_worker(
 
     path = tmp_path / f"{worker_id}.yaml"
     lines = ["pipeline: fleet", f"fleet: {{name: {fleet}, lease_ttl: 2, worker_id: {worker_id}}}", "sources:"]
-    lines += [f"  - url: test://?id={s}&width=64&height=48&fps=20" for s in sources]
+    # An id, or a whole URL (one with "://", or a file path).
+    lines += [
+        f"  - url: {s}" if "://" in s or "/" in s else f"  - url: test://?id={s}&width=64&height=48&fps=20"
+        for s in sources
+    ]
     path.write_text("\n".join(lines) + "\n")
     cfg = load_config(path)
     assert cfg.fleet is not None
@@ -810,6 +814,27 @@ async def removed_stays_removed(nats_server: EmbeddedNats, tmp_path: Path) -> No
         await js.delete_key_value("vidpipe_fleet_solo_sources")
         await until(lambda: set(worker.owned) == {"cam1", "cam2"}, "the set was never seeded again", 20)
         assert worker.metrics.buckets_recreated.labels("solo", "sources")._value.get() == 1
+
+
+async def test_a_file_the_workers_own_pipeline_file_names_runs_in_the_fleet(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    # The worker seeds its file's sources; the API's file_roots (none by default) refused
+    # the file it had seeded itself, and the fleet ran nothing.
+    from samples.make_clip import write_clip
+
+    clip = write_clip(tmp_path / "clips" / "door.mp4", frames=5, width=64, height=48)
+    async with asyncio.timeout(60), one_worker(nats_server.url, tmp_path, [str(clip)]) as (worker, _):
+        await until(lambda: worker.runtime.sources.get("door") is not None, "the file never started")
+        run = worker.runtime.sources["door"]
+        await until(lambda: run.published == 5, "the file's frames were not all published")
+        # A file the pipeline file does not name is still held to http.file_roots.
+        assert worker.desired is not None
+        other = write_clip(tmp_path / "clips" / "other.mp4", frames=2, width=64, height=48)
+        with pytest.raises(SourceRefused, match=r"http\.file_roots"):
+            decode_source(
+                "other", encode_source(SourceConfig(url=str(other), id="other")), *worker._source_policy()
+            )
 
 
 async def test_an_update_restarts_the_owned_source_and_an_invalid_one_is_refused(
