@@ -444,10 +444,12 @@ class Runtime:
     async def _all_sources_done(self) -> None:
         while True:
             intakes = [r.intake for r in self.sources.values() if r.intake is not None]
-            if intakes and all(t.done() for t in intakes):
-                return
-            if not intakes and not self.sources:
-                return
+            # keep_running() may come while this waits (the API's last source removed).
+            if not self._persistent:
+                if intakes and all(t.done() for t in intakes):
+                    return
+                if not intakes and not self.sources:
+                    return
             self._idle.clear()
             pending = [t for t in intakes if not t.done()]
             changed = asyncio.ensure_future(self._idle.wait())

@@ -139,9 +139,15 @@ class SourceRoutes:
         sid = request.match_info["id"]
         if self._fleet.active:
             return await self._fleet.remove(sid)
+        last = set(self._runtime.sources) == {sid}
+        if last:
+            # An operator emptying the run over the API is managing its sources there: the
+            # run stays up for the next one rather than ending as if its files had ended.
+            self._runtime.keep_running()
         if not await self._runtime.remove_source(sid):
             return error(404, f"no source {sid!r}")
         for forget in self._on_removed:
             forget(sid)
-        log.info("source %s removed over the API", sid)
+        left = "; no sources left, the run stays up" if last else ""
+        log.info("source %s removed over the API%s", sid, left)
         return web.Response(status=204)

@@ -826,6 +826,40 @@ def test_done_line_counts_sources_added_and_removed_through_the_api(
     assert "done: 5 frame(s) published from 1 source(s)" in err
 
 
+def test_removing_the_last_source_over_the_api_keeps_the_run_up_for_the_next(
+    squares_config: Path, nats_server: EmbeddedNats
+) -> None:
+    # Swapping a camera (DELETE, then POST) ended the whole run at the DELETE.
+    port = free_port()
+    proc = _start("run", str(squares_config), "--source", "test://?fps=20&id=cam", "--http",
+                  f"127.0.0.1:{port}", "--nats", nats_server.url)  # fmt: skip
+    try:
+        api = f"http://127.0.0.1:{port}/v1/sources"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(api, timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the API did not come up"
+                time.sleep(0.1)
+        urllib.request.urlopen(urllib.request.Request(f"{api}/cam", method="DELETE"), timeout=5).close()
+        body = json.dumps({"url": "test://?fps=50&frames=5&id=next"}).encode()
+        post = urllib.request.Request(api, body, {"Content-Type": "application/json"}, method="POST")
+        urllib.request.urlopen(post, timeout=5).close()
+        while json.load(urllib.request.urlopen(api, timeout=5))[0]["state"] != "stopped":
+            time.sleep(0.1)
+        assert proc.poll() is None  # its last source ended, and the run is still up
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "source cam removed over the API; no sources left, the run stays up" in err
+    assert re.search(r"done: \d+ frame\(s\) published from 2 source\(s\)", err), err
+
+
 # -- embedding the live view ---------------------------------------------------------------
 
 EMBED = """\
