@@ -288,6 +288,7 @@ class ZonesStage(Stage):
         for track_id, track in list(state.tracks.items()):
             if frame.index - max(track.frame, track.present) >= self.opts.track_end_after:
                 frame.events.extend(self._end(state, track_id, track))
+        self._end_with_owner(state, frame)
         # What the annotator draws: the shapes, and each line's crossings up to this frame.
         frame.zones.extend(state.zones)
         counts = state.crossings
@@ -339,6 +340,19 @@ class ZonesStage(Stage):
                 ).inc()
             track.sides[name], track.points[name] = side, point
         return [name for name, _ in state.zones if track.zones[name]]
+
+    def _end_with_owner(self, state: _Source, frame: Frame) -> None:
+        """End the tracks an earlier zones stage ended on this frame, their zone exits just
+        before its ``track_end``: on its own timer this stage's exits came after it."""
+        if not self._earlier or not any(e.type == "track_end" for e in frame.events):
+            return
+        events: list[Event] = []
+        for event in frame.events:
+            track = state.tracks.get(event.track_id) if event.type == "track_end" else None
+            if track is not None and not track.owned:
+                events.extend(self._end(state, event.track_id, track))
+            events.append(event)
+        frame.events[:] = events
 
     def _end(self, state: _Source, track_id: int, track: _Track) -> list[Event]:
         """A track ends at its last sighting: it leaves its zones, then ends."""

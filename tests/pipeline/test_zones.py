@@ -542,3 +542,32 @@ async def test_two_zones_stages_start_and_end_each_track_once(tmp_path: Path) ->
         ("zone_exit", 8, "all"),
     ]
     assert metrics.registry.get_sample_value("vidpipe_active_tracks", {"pipeline": "z", "source": "cam"}) == 0
+
+
+async def test_a_track_that_times_out_leaves_a_later_stages_zone_before_it_ends(tmp_path: Path) -> None:
+    # The later stage's own timer (track_end_after 30) put its zone_exit 29 frames after the
+    # first stage's track_end (track_end_after 2): a consumer had already forgotten the track.
+    path = tmp_path / "zones.yaml"
+    path.write_text(
+        "pipeline: z\nstages:\n  - {name: track, type: track}\n"
+        "  - {name: gate, type: zones, track_end_after: 2, lines: [{name: door, points: [[200, 0], [200, 200]]}]}\n"
+        "  - {name: yard, type: zones, zones: [{name: right, polygon: [[250, 0], [400, 0], [400, 200], [250, 200]]}]}\n"
+    )
+    config = load_config(path)
+    stages = [
+        create_stage(options, StageContext(config=config, models=None, metrics=Metrics()))
+        for options in config.stages[1:]
+    ]
+    events = []
+    for i in range(6):
+        frame = frame_with(i, (7, box_at(300))) if i < 2 else frame_with(i)
+        for stage in stages:
+            await stage.process(frame)
+        events += [(frame.index, e.type, e.zone, e.frame) for e in frame.events]
+    assert events == [
+        (0, "track_start", None, 0),
+        (0, "zone_enter", "right", 0),
+        (3, "zone_exit", "right", 1),
+        (3, "track_end", None, 1),
+    ]
+    assert [stage.end_source("cam") for stage in stages] == [[], []]  # type: ignore[attr-defined]
