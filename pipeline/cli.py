@@ -950,9 +950,11 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     )
     # Nothing produced is a failure, unless the operator stopped the run before the first
     # frame (Ctrl-C, SIGTERM) and no source failed: a stop asked for is exit 0 at any time.
-    # So are messages lost at the end of a run that ended by itself (the files' end).
+    # So are messages lost in a run that ended by itself (the files' end): not sent at the
+    # stop, or refused on the way (over the server's max_payload).
     nothing = published == 0 and runtime.sources and (failed or not signals)
-    code = EXIT_RUNTIME if nothing or (unsent and not signals) else EXIT_OK
+    lost = unsent or _dropped(runtime).get("publish_failed", 0)
+    code = EXIT_RUNTIME if nothing or (lost and not signals) else EXIT_OK
     _ignore_stop_signals(loop)
     return code
 

@@ -43,7 +43,7 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 
 # The `reason` label values, each a fixed set (docs/operations.md says what each means).
 DROP_REASONS = ("queue_full", "max_fps", "pool_empty", "stage_error", "publish_failed", "shutdown")
-PUBLISH_ERROR_REASONS = ("outbox_full", "retry", "shutdown", "failed")
+PUBLISH_ERROR_REASONS = ("outbox_full", "retry", "shutdown", "failed", "too_large")
 OBJECT_SKIP_REASONS = ("max_objects", "min_size", "rejected", "failed")
 
 

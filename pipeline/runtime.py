@@ -799,7 +799,11 @@ class Runtime:
             latency = await self.publisher.publish(frame, run.stream_id)
         except Exception as exc:
             run.counters.drop("publish_failed")
-            log.error("source %s: frame %d not published: %s", frame.source, frame.index, exc)
+            # Once per source and interval: a scene too crowded for max_payload fails every frame.
+            self._errors(
+                f"publish:{frame.source}:{type(exc).__name__}",
+                f"source {frame.source}: frame {frame.index} not published: {exc}",
+            )
             frame.release()
             return
         for obj in frame.objects:

@@ -11,7 +11,8 @@ then one per event found in it to ``vidpipe.<pipeline>.<source>.events``.
 ``core`` is fire-and-forget: while the connection is down, messages wait in a
 bounded outbox; when it is full they are dropped and counted
 (``vidpipe_publish_errors_total{reason="outbox_full"}``). The ``reason`` of
-that counter is one of ``outbox_full``, ``retry``, ``shutdown`` and ``failed``.
+that counter is one of ``outbox_full``, ``retry``, ``shutdown``, ``failed`` and
+``too_large`` (over the server's ``max_payload``: dropped, never sent).
 A task sends the outbox only while it holds messages: it starts when one is
 queued, waits for the reconnect (an event, no polling) and ends once the
 outbox is empty.
@@ -71,6 +72,15 @@ ACK_RETRY = Backoff(min_delay=0.1, max_delay=2.0)
 
 class PublishError(VidpipeError):
     """NATS could not be reached or set up; the message says where and what to do."""
+
+
+class MessageTooLarge(PublishError):
+    """A message over the server's ``max_payload``: dropped before it is sent, since the
+    server would answer it by closing the connection (with every acked publish waiting)."""
+
+
+# What a JetStream publish adds to the payload: "NATS/1.0\r\nNats-Msg-Id: <id>\r\n\r\n".
+_HEADER_BYTES = 32
 
 
 class Fence(Protocol):
@@ -270,6 +280,19 @@ class Publisher:
         assert self.nc is not None
         if self.fence is not None and not self.fence.may_publish(source):
             return False  # the fence counts what it refused
+        size = len(payload) + (len(msg_id) + _HEADER_BYTES if self.js is not None else 0)
+        limit = self.nc.max_payload
+        if limit and size > limit:
+            self.metrics.publish_errors.labels(self.pipeline, source, "too_large").inc()
+            problem = (
+                f"the {what} message of {source} is {size} bytes, over the NATS server's max_payload "
+                f"({limit} bytes) at {self.display_url}; dropped (raise max_payload in the server's "
+                "config, or have fewer objects per frame: classes, max_objects)"
+            )
+            if kind == "detections":
+                raise MessageTooLarge(problem)
+            self._errors(f"too_large:{source}", problem)
+            return False
         if self.js is not None:
             await self._publish_acked(subject, source, what, payload, msg_id)
         elif self.nc.is_connected and not self._outbox:

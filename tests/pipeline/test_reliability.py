@@ -525,3 +525,49 @@ async def test_sources_that_end_one_after_another_leave_no_task_behind(tmp_path:
     assert sorted(set(published)) == ["a", "b", "c"] and len(published) == 44
     left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     assert left == []
+
+
+@pytest.mark.parametrize("mode", ["jetstream", "core"])
+def test_a_message_over_the_servers_max_payload_is_dropped_alone_and_said(
+    tmp_path: Path, sample_models: Path, mode: str
+) -> None:
+    # In JetStream mode the server answered the oversized publish by closing the connection,
+    # and the run hung; in core mode the frames were lost with no drop counted.
+    import subprocess
+
+    from pipeline.nats_server import find_nats_server, free_port
+    from tests.conftest import run_cli
+
+    empty = write_clip(tmp_path / "empty.mp4", frames=6, width=160, height=120, plates=[], square=False)
+    square = write_clip(tmp_path / "square.mp4", frames=6, width=160, height=120, plates=[])
+    # Twenty zones over the whole picture: a frame with the square lists them all (1.6 kB).
+    corners = "[[0, 0], [160, 0], [160, 120], [0, 120]]"
+    zones = ", ".join(f"{{name: z{i:02d}{'x' * 60}, polygon: {corners}}}" for i in range(20))
+    config = tmp_path / "big.yaml"
+    config.write_text(
+        f"pipeline: big\nmodels: {sample_models}\nsources: [{{url: {empty}}}, {{url: {square}}}]\n"
+        f"stages:\n  - {{name: objects, type: infer, model: squares}}\n  - {{name: areas, type: zones, zones: [{zones}]}}\n"
+    )
+    port = free_port()
+    (tmp_path / "nats.conf").write_text(
+        f"listen: 127.0.0.1:{port}\nmax_payload: 1024\njetstream: {{store_dir: {tmp_path / 'js'}}}\n"
+    )
+    server = subprocess.Popen(
+        [find_nats_server(), "-c", str(tmp_path / "nats.conf")], stderr=subprocess.DEVNULL
+    )
+    try:
+        proc = run_cli(
+            "run", str(config), "--nats", f"nats://127.0.0.1:{port}", "--publish", mode, timeout=60
+        )
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    # The frames of the empty clip are all published; each of the square's is dropped.
+    assert "done: 6 frame(s) published from 2 source(s); dropped 6 (publish_failed)" in proc.stderr
+    assert re.search(
+        r"source square: frame 0 not published: the frame 0 message of square is 1\d{3} bytes, over the "
+        rf"NATS server's max_payload \(1024 bytes\) at nats://127\.0\.0\.1:{port}; dropped \(raise max_payload",
+        proc.stderr,
+    ), proc.stderr
+    assert proc.stderr.count("not published") == 1  # once per source and interval, not per frame
+    assert proc.returncode == 1  # a run that ended by itself with messages NATS never took
