@@ -21,7 +21,11 @@ be served raises :class:`InferenceRejected` with a ``reason``: ``queue_full``
 (at once, when the priority level's queue is full), ``timeout`` (its queue
 timeout passed, :class:`InferenceTimeout`), ``unavailable`` (the batcher is not
 running) or ``shutdown`` (the batcher stopped before serving it). A batch whose
-instance raised fails with :class:`InferenceFailed`, for that batch's requests only.
+instance raised is run again one request at a time, so only a request whose own input
+makes the model raise fails (:class:`InferenceFailed`); its batch mates get their
+results. An error no input caused (:class:`~inference.errors.WholeBatchFailure`: a
+server down) fails the whole batch at once instead. A runner may also put an exception
+in one item's place among its results (a NaN output): that request alone fails.
 Each reason is counted apart (:class:`BatcherStats` ``rejected`` for ``queue_full``,
 ``timed_out``, ``unavailable``, ``shutdown``), so a stop does not read as overload.
 
@@ -58,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from inference.batch_policy import BatchPolicy, PendingQueue, Send, next_batch, split_by_level
-from inference.errors import VidpipeError
+from inference.errors import VidpipeError, WholeBatchFailure
 from inference.ratelimit import RateLimitedLog
 
 # Under "vidpipe." like the pipeline's loggers: one tree to configure, "vidpipe.inference.*" here.
@@ -97,7 +101,8 @@ class InferenceTimeout(InferenceRejected):
 
 
 class InferenceFailed(InferenceError):
-    """The batch holding the request raised; ``__cause__`` is the original error."""
+    """The model raised on the request (alone or in its batch), or gave no result for its input;
+    ``__cause__`` is the original error."""
 
 
 class InferenceObserver(Protocol):
@@ -169,8 +174,9 @@ class BatcherStats:
     created: float = field(default_factory=time.time)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def batch_ran(self, size: int, queue_seconds: list[float], compute: float, failed: bool) -> None:
-        """Count one batch of ``size`` requests (each waited ``queue_seconds``) that took ``compute``."""
+    def batch_ran(self, size: int, queue_seconds: list[float], compute: float, failed: int) -> None:
+        """Count one batch of ``size`` requests (each waited ``queue_seconds``) that took ``compute``,
+        ``failed`` of them failed (a retried batch counts once, at the size it was formed)."""
         bounds = LATENCY_BUCKETS
         with self.lock:
             self.batches += 1
@@ -184,10 +190,8 @@ class BatcherStats:
                 buckets[bisect.bisect_left(bounds, q)] += 1
             self.queue_seconds += sum(queue_seconds)
             self.queue_recent.extend(queue_seconds)
-            if failed:
-                self.failed += size
-            else:
-                self.succeeded += size
+            self.failed += failed
+            self.succeeded += size - failed
 
     def refused(self, reason: str, n: int = 1) -> None:
         """Count ``n`` requests refused or dropped for ``reason`` (``queue_full``,
@@ -223,7 +227,9 @@ class BatcherStats:
 
 
 Runner = Callable[[list[Any]], Sequence[Any]]
-"""Runs one batch on one instance: items in, one result per item out (same order)."""
+"""Runs one batch on one instance: items in, one result per item out (same order).
+
+A result that is an :class:`Exception` fails that item's request alone."""
 
 _Outcome = tuple["_Request", Any, BaseException | None]
 
@@ -602,29 +608,22 @@ class DynamicBatcher:
         start = clock()
         n = len(live)
         outcomes: list[_Outcome] = []
-        failed = False
+        raised = False
         if n:
             items = [r.item for r in live]
             try:
                 results = runner(items)
                 if len(results) != n:
                     raise RuntimeError(f"instance returned {len(results)} results for {n} requests")
-                outcomes = [(r, res, None) for r, res in zip(live, results, strict=True)]
             except Exception as exc:
-                failed = True
-                # Every failure is counted and fails its requests; the log says it once per
-                # kind of error per 10 s (a dead remote server fails every batch).
-                self._failure_log(
-                    type(exc).__name__,
-                    f"{self.name}: batch of {n} failed on instance {index}: {exc}",
-                    extra={"model": self.name},
-                )
-                for r in live:
-                    err = InferenceFailed(self.name, f"batch of {n} failed: {type(exc).__name__}: {exc}")
-                    err.__cause__ = exc
-                    outcomes.append((r, None, err))
+                raised = True
+                outcomes = self._after_failure(index, runner, batch, live, exc)
+            else:
+                outcomes = [self._answer(r, res) for r, res in zip(live, results, strict=True)]
+                self._log_item_failures(index, outcomes)
         compute = clock() - start
         enqueued = [r.enqueued for r in live]
+        failures = sum(1 for _, _, err in outcomes if err is not None)
         with self._lock:
             if self._inflight[index] is not batch:
                 # stop() gave up on this batch and already answered it.
@@ -636,13 +635,88 @@ class DynamicBatcher:
                 with st.lock:
                     st.cancelled += len(skipped)
             if n:
-                st.batch_ran(n, [start - t for t in enqueued], compute, failed)
-                if not failed:
-                    # A failed batch's time says nothing of the next one's (a refused remote call).
+                st.batch_ran(n, [start - t for t in enqueued], compute, failures)
+                if not raised:
+                    # A failed batch's time says nothing of the next one's (a refused remote
+                    # call, or a batch and its retries).
                     last = self._compute.get(n)
                     self._compute[n] = compute if last is None else last + COMPUTE_WEIGHT * (compute - last)
             deliver = self._order_locked(outcomes, skipped) if self._ordered else outcomes
         self._deliver(deliver)
+
+    def _answer(self, req: _Request, result: Any) -> _Outcome:
+        """``req``'s outcome from its result; an exception in the result's place fails it alone."""
+        if isinstance(result, Exception):
+            err = InferenceFailed(self.name, str(result))
+            err.__cause__ = result
+            return (req, None, err)
+        return (req, result, None)
+
+    def _after_failure(
+        self, index: int, runner: Runner, batch: list[_Request], live: list[_Request], exc: Exception
+    ) -> list[_Outcome]:
+        """The outcomes of the requests ``live`` whose batch raised ``exc``.
+
+        A batch mixes requests of every camera, so one input the model raises on must
+        not fail the others: a batch of more than one runs again request by request (at
+        most ``len(live)`` more runs, and only after a failure), and only the requests
+        that fail alone fail. An error no input caused fails them all at once.
+        """
+        n = len(live)
+        name = self.name
+        whole = n == 1 or isinstance(exc, WholeBatchFailure)
+        outcomes: list[_Outcome] = []
+        if not whole:
+            for pos, r in enumerate(live):
+                # Read without the lock: at worst one more request runs after a stop gave up.
+                if self._inflight[index] is not batch:
+                    return []  # stop() gave up on this batch and answered it
+                try:
+                    alone = runner([r.item])
+                    if len(alone) != 1:
+                        raise RuntimeError(f"instance returned {len(alone)} results for 1 request")
+                except WholeBatchFailure as gone:
+                    # The backend itself failed meanwhile (a server went down): this request and
+                    # the ones not yet retried fail with that error, without waiting on it again.
+                    for rest in live[pos:]:
+                        outcomes.append((rest, None, self._failed(f"batch of {n} failed", gone)))
+                    break
+                except Exception as err:
+                    what = f"failed when run alone, after its batch of {n} failed"
+                    outcomes.append((r, None, self._failed(what, err)))
+                else:
+                    outcomes.append(self._answer(r, alone[0]))
+            failed = sum(1 for _, _, err in outcomes if err is not None)
+            suffix = f"; retried item by item: {failed} of {n} failed"
+        else:
+            outcomes = [(r, None, self._failed(f"batch of {n} failed", exc)) for r in live]
+            suffix = "; not retried item by item: no input caused it" if n > 1 else ""
+        # Every failure is counted; the log says it once per kind of error per 10 s (a dead
+        # remote server fails every batch).
+        self._failure_log(
+            type(exc).__name__,
+            f"{name}: batch of {n} failed on instance {index}: {exc}{suffix}",
+            extra={"model": name},
+        )
+        return outcomes
+
+    def _failed(self, what: str, exc: Exception) -> InferenceFailed:
+        err = InferenceFailed(self.name, f"{what}: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        return err
+
+    def _log_item_failures(self, index: int, outcomes: list[_Outcome]) -> None:
+        """Log requests of a batch that ran but gave no result for their input (rate-limited)."""
+        errors = [err for _, _, err in outcomes if err is not None]
+        if not errors:
+            return
+        cause = errors[0].__cause__ or errors[0]
+        self._failure_log(
+            type(cause).__name__,
+            f"{self.name}: {len(errors)} of {len(outcomes)} requests of a batch failed on instance "
+            f"{index}: {cause}",
+            extra={"model": self.name},
+        )
 
     def _reaper(self) -> None:
         """Fail or move timed-out requests even while every instance is busy."""

@@ -9,8 +9,17 @@ the file and line, the source, the model.
 
 from __future__ import annotations
 
-__all__ = ["VidpipeError"]
+__all__ = ["VidpipeError", "WholeBatchFailure"]
 
 
 class VidpipeError(Exception):
     """Something vidpipe refused or could not do; the message says what and what to do."""
+
+
+class WholeBatchFailure(VidpipeError):
+    """A batch failed for a reason none of its inputs caused (a server down or too slow, no
+    free batch buffer).
+
+    The batcher retries a failed batch's requests one by one to find the input the model
+    raises on; an error of this kind would only fail again, each time after as long.
+    """

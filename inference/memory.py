@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from inference.errors import VidpipeError
+from inference.errors import WholeBatchFailure
 
 
-class PoolExhausted(VidpipeError, TimeoutError):
-    """No buffer came back within the acquire timeout."""
+class PoolExhausted(WholeBatchFailure, TimeoutError):
+    """No buffer came back within the acquire timeout (no input's fault: a batch is not retried)."""
 
 
 class BufferHandle:

@@ -472,8 +472,12 @@ class Model:
         self.observer.counters(self.name).refused(UNAVAILABLE)
         return ModelUnavailable(self.name, self.state, self.reason)
 
-    def _execute(self, inst: ModelInstance, images: list[Any]) -> list[Result]:
-        """One batch on one instance (runs on that instance's worker thread)."""
+    def _execute(self, inst: ModelInstance, images: list[Any]) -> Sequence[Result | Exception]:
+        """One batch on one instance (runs on that instance's worker thread).
+
+        An image the task could make no result of has an exception in its place: the
+        batcher fails that request alone.
+        """
         n = len(images)
         with inst.pool.acquire(timeout=self._buffer_timeout) as buf:
             tensor = buf.array

@@ -1,8 +1,15 @@
-"""What post-processing returns, one object per request item."""
+"""What post-processing returns, one object per request item.
+
+An item whose output cannot become a result (a classifier row holding NaN) gets a
+:class:`NonFiniteOutput` in its place instead of failing its batch: the batcher
+fails that request alone and answers its batch mates.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from inference.errors import VidpipeError
 
 
 @dataclass(slots=True)
@@ -38,3 +45,20 @@ class Recognition:
 
 
 Result = list[Detection] | Classification | Recognition
+
+
+class NonFiniteOutput(VidpipeError, ValueError):
+    """``model`` gave NaN or infinity for one input: no result can be made of it.
+
+    Returned by post-processing in that item's place (never raised there), so only the
+    request of that input fails; ``value`` is ``NaN``, ``inf`` or ``-inf``.
+    """
+
+    def __init__(self, model: str, value: str) -> None:
+        self.model = model
+        self.value = value
+        super().__init__(
+            f"model {model!r} gave a non-finite output ({value}) for this input, so it has no result "
+            "(if it recurs, check the model on such inputs: an overflow at a reduced precision, a "
+            "division by zero in the graph)"
+        )

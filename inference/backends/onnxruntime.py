@@ -192,10 +192,14 @@ class OnnxRuntimeBackend(Backend):
         self.precision = "int8" if is_int8(self.model_path) else "native"
         self.input = check_input(config, self.model_path, self.inputs)
         self._output_names = [o.name for o in self.outputs]
+        # A failed run raises with ORT's own message, which vidpipe logs at most once per
+        # kind per 10 s; ORT would also print it to stderr itself, on every failed run.
+        self._run_options = ort.RunOptions()
+        self._run_options.log_severity_level = 4
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
-            results = self._session.run(self._output_names, dict(inputs))
+            results = self._session.run(self._output_names, dict(inputs), self._run_options)
         except Exception as exc:
             shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in inputs.items())
             raise BackendError(

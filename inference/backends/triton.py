@@ -53,6 +53,7 @@ import numpy as np
 from inference.backends.base import Backend, BackendError, TensorSpec
 from inference.backends.inputs import check_input
 from inference.config import ModelConfig, TritonOptions
+from inference.errors import WholeBatchFailure
 
 # KServe v2 datatypes and their NumPy names.
 _DTYPES = {
@@ -189,11 +190,11 @@ class TritonError(BackendError):
         super().__init__(f"{model} on {url}: {message}")
 
 
-class TritonUnavailable(TritonError):
+class TritonUnavailable(TritonError, WholeBatchFailure):
     """The server cannot be reached (not started, stopped, connection lost)."""
 
 
-class TritonTimeout(TritonError):
+class TritonTimeout(TritonError, WholeBatchFailure):
     """The server did not answer within ``backend_options.timeout_ms``."""
 
 

@@ -7,7 +7,7 @@ with a whole batch at a time::
 
     metas = task.preprocess(images, out)        # fills out[:len(images)]
     outputs = backend.run_borrowed({input_name: out[:n]})
-    results = task.postprocess(outputs, metas)  # one Result per image
+    results = task.postprocess(outputs, metas)  # one Result (or exception) per image
 
 The outputs may be the backend's own buffers, overwritten by the next batch, so a
 result never holds a view of them (copy what it keeps).
@@ -90,5 +90,11 @@ class Task(ABC):
         return None
 
     @abstractmethod
-    def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
-        """Turn the batch's raw outputs into one result per image, in source-image coordinates."""
+    def postprocess(
+        self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]
+    ) -> Sequence[Result | Exception]:
+        """Turn the batch's raw outputs into one result per image, in source-image coordinates.
+
+        An image whose output cannot become a result (NaN) gets an exception in its place
+        (:class:`~inference.results.NonFiniteOutput`): its request alone fails.
+        """

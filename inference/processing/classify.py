@@ -1,9 +1,11 @@
 """Classifier outputs → probabilities → top-k labelled classes.
 
-A model may end in a softmax or emit raw logits. A batch is taken as
-probabilities when every row is non-negative and sums to 1 (within
-:data:`PROB_TOLERANCE`, loose enough for float16); otherwise softmax is applied
-to every row, so all rows of one batch are treated alike.
+A model may end in a softmax or emit raw logits. Each item (a row, or for a
+recogniser all its time steps) is taken as probabilities when it is non-negative
+and sums to 1 (within :data:`PROB_TOLERANCE`, loose enough for float16);
+otherwise softmax is applied to it. The choice is made per item, never per
+batch: a batch mixes crops of every camera, and one odd row must not change
+another request's scores.
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ import numpy as np
 
 from inference.results import Classification
 
-__all__ = ["PROB_TOLERANCE", "as_probabilities", "classify", "is_probability", "softmax", "top_k"]
+__all__ = [
+    "PROB_TOLERANCE",
+    "as_probabilities",
+    "classify",
+    "is_probability",
+    "probability_items",
+    "softmax",
+    "top_k",
+]
 
 PROB_TOLERANCE = 1e-2
 
@@ -40,9 +50,34 @@ def is_probability(x: np.ndarray, axis: int = -1, tolerance: float = PROB_TOLERA
     return bool(np.all(np.abs(sums - 1.0) <= tolerance))
 
 
+def probability_items(x: np.ndarray, axis: int = -1, tolerance: float = PROB_TOLERANCE) -> np.ndarray:
+    """Per item of ``x`` (its first axis): whether every slice of it along ``axis`` is
+    non-negative and sums to 1 within ``tolerance``. A NaN makes its item ``False``."""
+    x = np.asarray(x)
+    n = x.shape[0] if x.ndim else 1
+    if x.size == 0:
+        return np.ones(n, bool)
+    non_negative = (x >= -1e-6).reshape(n, -1).all(axis=1)
+    sums = x.sum(axis=axis, dtype=np.float64)
+    return non_negative & (np.abs(sums - 1.0) <= tolerance).reshape(n, -1).all(axis=1)
+
+
 def as_probabilities(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    """``x`` itself when it already holds probabilities, else ``softmax(x)``."""
-    return np.asarray(x) if is_probability(x, axis) else softmax(x, axis)
+    """``x`` with softmax applied to each item (first axis) that does not already hold probabilities.
+
+    Decided item by item (:func:`probability_items`), so an item's probabilities depend
+    on that item alone, whatever shares its batch. ``axis`` must not be the first axis.
+    """
+    x = np.asarray(x)
+    if x.ndim < 2:
+        return x if is_probability(x, axis) else softmax(x, axis)
+    ready = probability_items(x, axis)
+    if ready.all():
+        return x
+    probs = softmax(x, axis)  # row by row: each row's softmax reads only that row
+    if ready.any():
+        probs[ready] = x[ready]
+    return probs
 
 
 def top_k(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

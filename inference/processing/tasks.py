@@ -31,7 +31,9 @@ metadata, outputs that do not fit ``task.kind``) are
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,7 +54,7 @@ from inference.processing.classify import classify
 from inference.processing.ctc import CTCDecoder, parse_dictionary
 from inference.processing.db import DBParams, db_boxes
 from inference.processing.yolo import decode_yolo, resolve_layout
-from inference.results import Detection, Recognition, Result
+from inference.results import Detection, NonFiniteOutput, Recognition, Result
 
 __all__ = [
     "TASKS",
@@ -70,6 +72,27 @@ class _ImageTask(Task):
 
     def preprocess(self, images: Sequence[np.ndarray], out: np.ndarray) -> list[Any]:
         return list(self.preprocessor(images, out))
+
+    def check_outputs(self, outputs: Sequence[TensorSpec]) -> None:
+        """The output read (the first) must take every batch size up to ``max_batch_size``.
+
+        A fixed batch axis (``[1, 3]``) would load and then fail every batch of more
+        than one: refused here, like a fixed batch axis on the input.
+        """
+        limit = self.config.max_batch_size
+        if not outputs or limit <= 1 or not outputs[0].shape:
+            return
+        spec = outputs[0]
+        batch = spec.shape[0]
+        if batch is None or batch < 0:
+            return
+        fix = "set max_batch_size: 1 or " if batch == 1 else ""
+        raise self.config.error(
+            "max_batch_size",
+            f"{_file_name(self.config)}: output tensor {spec.name!r} has a fixed batch size of {batch} "
+            f"(shape {_shown(spec.shape)}), but max_batch_size is {limit} and batches vary in size; "
+            f"{fix}export the model with a dynamic batch axis",
+        )
 
     def _output(self, outputs: Mapping[str, np.ndarray], ndim: int, n: int) -> np.ndarray:
         """The first output; it must have ``ndim`` dims and hold at least ``n`` items."""
@@ -90,6 +113,13 @@ class _ImageTask(Task):
 def _shown(shape: Sequence[int | None]) -> str:
     """A shape as a list, dynamic dimensions as ``?``."""
     return "[" + ", ".join("?" if d is None or d < 0 else str(d) for d in shape) + "]"
+
+
+def _file_name(config: ModelConfig) -> str:
+    """The model file's name, as the input checks start their messages; a remote model's name."""
+    if config.model_file is None:
+        return f"the server's model {config.name!r}"
+    return Path(config.model_file.path).name
 
 
 class YoloTask(_ImageTask):
@@ -117,6 +147,7 @@ class YoloTask(_ImageTask):
     def check_outputs(self, outputs: Sequence[TensorSpec]) -> None:
         if not outputs:
             raise self.config.error("task.kind", "the model has no outputs")
+        super().check_outputs(outputs)
         shape = outputs[0].shape
         if self.config.max_batch_size == 0 and len(shape) == 2:
             shape = (1, *shape)  # no batch dimension: one image at a time
@@ -178,7 +209,38 @@ class ClassifyTask(_ImageTask):
     kind = "classify"
     options_type = ClassifyOptions
 
-    def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
+    def check_outputs(self, outputs: Sequence[TensorSpec]) -> None:
+        """A fixed class count must match the labels: a mismatch would publish wrong names."""
+        if not outputs:
+            raise self.config.error("task.kind", "the model has no outputs")
+        super().check_outputs(outputs)
+        spec = outputs[0]
+        shape = tuple(spec.shape)
+        item = shape if self.config.max_batch_size == 0 and len(shape) == 1 else shape[1:]
+        if not self.labels or not item or any(d is None or d < 0 for d in item):
+            return  # class numbers for names, or a class count only a batch tells
+        classes = math.prod(d for d in item if d is not None)
+        if classes == len(self.labels):
+            return
+        shown = ", ".join(self.labels[:5]) + (", ..." if len(self.labels) > 5 else "")
+        if self.config.labels_file:
+            key, source = "labels_file", f"labels_file {self.config.labels_file} has {len(self.labels)}"
+            hint = f"give the file one line per class, {classes} in class order"
+        else:
+            key, source = "labels", f"labels has {len(self.labels)}"
+            hint = (
+                f"list one label per class, {classes} in class order, or leave labels out for class numbers"
+            )
+        raise self.config.error(
+            key,
+            f"{_file_name(self.config)}: output {spec.name!r} (shape {_shown(shape)}) has {classes} "
+            f"classes but {source} ({shown})",
+            hint,
+        )
+
+    def postprocess(
+        self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]
+    ) -> list[Result | Exception]:
         if not outputs:
             raise self.config.error("task.kind", "the model returned no outputs")
         out = np.asarray(next(iter(outputs.values())))
@@ -187,7 +249,19 @@ class ClassifyTask(_ImageTask):
         n = len(metas)
         if out.ndim < 2 or out.shape[0] < n:
             raise self.config.error("task.kind", f"output of shape {list(out.shape)} is not [N, classes]")
-        return list(classify(out[:n], self.labels, self.config.task_as(ClassifyOptions).top_k))
+        rows = out[:n].reshape(n, -1)
+        top_k = self.config.task_as(ClassifyOptions).top_k
+        finite = np.isfinite(rows).all(axis=1)
+        if finite.all():
+            return list(classify(rows, self.labels, top_k))
+        # A NaN row has no top class (argsort puts it anywhere) and no JSON score: that input
+        # fails alone, its batch mates are classified as if it were not there.
+        good = iter(classify(rows[finite], self.labels, top_k) if finite.any() else [])
+        return [next(good) if ok else self._non_finite(row) for ok, row in zip(finite, rows, strict=True)]
+
+    def _non_finite(self, row: np.ndarray) -> NonFiniteOutput:
+        value = "NaN" if np.isnan(row).any() else "inf" if np.isposinf(row).any() else "-inf"
+        return NonFiniteOutput(self.config.name, value)
 
 
 class TextDetectTask(_ImageTask):

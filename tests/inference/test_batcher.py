@@ -39,6 +39,7 @@ from inference.config import (
     QueuePolicy,
     TaskConfig,
 )
+from inference.errors import WholeBatchFailure
 from inference.model import Model, ModelState, ModelUnavailable
 from inference.processing.base import Task
 from inference.results import Classification, Result
@@ -407,22 +408,121 @@ def test_without_preserve_ordering_fast_answers_do_not_wait(make: Callable[..., 
     assert slow.result(timeout=WAIT).class_id == 0
 
 
-def test_an_exception_fails_only_its_batch(make: Callable[..., Harness]) -> None:
+def test_an_exception_fails_only_the_request_whose_input_raises(
+    make: Callable[..., Harness], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A batch mixes cameras: the batch that raised runs again request by request, so only
+    # the input the model raises on fails; its batch mate and the next batch get results.
     h = make(max_batch_size=2)
     first = h.block_on(0)
-    bad = h.submit(1, 13)
+    one, bad = h.submit(1, 13)
     good = h.submit(2, 3)
-    h.gate.set()
-    assert ids([first, *good]) == [0, 2, 3]
-    for fut in bad:
-        with pytest.raises(InferenceFailed, match="batch of 2 failed: ValueError: bad input 13") as err:
-            fut.result(timeout=WAIT)
-        assert isinstance(err.value.__cause__, ValueError)
-    assert h.batches() == [[0], [1, 13], [2, 3]]
+    with caplog.at_level(logging.WARNING, logger="vidpipe.inference.batcher"):
+        h.gate.set()
+        assert ids([first, one, *good]) == [0, 1, 2, 3]
+        with pytest.raises(InferenceFailed) as err:
+            bad.result(timeout=WAIT)
+    assert str(err.value) == (
+        "m: failed when run alone, after its batch of 2 failed: ValueError: bad input 13"
+    )
+    assert isinstance(err.value.__cause__, ValueError)
+    assert h.batches() == [[0], [1, 13], [1], [13], [2, 3]]  # a batch of 2 cost 2 more runs
     st = h.stats()
-    assert (st.failed, st.succeeded) == (2, 3)
+    # Each request counted once by its outcome; the retried batch counts once, at the size
+    # it was formed (what vidpipe_inference_batch_size shows).
+    assert (st.failed, st.succeeded) == (1, 4)
+    assert (st.batches, st.batched_requests, st.batch_sizes) == (3, 5, {1: 1, 2: 2})
+    (line,) = [r.getMessage() for r in caplog.records if "failed on instance" in r.getMessage()]
+    assert line == "m: batch of 2 failed on instance 0: bad input 13; retried item by item: 1 of 2 failed"
     # The instance keeps serving after a failed batch.
     assert ids(h.submit(4)) == [4]
+
+
+def test_a_failed_batch_costs_at_most_one_run_per_request_more_and_only_on_failure() -> None:
+    runs: list[list[int]] = []
+
+    def runner(items: list[Any]) -> list[Any]:
+        runs.append(list(items))
+        if 13 in items:
+            raise ValueError("bad input 13")
+        return [i * 10 for i in items]
+
+    policy = BatchPolicy(max_batch_size=4, preferred_batch_sizes=(4,), max_queue_delay_s=WAIT)
+    b = DynamicBatcher("m", policy, [runner])
+    b.start()
+    try:
+        futures = [b.submit(i) for i in (13, 1, 13, 2)]
+        outcomes = [f.exception(timeout=WAIT) or f.result() for f in futures]
+        assert [type(o).__name__ if isinstance(o, Exception) else o for o in outcomes] == [
+            "InferenceFailed",
+            10,
+            "InferenceFailed",
+            20,
+        ]
+        assert runs == [[13, 1, 13, 2], [13], [1], [13], [2]]
+        runs.clear()
+        assert [f.result(timeout=WAIT) for f in [b.submit(i) for i in (1, 2, 3, 4)]] == [10, 20, 30, 40]
+        assert runs == [[1, 2, 3, 4]]  # a batch that runs is never run again
+    finally:
+        b.stop()
+    st = b.stats
+    assert (st.succeeded, st.failed, st.batches, st.batch_sizes) == (6, 2, 2, {4: 2})
+
+
+class ServerDown(WholeBatchFailure):
+    """What a remote backend raises when its server cannot be reached."""
+
+
+def test_an_error_no_input_caused_fails_the_batch_without_retries(caplog: pytest.LogCaptureFixture) -> None:
+    # A dead server would fail each request alone too, each after as long: no retries.
+    runs: list[list[int]] = []
+
+    def runner(items: list[Any]) -> list[Any]:
+        runs.append(list(items))
+        raise ServerDown("grpc://triton:8001 cannot be reached")
+
+    policy = BatchPolicy(max_batch_size=3, preferred_batch_sizes=(3,), max_queue_delay_s=WAIT)
+    b = DynamicBatcher("m", policy, [runner])
+    b.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="vidpipe.inference.batcher"):
+            futures = [b.submit(i) for i in (1, 2, 3)]
+            for f in futures:
+                with pytest.raises(InferenceFailed, match="batch of 3 failed: ServerDown: grpc://"):
+                    f.result(timeout=WAIT)
+    finally:
+        b.stop()
+    assert runs == [[1, 2, 3]]
+    (line,) = [r.getMessage() for r in caplog.records if "failed on instance" in r.getMessage()]
+    assert line == (
+        "m: batch of 3 failed on instance 0: grpc://triton:8001 cannot be reached; "
+        "not retried item by item: no input caused it"
+    )
+    assert (b.stats.failed, b.stats.succeeded, b.stats.batch_sizes) == (3, 0, {3: 1})
+
+
+def test_an_exception_in_place_of_one_result_fails_that_request_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A task that can make no result of one item (a NaN row) puts an exception in its place.
+    def runner(items: list[Any]) -> list[Any]:
+        return [ValueError(f"no result for {i}") if i == 13 else i * 10 for i in items]
+
+    policy = BatchPolicy(max_batch_size=2, preferred_batch_sizes=(2,), max_queue_delay_s=WAIT)
+    b = DynamicBatcher("m", policy, [runner])
+    b.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="vidpipe.inference.batcher"):
+            bad, good = b.submit(13), b.submit(2)
+            assert good.result(timeout=WAIT) == 20
+            with pytest.raises(InferenceFailed, match=r"^m: no result for 13$") as err:
+                bad.result(timeout=WAIT)
+    finally:
+        b.stop()
+    assert isinstance(err.value.__cause__, ValueError)
+    assert (b.stats.failed, b.stats.succeeded, b.stats.batch_sizes) == (1, 1, {2: 1})
+    lines = [r.getMessage() for r in caplog.records if "failed on instance" in r.getMessage()]
+    assert lines == ["m: 1 of 2 requests of a batch failed on instance 0: no result for 13"]
 
 
 def test_stop_fails_queued_requests_at_once_and_lets_the_running_batch_finish(

@@ -12,10 +12,11 @@ from inference.backends.inputs import InputMismatchError
 from inference.batcher import InferenceError, InferenceFailed, InferenceRejected, InferenceTimeout
 from inference.config import DynamicBatching, ModelConfig, ModelConfigError, QueuePolicy
 from inference.device import GpuUnavailableError
-from inference.errors import VidpipeError
+from inference.errors import VidpipeError, WholeBatchFailure
 from inference.memory import BufferPool, PoolExhausted
 from inference.model import ModelState, ModelUnavailable
 from inference.repository import ModelNotFoundError, ModelRepository
+from inference.results import NonFiniteOutput
 from inference.schema import ConfigError, build, load_yaml_text
 from tests.inference.test_repository import CONFIG, make_onnx, write_config
 
@@ -32,8 +33,10 @@ def test_every_error_class_derives_from_the_root_through_what_it_is() -> None:
         InferenceFailed: (InferenceError,),
         ModelUnavailable: (InferenceRejected,),
         ModelNotFoundError: (VidpipeError, LookupError),
-        PoolExhausted: (VidpipeError, TimeoutError),
+        PoolExhausted: (WholeBatchFailure, TimeoutError),
         GpuUnavailableError: (VidpipeError, RuntimeError),
+        WholeBatchFailure: (VidpipeError,),
+        NonFiniteOutput: (VidpipeError, ValueError),
     }
     for cls, bases in parents.items():
         assert cls.__bases__ == bases, cls

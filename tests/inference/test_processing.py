@@ -13,7 +13,14 @@ from onnx import TensorProto, helper
 
 from inference.backends.base import TensorSpec
 from inference.config import InputConfig, ModelConfig
-from inference.processing.classify import classify, is_probability, softmax, top_k
+from inference.processing.classify import (
+    as_probabilities,
+    classify,
+    is_probability,
+    probability_items,
+    softmax,
+    top_k,
+)
 from inference.processing.nms import batched_nms, nms
 from inference.processing.resize import (
     ImagePreprocessor,
@@ -25,7 +32,7 @@ from inference.processing.resize import (
 )
 from inference.processing.tasks import YoloTask, create_task
 from inference.processing.yolo import decode_yolo, resolve_layout
-from inference.results import Classification, Detection
+from inference.results import Classification, Detection, NonFiniteOutput
 from inference.schema import build
 
 
@@ -523,3 +530,33 @@ def test_classify_task_batch() -> None:
     task = create_task(cfg, TensorSpec("x", (None, 3, None, None), "float32"), {}, cfg.labels)
     out = task.postprocess({"p": np.array([[0.9, 0.1], [0.2, 0.8], [0.5, 0.5]], np.float32)}, [None, None])
     assert [(r.label, r.score) for r in out] == [("0", pytest.approx(0.9)), ("180", pytest.approx(0.8))]  # type: ignore[union-attr]
+
+
+def test_probabilities_or_logits_is_decided_per_row_so_batch_mates_never_change_a_row() -> None:
+    # A batch mixes crops of every camera: a row of logits (or zeros) beside a row of
+    # probabilities must leave the probabilities alone.
+    probs = np.array([[0.2, 0.5, 0.3]], np.float32)
+    (alone,) = classify(probs, ["a", "b", "c"], 3)
+    for odd in ([0.0, 0.0, 0.0], [5.0, -1.0, 2.0]):
+        together = classify(np.array([probs[0], odd], np.float32), ["a", "b", "c"], 3)
+        assert together[0] == alone
+        assert together[1] == classify(np.array([odd], np.float32), ["a", "b", "c"], 3)[0]
+    assert alone.score == pytest.approx(0.5)
+    # A recogniser's item is all its time steps: one item of logits leaves the other be.
+    steps = np.array([[[0.9, 0.1], [0.3, 0.7]], [[4.0, 1.0], [0.0, 2.0]]], np.float32)
+    out = as_probabilities(steps, axis=2)
+    np.testing.assert_array_equal(out[0], steps[0])
+    np.testing.assert_allclose(out[1], softmax(steps[1], axis=1), rtol=1e-6)
+    assert probability_items(steps, axis=2).tolist() == [True, False]
+
+
+def test_classify_task_fails_a_non_finite_row_alone() -> None:
+    cfg = model_config(name="cls", input={"shape": [3, 8, 8]}, task={"kind": "classify"}, labels=["a", "b"])
+    task = create_task(cfg, TensorSpec("x", (None, 3, 8, 8), "float32"), {}, cfg.labels)
+    rows = np.array([[0.9, 0.1], [np.nan, 0.5], [0.2, np.inf], [-np.inf, 1.0], [0.3, 0.7]], np.float32)
+    out = task.postprocess({"y": rows}, [None] * 5)
+    assert [r.label for r in out if isinstance(r, Classification)] == ["a", "b"]
+    errors = [r for r in out if isinstance(r, NonFiniteOutput)]
+    assert [(e.model, e.value) for e in errors] == [("cls", "NaN"), ("cls", "inf"), ("cls", "-inf")]
+    assert isinstance(out[1], NonFiniteOutput) and isinstance(out[4], Classification)
+    assert out[4].score == pytest.approx(0.7)

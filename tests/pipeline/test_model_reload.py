@@ -74,7 +74,10 @@ async def test_reload_swaps_a_model_without_stopping_the_stream(
         pipeline_file = str(stack.runtime.config.file)
         for change, problem in [
             (
-                good.replace("  kind: yolo\n  layout: yolov8\n  confidence: 1.0\n", "  kind: classify\n"),
+                # Five labels for the five output values: the class count is checked at load.
+                good.replace(
+                    "  kind: yolo\n  layout: yolov8\n  confidence: 1.0\n", "  kind: classify\n"
+                ).replace("labels: [square]", "labels: [square, a, b, c, d]"),
                 f"{pipeline_file}:7: stages[0].model: model 'squares' is a classify model: it finds no "
                 "objects, so it cannot run on whole frames (hint: run it on the objects of a detector "
                 "stage: on: <that stage's name>)",
