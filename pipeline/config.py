@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import logging
 import os
 import re
 from collections.abc import Collection, Sequence
@@ -26,10 +27,11 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from inference.batch_policy import BatchPolicy
 from inference.config import ModelConfig
 from inference.introspect import fill_input_shape, metadata_labels, read_onnx
 from inference.model import load_labels, resolve_model_file
-from inference.processing.tasks import create_task, finds_objects
+from inference.processing.tasks import TASKS, ClassifyTask, create_task, finds_objects
 from inference.repository import CONFIG_FILE, read_source
 from inference.schema import ConfigError, LineDict, build, line_of, load_yaml, raise_errors, shown, spec
 from pipeline.names import NAME_HELP, check_name
@@ -39,6 +41,8 @@ from pipeline.stages.base import StageOptions
 from pipeline.stages.registry import stage_kinds
 from pipeline.urls import derive_id, missing_file, normalise_url, resolve_url, scheme_name, whip_name
 from pipeline.webrtc_guard import parse_network
+
+log = logging.getLogger("vidpipe.config")
 
 # 8K UHD: the largest picture any camera or clip in scope sends. A frame over it is
 # refused before a buffer is allocated (a 16384x8192 clip of a few hundred KB would
@@ -794,6 +798,8 @@ def _check_resources(
             "models", f"repository folder {root} not found", "relative paths start at the folder of this file"
         )
         return errors
+    # Task kind and labels of each model read, for checks across models (track classes).
+    read: dict[str, tuple[str, list[str]]] = {}
     for name, i in sorted(used.items(), key=lambda kv: kv[1]):
         hint = missing_model_hint(root, name)
         if hint is not None:
@@ -806,10 +812,18 @@ def _check_resources(
         except ConfigError as exc:
             errors.extend(exc.errors)
             continue
+        read[name] = (model.config.task.kind, found)
         # Other models name their classes inside the model file, which validation does not open.
         for key, problem, hint in model_misfits(stages, name, model.config.task.kind, found):
             err(key, problem, hint)
         errors.extend(_output_misfits(model.config, path, found))
+        # Settings the model ignores: the pipeline still runs as meant otherwise, so a
+        # warning (validate's log on stderr), not an error.
+        for key, problem, hint in model_warnings(stages, name, model.config):
+            line = cfg.line(key) or cfg.line(key.rsplit(".", 1)[0]) or None
+            log.warning("%s", ConfigError(cfg.file, line, key, problem, hint).render())
+    for key, problem, hint in track_misfits(stages, read):
+        err(key, problem, hint)
     return errors
 
 
@@ -849,6 +863,8 @@ def model_misfits(
     Each as (key, problem, hint). An ``infer`` stage on whole frames needs a model
     that finds objects; its ``classes:`` must be labels of the model they filter
     (the stage's own, or in a cascade the one of the stage named by ``on:``).
+    A cascade's ``on:`` stage must run a model that finds objects; an ``upright_by``
+    stage a classifier whose labels are angles.
     What ``vidpipe validate`` checks, and a model reload before the new copy serves.
     """
     # Without labels in the config, a text detector says "text".
@@ -865,8 +881,20 @@ def model_misfits(
                 f"model {name!r} is a {kind} model: it finds no objects, so it cannot run on whole frames",
                 "run it on the objects of a detector stage: on: <that stage's name>",
             ))  # fmt: skip
-        classes = getattr(stage, "classes", None)
         parent = by_name.get(on or "", stage)
+        if on is not None and parent is not stage and name in parent.models()[:1] and not finds_objects(kind):
+            # A classifier (or recogniser) adds attributes (text) to its parents' objects and
+            # finds none of its own: a cascade on it would never be given an object.
+            grand = getattr(parent, "on", None)
+            out.append((
+                f"stages[{i}].on",
+                f"stage {on!r} runs model {name!r}, a {kind} model: it finds no objects, so this stage "
+                "has none to run on",
+                f"run it on the objects {on!r} runs on: on: {grand}" if grand
+                else "run it on the objects of a detector stage: on: <that stage's name>",
+            ))  # fmt: skip
+        out.extend(_upright_misfits(i, stage, by_name, name, kind, labels))
+        classes = getattr(stage, "classes", None)
         if not classes or not known or name not in parent.models()[:1]:
             continue
         for c in classes:
@@ -875,6 +903,108 @@ def model_misfits(
                 shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
                 hint = f"did you mean {close[0]!r}?" if close else f"its labels: {shown}"
                 out.append((f"stages[{i}].classes", f"{c!r} is not a label of model {name!r}", hint))
+    return out
+
+
+# The labels an upright_by classifier may answer: the degrees InferStage turns a crop by.
+UPRIGHT_ANGLES = ("0", "90", "180", "270")
+
+
+def _upright_misfits(
+    i: int,
+    stage: StageOptions,
+    by_name: dict[str, StageOptions],
+    name: str,
+    kind: str,
+    labels: Sequence[str] | None,
+) -> list[tuple[str, str, str]]:
+    """Why model ``name`` cannot be the ``upright_by`` classifier of stage ``i``.
+
+    InferStage reads the turn from the label as a number and takes any other label as
+    0: a detector, a recogniser or a classifier of colours would leave every crop unturned
+    without a word. (Which objects the classifier runs on is the graph's check.)
+    """
+    upright = getattr(stage, "upright_by", None)
+    by = by_name.get(upright or "")
+    if by is None or name not in by.models()[:1] or getattr(by, "on", None) != getattr(stage, "on", None):
+        return []
+    key = f"stages[{i}].upright_by"
+    hint = f"name a classifier stage on the same objects whose labels are {', '.join(UPRIGHT_ANGLES)}"
+    task = TASKS.get(kind)
+    if task is not None and not issubclass(task, ClassifyTask):
+        problem = f"stage {upright!r} runs model {name!r}, a {kind} model, not a classifier of angles"
+        return [(key, problem, hint)]
+    bad = [label for label in labels or () if label not in UPRIGHT_ANGLES]
+    if bad:
+        shown = ", ".join(repr(b) for b in bad[:6]) + (", ..." if len(bad) > 6 else "")
+        return [(key, f"model {name!r} of stage {upright!r} has labels that are not angles: {shown}", hint)]
+    return []
+
+
+def track_misfits(
+    stages: Sequence[tuple[int, StageOptions]], models: dict[str, tuple[str, list[str]]]
+) -> list[tuple[str, str, str]]:
+    """A ``track`` stage's ``classes:`` that no detector before it can label.
+
+    ``models`` holds each model's task kind and labels as read from its config; a
+    detector model not in it, or whose labels are only in its model file, makes the
+    check impossible, and it is skipped. Each as (key, problem, hint).
+    """
+    out: list[tuple[str, str, str]] = []
+    earlier: list[str] = []  # the models of the stages before, in order
+    for i, stage in stages:
+        classes = getattr(stage, "classes", None) if stage.type == "track" else None
+        if classes:
+            labels: dict[str, list[str]] = {}
+            for model in dict.fromkeys(earlier):
+                kind, found = models.get(model, ("", []))
+                if kind and not finds_objects(kind):
+                    continue  # a classifier adds attributes, not objects to track
+                known = list(found or (["text"] if kind == "text_detect" else []))
+                if not known:
+                    labels = {}  # a detector whose labels are unknown here: any class may be one of them
+                    break
+                labels[model] = known
+            union = list(dict.fromkeys(label for found in labels.values() for label in found))
+            named = " or ".join(repr(m) for m in labels)
+            for c in classes if union else ():
+                if c not in union:
+                    close = difflib.get_close_matches(c, union, n=1)
+                    shown = ", ".join(union[:12]) + (", ..." if len(union) > 12 else "")
+                    hint = f"did you mean {close[0]!r}?" if close else f"the detectors' labels: {shown}"
+                    what = "model" if len(labels) == 1 else "models"
+                    out.append((f"stages[{i}].classes", f"{c!r} is not a label of {what} {named}", hint))
+        earlier.extend(stage.models()[:1])
+    return out
+
+
+def model_warnings(
+    stages: Sequence[tuple[int, StageOptions]], name: str, config: ModelConfig
+) -> list[tuple[str, str, str]]:
+    """Stage settings model ``name``'s batcher ignores (docs/models.md): a ``priority`` that is
+    not one of its levels, a ``timeout_ms`` on a level without ``allow_timeout_override``.
+    Each as (key, problem, hint)."""
+    policy = BatchPolicy.from_config(config)
+    levels = config.dynamic_batching.priority_levels
+    out: list[tuple[str, str, str]] = []
+    for i, stage in stages:
+        if name not in stage.models()[:1]:
+            continue
+        priority = getattr(stage, "priority", None)
+        if priority is not None and not 1 <= priority <= levels:
+            out.append((
+                f"stages[{i}].priority",
+                f"model {name!r} has no priority level {priority} (dynamic_batching.priority_levels: "
+                f"{levels}), so the stage's requests join its default level",
+                "set dynamic_batching.priority_levels in the model's config.yaml, or drop priority",
+            ))  # fmt: skip
+        timeout = getattr(stage, "timeout_ms", None)
+        if timeout is not None and not policy.levels[policy.level_for(priority) - 1].allow_timeout_override:
+            out.append((
+                f"stages[{i}].timeout_ms",
+                f"model {name!r} does not let a request set its own timeout, so timeout_ms is ignored",
+                "set allow_timeout_override: true in the queue policy of its config.yaml, or drop timeout_ms",
+            ))  # fmt: skip
     return out
 
 

@@ -149,16 +149,30 @@ class InferOptions(StageOptions):
         return out
 
     def order_problems(self, earlier: list[StageOptions]) -> list[tuple[str, str]]:
+        out = []
         tracked = any(s.type == "track" for s in earlier)
         if self.reinfer_interval and not tracked:
-            return [
+            out.append(
                 ("reinfer_interval", "reinfer_interval needs a track stage before this stage (move it above)")
-            ]
-        if self.interval and tracked:
-            return [
+            )
+        elif self.interval and tracked:
+            out.append(
                 ("interval", "a detector with interval must come before the track stage that predicts for it")
-            ]
-        return []
+            )
+        by = next((s for s in earlier if s.name == self.upright_by), None)
+        # The turn is read from the attributes a classifier added to the very object being
+        # cropped: a stage on other objects (or on whole frames) never labels it, and every
+        # crop would silently stay unturned. A stage that runs no model (track, zones) is
+        # refused by the graph's reference check already.
+        if by is not None and self.on is not None and by.models() and getattr(by, "on", None) != self.on:
+            runs_on = getattr(by, "on", None)
+            where = f"the objects of {runs_on!r}" if runs_on else "whole frames"
+            out.append((
+                "upright_by",
+                f"stage {by.name!r} runs on {where}, not on the objects of {self.on!r} this stage crops: "
+                f"upright_by needs a classifier stage with on: {self.on}",
+            ))  # fmt: skip
+        return out
 
 
 class InferStage(Stage):

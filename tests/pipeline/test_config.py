@@ -115,6 +115,10 @@ BROKEN = [
                  "stages[0].typ: unknown key (hint: did you mean 'type'?)", id="type-key-typo"),
     pytest.param(GOOD + "outputs:\n  - {tpye: clips, dir: clips/}\n", 8,
                  "outputs[0].tpye: unknown key (hint: did you mean 'type'?)", id="output-type-key-typo"),
+    # upright_by reads the classifier's label off the object being cropped: a stage on other objects never sets it.
+    pytest.param(GOOD + "  - {name: cls, type: infer, model: c, on: det, upright_by: det}\n", 7,
+                 "stages[1].upright_by: stage 'det' runs on whole frames, not on the objects of 'det' this stage "
+                 "crops: upright_by needs a classifier stage with on: det", id="upright-by-a-detector"),
 ]  # fmt: skip
 
 
@@ -576,3 +580,137 @@ async def test_a_fleet_worker_never_starts_a_stored_source_with_nan(
             await runtime.stop()
             await nc.close()
         assert camera.connections == 0
+
+
+# -- what a stage's model can serve: track classes, cascades on classifiers, upright_by ---------
+
+
+def _model_repo(tmp_path: Path, sample_models: Path) -> Path:
+    """The sample models, and made-up ones on their files: ``grid`` (a detector of [cell]),
+    ``color_cls`` (a classifier of [red, green]), ``blank`` (a detector whose labels are in
+    its model file only) and ``urgent`` (squares with two priority levels and timeouts
+    a request may set)."""
+    repo = tmp_path / "models"
+    repo.mkdir()
+    for name in ("squares", "ppocr_cls"):
+        (repo / name).symlink_to(sample_models / name)
+    squares = (sample_models / "squares" / "config.yaml").read_text()
+    squares = squares.replace("{path: model.onnx}", f"{{path: {sample_models / 'squares' / 'model.onnx'}}}")
+    classifier = (sample_models / "ppocr_cls" / "config.yaml").read_text()
+    for name, text in {
+        "grid": squares.replace("labels: [square]", "labels: [cell]"),
+        "blank": squares.replace("labels: [square]\n", ""),
+        "color_cls": classifier.replace('labels: ["0", "180"]', "labels: [red, green]"),
+        "urgent": squares.replace(
+            "default_queue_policy: {",
+            "priority_levels: 2\n  default_priority_level: 2\n"
+            "  default_queue_policy: {allow_timeout_override: true, ",
+        ),
+    }.items():
+        (repo / name).mkdir()
+        first = "squares" if "squares" in text else "ppocr_cls"
+        (repo / name / "config.yaml").write_text(text.replace(f"name: {first}", f"name: {name}", 1))
+    return repo
+
+
+def _pipeline(tmp_path: Path, stages: str) -> Path:
+    text = f"pipeline: shop\nmodels: models\nsources: [{{url: 'test://'}}]\nstages:\n{stages}"
+    return write(tmp_path, text)
+
+
+MODEL_MISFITS = [
+    pytest.param("  - {name: cells, type: infer, model: grid}\n  - {name: track, type: track, classes: [cel]}\n",
+                 ["6: stages[1].classes: 'cel' is not a label of model 'grid' (hint: did you mean 'cell'?)"],
+                 id="track-classes-typo"),
+    pytest.param("  - {name: sq, type: infer, model: squares}\n  - {name: cells, type: infer, model: grid}\n"
+                 "  - {name: track, type: track, classes: [cell, square, sqare]}\n",
+                 ["7: stages[2].classes: 'sqare' is not a label of models 'squares' or 'grid' "
+                  "(hint: did you mean 'square'?)"], id="track-classes-of-several-detectors"),
+    # A classifier adds attributes, not objects: its labels are none the track stage could see.
+    pytest.param("  - {name: cells, type: infer, model: grid}\n"
+                 "  - {name: colour, type: infer, model: color_cls, on: cells}\n"
+                 "  - {name: track, type: track, classes: [red]}\n",
+                 ["7: stages[2].classes: 'red' is not a label of model 'grid' (hint: the detectors' labels: cell)"],
+                 id="track-classes-of-a-classifier"),
+    pytest.param("  - {name: cells, type: infer, model: grid}\n"
+                 "  - {name: colour, type: infer, model: color_cls, on: cells}\n"
+                 "  - {name: colour2, type: infer, model: color_cls, on: colour}\n",
+                 ["7: stages[2].on: stage 'colour' runs model 'color_cls', a classify model: it finds no objects, "
+                  "so this stage has none to run on (hint: run it on the objects 'colour' runs on: on: cells)"],
+                 id="cascade-on-a-classifier"),
+    pytest.param("  - {name: cells, type: infer, model: grid}\n"
+                 "  - {name: colour, type: infer, model: color_cls, on: cells}\n"
+                 "  - {name: turned, type: infer, model: squares, on: cells, upright_by: colour}\n",
+                 ["7: stages[2].upright_by: model 'color_cls' of stage 'colour' has labels that are not angles: "
+                  "'red', 'green' (hint: name a classifier stage on the same objects whose labels are 0, 90, 180, "
+                  "270)"], id="upright-by-a-colour-classifier"),
+    pytest.param("  - {name: cells, type: infer, model: grid}\n"
+                 "  - {name: inner, type: infer, model: squares, on: cells}\n"
+                 "  - {name: turned, type: infer, model: ppocr_cls, on: cells, upright_by: inner}\n",
+                 ["7: stages[2].upright_by: stage 'inner' runs model 'squares', a yolo model, not a classifier of "
+                  "angles (hint: name a classifier stage on the same objects whose labels are 0, 90, 180, 270)"],
+                 id="upright-by-a-detector-on-the-same-objects"),
+    pytest.param("  - {name: cells, type: infer, model: grid}\n  - {name: sq, type: infer, model: squares}\n"
+                 "  - {name: orient, type: infer, model: ppocr_cls, on: sq}\n"
+                 "  - {name: turned, type: infer, model: ppocr_cls, on: cells, upright_by: orient}\n",
+                 ["8: stages[3].upright_by: stage 'orient' runs on the objects of 'sq', not on the objects of "
+                  "'cells' this stage crops: upright_by needs a classifier stage with on: cells"],
+                 id="upright-by-a-classifier-of-other-objects"),
+    # Fine: what each check must let through.
+    pytest.param("  - {name: cells, type: infer, model: grid}\n  - {name: sq, type: infer, model: squares}\n"
+                 "  - {name: orient, type: infer, model: ppocr_cls, on: cells}\n"
+                 "  - {name: turned, type: infer, model: color_cls, on: cells, upright_by: orient}\n"
+                 "  - {name: colour, type: infer, model: color_cls, on: sq}\n"
+                 "  - {name: track, type: track, classes: [cell, square]}\n", [], id="fine"),
+    # Labels only in the model file cannot be known without loading it: not checked.
+    pytest.param("  - {name: cells, type: infer, model: grid}\n  - {name: any, type: infer, model: blank}\n"
+                 "  - {name: track, type: track, classes: [cel]}\n", [], id="track-classes-labels-unknown"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("stages", "expected"), MODEL_MISFITS)
+def test_validate_refuses_stages_their_models_cannot_serve(
+    tmp_path: Path, sample_models: Path, stages: str, expected: list[str]
+) -> None:
+    _model_repo(tmp_path, sample_models)
+    path = _pipeline(tmp_path, stages)
+    try:
+        load_config(path, check_resources=True)
+        found = []
+    except ConfigError as exc:
+        found = [e.render() for e in exc.errors]
+    assert found == [f"{path}:{line}" for line in expected]
+
+
+def test_validate_refuses_a_cascade_on_a_classifier_with_exit_2(tmp_path: Path, sample_models: Path) -> None:
+    _model_repo(tmp_path, sample_models)
+    path = _pipeline(tmp_path, MODEL_MISFITS[3].values[0])
+    proc = run_cli("validate", str(path))
+    assert (proc.returncode, proc.stderr) == (2, f"{path}:{MODEL_MISFITS[3].values[1][0]}\n")
+
+
+def test_validate_warns_of_stage_settings_the_model_ignores(tmp_path: Path, sample_models: Path) -> None:
+    _model_repo(tmp_path, sample_models)
+    stages = "  - {name: det, type: infer, model: MODEL, priority: 1, timeout_ms: 40}\n"
+    path = _pipeline(tmp_path, stages.replace("MODEL", "squares"))
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 0, proc.stderr
+    warnings = [ln.split(" ", 1)[1].split(None, 1)[1] for ln in proc.stderr.splitlines() if " warning " in ln]
+    assert warnings == [
+        f"{path}:5: stages[0].priority: model 'squares' has no priority level 1 (dynamic_batching.priority_levels: "
+        "0), so the stage's requests join its default level (hint: set dynamic_batching.priority_levels in the "
+        "model's config.yaml, or drop priority)",
+        f"{path}:5: stages[0].timeout_ms: model 'squares' does not let a request set its own timeout, so "
+        "timeout_ms is ignored (hint: set allow_timeout_override: true in the queue policy of its config.yaml, "
+        "or drop timeout_ms)",
+    ]
+    # A model whose batcher takes both: nothing to say.
+    path = _pipeline(tmp_path, stages.replace("MODEL", "urgent"))
+    proc = run_cli("validate", str(path))
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+    # A priority beyond its levels joins the default level, and so does the timeout.
+    path = _pipeline(tmp_path, stages.replace("MODEL", "urgent").replace("priority: 1", "priority: 3"))
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "stages[0].priority: model 'urgent' has no priority level 3" in proc.stderr
+    assert "timeout_ms" not in proc.stderr
