@@ -208,6 +208,13 @@ class NatsConfig:
         default=None,
         metadata=spec(ge=1, le=65535, help="the embedded server's port (no url); default 4222 when free"),
     )
+    # The JetStream stream vidpipe makes: without limits it would fill the server's disk.
+    stream_max_age: float = field(
+        default=86400.0, metadata=spec(ge=0, help="seconds a message is kept in the stream; 0: no limit")
+    )
+    stream_max_bytes: int = field(
+        default=1 << 30, metadata=spec(ge=0, help="bytes the stream keeps, oldest dropped first; 0: no limit")
+    )
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from typing import Any, Protocol
 import nats
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
-from nats.js.api import StreamConfig
+from nats.js.api import DiscardPolicy, StreamConfig
 
 from inference.errors import VidpipeError
 from inference.ratelimit import RateLimitedLog
@@ -219,8 +219,24 @@ class Publisher:
                     "add the subject to it or delete it"
                 )
         except nats.js.errors.NotFoundError:
-            await self.js.add_stream(StreamConfig(name=name, subjects=subjects, duplicate_window=120.0))
-            log.info("created JetStream stream %s for %s", name, subjects[0])
+            age, size = self.config.stream_max_age, self.config.stream_max_bytes
+            # Limits: JetStream keeps everything by default, until the server's disk is full.
+            stream = StreamConfig(
+                name=name,
+                subjects=subjects,
+                duplicate_window=120.0,
+                max_age=age or None,
+                max_bytes=size or None,
+                discard=DiscardPolicy.OLD,
+            )
+            await self.js.add_stream(stream)
+            log.info(
+                "created JetStream stream %s for %s (keeps %s, %s)",
+                name,
+                subjects[0],
+                f"{age:g} s" if age else "messages of any age",
+                f"{size} bytes" if size else "any size",
+            )
 
     async def publish(self, frame: Frame, stream_id: str = "") -> float | None:
         """Publish one frame's message, then its events (called in frame order per source).

@@ -441,6 +441,34 @@ async def test_jetstream_keeps_every_run_of_a_source(tmp_path: Path, sample_mode
     assert [m["frame"] for m in messages] == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
 
 
+async def test_the_stream_vidpipe_makes_has_the_limits_of_its_config(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    # JetStream keeps everything by default: the stream filled the server's disk.
+    cfg = config_file(tmp_path, sample_models, "  - {url: 'test://?frames=2&fps=50'}")
+    limited = tmp_path / "limited.yaml"
+    limited.write_text(cfg.read_text() + "nats: {stream_max_age: 3600, stream_max_bytes: 0}\n")
+    with EmbeddedNats(store_dir=str(tmp_path / "js")) as server:
+        seen = []
+        for config in (cfg, limited):
+            proc = await start_cli("run", str(config), "--nats", server.url, "--publish", "jetstream")
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+            assert proc.returncode == 0, err.decode()
+            nc = await nats.connect(server.url)
+            try:
+                stream = (await nc.jetstream().stream_info("VIDPIPE")).config
+                seen.append((stream.max_age, stream.max_bytes, stream.discard))
+                await nc.jetstream().delete_stream("VIDPIPE")
+            finally:
+                await nc.close()
+            if config is cfg:
+                assert (
+                    "created JetStream stream VIDPIPE for vidpipe.> (keeps 86400 s, 1073741824 bytes)"
+                    in err.decode()
+                )
+    assert seen == [(86400.0, 1 << 30, "old"), (3600.0, -1, "old")]
+
+
 async def test_a_failing_publish_hook_does_not_stall_the_source(
     tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
 ) -> None:
