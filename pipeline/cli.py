@@ -939,11 +939,15 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     published = runtime.published_total()
     failed = [r.source.id for r in runtime.sources.values() if r.source.state.value == "failed"]
     unsent = sum(runtime.publisher.unsent.values())
+    overflowed = sum(runtime.publisher.overflowed.values())
     log.info(
-        "done: %d frame(s) published from %d source(s)%s%s%s%s",
+        "done: %d frame(s) published from %d source(s)%s%s%s%s%s",
         published,
         len(runtime.source_ids_seen),
         _dropped_text(_dropped(runtime)),
+        f"; not sent: {overflowed} message(s) dropped from the full outbox while NATS was away"
+        if overflowed
+        else "",
         f"; not sent: {unsent} message(s), NATS unreachable at the stop" if unsent else "",
         f"; failed: {', '.join(failed)}" if failed else "",
         "".join(f"; {sid} never up ({why})" for sid, why in silent.items()),
@@ -953,7 +957,7 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     # So are messages lost in a run that ended by itself (the files' end): not sent at the
     # stop, or refused on the way (over the server's max_payload).
     nothing = published == 0 and runtime.sources and (failed or not signals)
-    lost = unsent or _dropped(runtime).get("publish_failed", 0)
+    lost = unsent or overflowed or _dropped(runtime).get("publish_failed", 0)
     code = EXIT_RUNTIME if nothing or (lost and not signals) else EXIT_OK
     _ignore_stop_signals(loop)
     return code

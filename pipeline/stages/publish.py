@@ -130,6 +130,9 @@ class Publisher:
         self.connect_hint = "check --nats / nats.url, or omit both to start an embedded server"
         # Messages of each source still in the outbox when the stop gave up on them.
         self.unsent: dict[str, int] = {}
+        # Messages of each source the full outbox dropped (its oldest) while NATS was away.
+        self.overflowed: dict[str, int] = {}
+        self._warnings = RateLimitedLog(logger=log, level=logging.WARNING)
         # Set while the connection is up; the reconnect callback sets it, which wakes the flusher.
         self.connected = asyncio.Event()
         # Told of every detections message that really left (sent, flushed from the outbox, or acked).
@@ -347,7 +350,7 @@ class Publisher:
         """Put ``item`` in the outbox (dropping the oldest when full) and make sure a task sends it."""
         if len(self._outbox) >= self.config.outbox_size:
             _, dropped_source, _, _ = self._outbox.popleft()
-            self.metrics.publish_errors.labels(self.pipeline, dropped_source, "outbox_full").inc()
+            self._overflow(dropped_source)
         self._outbox.append(item)
         self._drained.clear()
         if not self.flushing and not self._closing:
@@ -390,7 +393,18 @@ class Publisher:
         self._outbox.appendleft(item)
         if len(self._outbox) > self.config.outbox_size:
             self._outbox.popleft()
-            self.metrics.publish_errors.labels(self.pipeline, item[1], "outbox_full").inc()
+            self._overflow(item[1])
+
+    def _overflow(self, source: str) -> None:
+        """Count (and say, once per 10 s) a message of ``source`` the full outbox dropped."""
+        self.metrics.publish_errors.labels(self.pipeline, source, "outbox_full").inc()
+        self.overflowed[source] = self.overflowed.get(source, 0) + 1
+        self._warnings(
+            "outbox_full",
+            f"NATS at {self.display_url} is away and the outbox is full ({self.config.outbox_size} "
+            "messages): the oldest are dropped (raise nats.outbox_size, or publish: jetstream to "
+            "wait for the broker instead)",
+        )
 
     def _sent(self, source: str, kind: str) -> None:
         if kind != "detections":

@@ -254,7 +254,7 @@ async def test_max_in_flight_bounds_frames_in_the_graph_exactly(
 
 
 async def test_core_mode_rides_out_a_broker_outage_and_counts_what_it_drops(
-    tmp_path: Path, sample_models: Path
+    tmp_path: Path, sample_models: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     clip = write_clip(tmp_path / "clip.mp4", frames=90, fps=30, width=160, height=120)
     cfg_path = config_file(tmp_path, sample_models, f"  - {{id: cam, url: {clip}, realtime: true}}")
@@ -289,6 +289,11 @@ async def test_core_mode_rides_out_a_broker_outage_and_counts_what_it_drops(
     assert runtime.published_total() == sent >= 50
     assert dropped >= 10
     assert sent + dropped <= 90
+    # Said, not only counted: once per 10 s, and for the done line.
+    assert runtime.publisher.overflowed == {"cam": dropped}
+    said = [r.getMessage() for r in caplog.records if "the outbox is full" in r.getMessage()]
+    assert said and said[0].startswith(f"NATS at {server.url} is away and the outbox is full (5 messages)")
+    assert len(said) <= 2
     # After the broker came back, messages flowed again, in order, to the end.
     frames = [m["frame"] for m in late.messages]
     assert frames and frames[-1] == 89
