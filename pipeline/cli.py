@@ -64,6 +64,8 @@ from pipeline.redact import redact_url
 from pipeline.sources.schemes import SCHEME_OPTIONS
 
 log = logging.getLogger("vidpipe")
+# What ends `run` and `subscribe` gracefully: Ctrl-C, a supervisor's stop, a closed terminal.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 EXAMPLES = """\
@@ -769,7 +771,7 @@ async def cmd_subscribe(args: argparse.Namespace) -> int:
 
     await nc.subscribe(args.subject, cb=on_msg)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, done.set)
     remaining = None if args.timeout is None else max(0.0, args.timeout - (time.monotonic() - started))
     with contextlib.suppress(TimeoutError):
@@ -856,10 +858,14 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     signals = 0
 
-    def on_signal() -> None:
+    def on_signal(sig: signal.Signals) -> None:
         nonlocal signals
         signals += 1
         if signals == 1:
+            if sig == signal.SIGHUP:
+                # A closed terminal, or a supervisor's reload: vidpipe reloads models over the
+                # API, not its config on SIGHUP, so the graceful stop is what is left to do.
+                log.info("SIGHUP: vidpipe does not reload its config on SIGHUP; stopping")
             log.info("stopping: finishing frames in flight (signal again to force)")
             runtime.request_stop()
         else:
@@ -870,8 +876,8 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
                 embedded.cleanup()
             os._exit(EXIT_FORCED)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         if args.summary:
             summary = Summary(
@@ -970,7 +976,7 @@ def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
     default, and a signal during the teardown (threads joined, native libraries unloaded,
     up to a few hundred ms) ended a finished run as killed (143). Only SIG_IGN outlives
     finalization; a teardown that hangs still ends with SIGKILL."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.remove_signal_handler(sig)
         signal.signal(sig, signal.SIG_IGN)
 

@@ -116,18 +116,23 @@ async def test_jetstream_mode_loses_and_duplicates_nothing_across_a_broker_kill(
         validate_message(m)
 
 
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])
 async def test_sigterm_drains_in_flight_frames_and_exits_0(
-    tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats, collector: Collector
+    tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats, collector: Collector, stop: signal.Signals
 ) -> None:
+    # SIGHUP (a closed terminal, a supervisor's "reload") killed the run at once (129).
     cfg = config_file(tmp_path, sample_models, "  - {url: 'test://?fps=30&width=320&height=240'}")
     await collector.start(nats_server.url)
     proc = await start_cli("run", str(cfg), "--nats", nats_server.url)
     await collector.wait_for(20, timeout=30)
     assert len(collector.messages) >= 20
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(stop)
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 0, err.decode()
+    assert ("vidpipe does not reload its config on SIGHUP; stopping" in err.decode()) == (
+        stop == signal.SIGHUP
+    )
     assert time.monotonic() - t0 < 10
     done = re.search(r"done: (\d+) frame\(s\) published from 1 source\(s\)", err.decode())
     assert done, err.decode()
