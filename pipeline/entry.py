@@ -19,7 +19,8 @@ SUBCOMMANDS = {"models": ("list", "add", "quantize"), "fleet": ("add", "remove",
 
 def main() -> int:
     # SIGTERM (a pod deleted, `docker stop`) or SIGHUP (a closed terminal) while the CLI
-    # loads is a stop like Ctrl-C, not a silent exit 143 or 129; `run` installs its own handler once its loop runs.
+    # loads is a stop like Ctrl-C, not a silent exit 143 or 129; `run` installs its own
+    # handler once its loop runs.
     signal.signal(signal.SIGTERM, _terminated)
     signal.signal(signal.SIGHUP, _terminated)
     try:
