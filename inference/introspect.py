@@ -205,7 +205,8 @@ def _yolo_layout(shape: Sequence[int | None], classes: int | None, where: str) -
         return "yolov8" if v8_fits else "yolov5"
     if d1 is not None and d2 is not None:
         try:
-            return resolve_layout((1, d1, d2), "auto", classes)
+            # The class count is checked below, in the words of an export (values per box).
+            return resolve_layout((1, d1, d2), "auto", classes, check_classes=False)
         except ValueError as exc:
             raise ModelIntrospectionError(f"{where}: {exc}") from None
     if d1 is None and d2 is None:

@@ -49,19 +49,31 @@ class YoloDetections:
     class_ids: np.ndarray
 
 
-def resolve_layout(shape: Sequence[int], layout: str = "auto", num_classes: int | None = None) -> Layout:
-    """The layout of an output of ``shape`` (``[N, D1, D2]``); see the module docstring."""
+def resolve_layout(
+    shape: Sequence[int], layout: str = "auto", num_classes: int | None = None, *, check_classes: bool = True
+) -> Layout:
+    """The layout of an output of ``shape`` (``[N, D1, D2]``); see the module docstring.
+
+    With ``num_classes`` the layout must hold that many classes (``check_classes``), or
+    ValueError says so; without, any count goes.
+    """
+    if not check_classes:
+        return _resolve(shape, layout, num_classes, None)
+    return _resolve(shape, layout, num_classes, num_classes)
+
+
+def _resolve(shape: Sequence[int], layout: str, num_classes: int | None, must_hold: int | None) -> Layout:
     if len(shape) != 3:
         raise ValueError(f"a YOLO output must be [N, D1, D2], got shape {list(shape)}")
     _, d1, d2 = shape
     if layout == "yolov8":
         if d1 < 5:
             raise ValueError(f"output {list(shape)} is not yolov8 [N, 4+C, A]: needs at least 5 channels")
-        return "yolov8"
+        return _with_classes(shape, "yolov8", must_hold)
     if layout == "yolov5":
         if d2 < 6:
             raise ValueError(f"output {list(shape)} is not yolov5 [N, A, 5+C]: needs at least 6 channels")
-        return "yolov5"
+        return _with_classes(shape, "yolov5", must_hold)
     if layout != "auto":
         raise ValueError(f"unknown YOLO layout {layout!r}; expected auto, yolov8 or yolov5")
     if num_classes:
@@ -69,12 +81,34 @@ def resolve_layout(shape: Sequence[int], layout: str = "auto", num_classes: int 
         if v8 != v5:
             return "yolov8" if v8 else "yolov5"
     if d1 < d2:
-        return "yolov8"
+        return _with_classes(shape, "yolov8", must_hold)
     if d1 > d2:
-        return "yolov5"
+        return _with_classes(shape, "yolov5", must_hold)
     raise ValueError(
         f"cannot tell the YOLO layout of output shape {list(shape)}: both dimensions are {d1}; "
         "set task.layout to yolov8 ([N, 4+C, A]) or yolov5 ([N, A, 5+C])"
+    )
+
+
+def _with_classes(shape: Sequence[int], layout: Layout, num_classes: int | None) -> Layout:
+    """``layout``, once the class count it reads from ``shape`` is the labels' count.
+
+    Decoded with another count, every score is read from the wrong channel: boxes and
+    labels come out as garbage (an end-to-end export, [N, K, 6] after its own NMS, read
+    as yolov5 gave "person" at score 1.28).
+    """
+    _, d1, d2 = shape
+    held = d1 - 4 if layout == "yolov8" else d2 - 5
+    if not num_classes or held == num_classes:
+        return layout
+    if d2 == 6 and num_classes > 1:
+        raise ValueError(
+            f"output {list(shape)} looks like an end-to-end export ([N, K, 6]: a box, a score and a "
+            "class per detection, after the model's own NMS), which vidpipe does not decode; export "
+            "the raw head without NMS (ultralytics: nms=False; YOLOv10 has no such export)"
+        )
+    raise ValueError(
+        f"output {list(shape)} read as {layout} holds {held} class(es), but labels has {num_classes}"
     )
 
 

@@ -376,6 +376,27 @@ def test_layout_auto_rule() -> None:
         resolve_layout((1, 84))
 
 
+def test_a_layout_that_holds_another_class_count_than_the_labels_is_refused() -> None:
+    # Decoded with the wrong count, every score comes from the wrong channel: garbage boxes.
+    assert resolve_layout((1, 84, 8400), num_classes=80) == resolve_layout((1, 84, 8400), "yolov8", 80)
+    with pytest.raises(ValueError) as info:
+        resolve_layout((1, 5, 64), "yolov5", 1)  # a YOLOv8 head told it is yolov5
+    assert str(info.value) == "output [1, 5, 64] read as yolov5 holds 59 class(es), but labels has 1"
+    with pytest.raises(
+        ValueError, match=r"^output \[1, 86, 8400\] read as yolov8 holds 82 class\(es\), but labels has 80$"
+    ):
+        resolve_layout((1, 86, 8400), num_classes=80)
+    # An end-to-end export (YOLOv10, or ultralytics with nms=True) read as yolov5 gave
+    # "person" at score 1.28; it is named for what it is.
+    with pytest.raises(
+        ValueError, match=r"^output \[1, 300, 6\] looks like an end-to-end export .*nms=False"
+    ):
+        resolve_layout((1, 300, 6), num_classes=80)
+    # Without labels any count goes, and with the check off the count only breaks ties.
+    assert resolve_layout((1, 300, 6)) == "yolov5"
+    assert resolve_layout((1, 86, 8400), num_classes=80, check_classes=False) == "yolov8"
+
+
 def square_detector(layout: str, nc: int = 3, anchors: int = 32, cls: int = 1, score: float = 0.9) -> bytes:
     """An ONNX model that "detects" the bright square in its input and reports it as YOLO would.
 
