@@ -191,6 +191,13 @@ def nats_url_problem(urls: str | list[str]) -> tuple[str, str] | None:
     return None
 
 
+def _subject_prefix_problem(value: str) -> str | None:
+    if value == "_INBOX":
+        # Where NATS clients get their request replies (JetStream acks among them).
+        return "_INBOX is where NATS clients receive replies; choose another prefix"
+    return check_name(value)
+
+
 @dataclass(frozen=True)
 class NatsConfig:
     """Where detections go. No ``url`` (and no ``servers``) starts an embedded nats-server on loopback.
@@ -202,7 +209,7 @@ class NatsConfig:
     url: str | None = field(default=None, metadata=spec(check=nats_url_problem))
     servers: list[str] = field(default_factory=list, metadata=spec(check=nats_url_problem))
     publish: Literal["core", "jetstream"] = "core"
-    subject_prefix: str = field(default="vidpipe", metadata=spec(check=check_name))
+    subject_prefix: str = field(default="vidpipe", metadata=spec(check=_subject_prefix_problem))
     outbox_size: int = field(default=1000, metadata=spec(ge=1))
     port: int | None = field(
         default=None,

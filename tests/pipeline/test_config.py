@@ -108,6 +108,9 @@ BROKEN = [
                  10, "outputs[1].path: 2 sources (test, b) would record to the one file 'rec/all.mp4' (hint: put "
                  "{source} in the path, e.g. rec/all-{source}.mp4, or name one source in outputs[1].sources)",
                  id="one-recording-for-several-sources"),
+    pytest.param(GOOD + "nats: {subject_prefix: _INBOX}\n", 7,
+                 "nats.subject_prefix: _INBOX is where NATS clients receive replies; choose another prefix",
+                 id="inbox-prefix"),
     pytest.param(GOOD + 'outputs: [{type: clips, dir: "c/{start}"}]\n', 7,
                  "outputs[0].dir: {start} is not a placeholder vidpipe fills in (hint: it takes {source})",
                  id="clips-dir-placeholder"),
