@@ -18,6 +18,7 @@ from fractions import Fraction
 from typing import Any
 
 from inference.errors import VidpipeError
+from inference.ratelimit import RateLimitedLog
 from pipeline.outputs.relay import FrameRelay, Subscription, ended_source
 from pipeline.webrtc_guard import PENDING_TIMEOUT, PendingSession
 
@@ -102,6 +103,7 @@ class WhepServer:
         self.max_sessions = max_sessions
         self.sessions: dict[str, _Session] = {}
         self._closing: set[asyncio.Task[bool]] = set()
+        self._refusals = RateLimitedLog(logger=log, level=logging.WARNING)
 
     async def offer(
         self, source: str, sdp: str, unconnected: PendingSession | None = None
@@ -114,7 +116,14 @@ class WhepServer:
         from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
         if len(self.sessions) >= self.max_sessions:
-            raise WhepError(429, f"{self.max_sessions} WHEP sessions already; end one first")
+            # A viewer that left without DELETE (a closed tab) holds its place until its
+            # connection is found dead: say so, here and in the log, or the 429 is a riddle.
+            problem = (
+                f"{self.max_sessions} WHEP sessions already; end one first (a viewer that left "
+                "without DELETE holds its place until its connection times out, about 30 s)"
+            )
+            self._refusals("whep-full", f"source {source}: WHEP viewer refused: {problem}")
+            raise WhepError(429, problem)
         if "m=video" not in sdp:
             raise WhepError(400, "bad SDP offer: it asks for no video")
         if self.relay.ended(source):
@@ -131,6 +140,9 @@ class WhepServer:
                 session.settle()
                 log.info("source %s: WHEP viewer connected (session %s)", source, session.id)
             if pc.connectionState in ("failed", "closed"):
+                if session.id in self.sessions:
+                    log.info("source %s: WHEP session %s ended: the viewer's connection %s",
+                             source, session.id, pc.connectionState)  # fmt: skip
                 await self.end(session.id)
 
         try:

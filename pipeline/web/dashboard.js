@@ -109,7 +109,7 @@ async function startLive(id, card) {
   }
 }
 
-function stopLive(card) {
+function stopLive(card, leaving = false) {
   const session = card.whep;
   card.whep = null;
   card.live.textContent = "Watch live";
@@ -118,8 +118,16 @@ function stopLive(card) {
   card.img.hidden = false;
   if (!session) return;
   session.pc.close();
-  if (session.location) fetch(session.location, { method: "DELETE", headers: authHeaders }).catch(() => {});
+  // keepalive: the DELETE still goes out while the page unloads, so a closed tab gives its
+  // session's place back at once instead of holding it until WebRTC finds it gone.
+  if (session.location) {
+    fetch(session.location, { method: "DELETE", headers: authHeaders, keepalive: leaving }).catch(() => {});
+  }
 }
+
+window.addEventListener("pagehide", () => {
+  for (const card of cards.values()) if (card.whep) stopLive(card, true);
+});
 
 function refreshSnapshot(id, card) {
   card.loading = true;

@@ -16,7 +16,7 @@ import pytest
 
 from pipeline.nats_server import EmbeddedNats
 from tests.conftest import ARTIFACTS
-from tests.pipeline.stack import Stack
+from tests.pipeline.stack import Stack, until
 from tests.support.processes import stop_process
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -258,5 +258,11 @@ async def test_dashboard_watches_a_source_live_over_whep(
                 break
             await asyncio.sleep(0.1)
         assert stack.runtime.outputs.relay.viewers("lobby") == 0
+        # Closing the page while watching gives the session's place back at once (a closed
+        # tab held it until WebRTC found the connection gone, about 30 s).
+        await chromium.evaluate("document.querySelector('button.live[data-live=\"lobby\"]').click()")
+        await until(lambda: len(stack.api.whep.sessions) == 1, what="a second live session", timeout=20)
+        await chromium.evaluate("location.href = 'about:blank'")
+        await until(lambda: stack.api.whep.sessions == {}, what="the session ended with the page", timeout=5)
     finally:
         await stack.close()

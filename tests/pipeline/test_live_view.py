@@ -252,6 +252,33 @@ async def test_a_whep_session_ends_with_its_source(
         await stack.close()
 
 
+async def test_a_viewer_over_the_session_limit_is_told_why_and_it_is_logged(
+    tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Viewers that closed their tab hold their places for about 30 s: the bare 429 was a riddle.
+    stack = await start(tmp_path, nats_server, sample_models)
+    stack.api.whep.max_sessions = 1
+    first = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    second = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    try:
+        await whep_connect(stack, first)
+        second.addTransceiver("video", direction="recvonly")
+        await second.setLocalDescription(await second.createOffer())
+        async with stack.http.post(
+            "/whep/cam", data=second.localDescription.sdp, headers={"Content-Type": "application/sdp"}
+        ) as resp:
+            problem = (
+                "1 WHEP sessions already; end one first (a viewer that left without DELETE holds its "
+                "place until its connection times out, about 30 s)"
+            )
+            assert (resp.status, await resp.json()) == (429, {"error": problem})
+        assert f"source cam: WHEP viewer refused: {problem}" in caplog.messages
+    finally:
+        await first.close()
+        await second.close()
+        await stack.close()
+
+
 ZONES_CONFIG = """\
 pipeline: live
 models: {models}
