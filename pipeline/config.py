@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from inference.backends.inputs import check_input
 from inference.batch_policy import BatchPolicy
 from inference.config import ModelConfig
-from inference.introspect import fill_input_shape, metadata_labels, read_onnx
+from inference.introspect import ModelIntrospectionError, fill_input_shape, metadata_labels, read_onnx
 from inference.model import load_labels, resolve_model_file
 from inference.processing.tasks import TASKS, ClassifyTask, create_task, finds_objects
 from inference.repository import CONFIG_FILE, read_source
@@ -842,15 +843,19 @@ def _check_resources(
 
 
 def _output_misfits(config: ModelConfig, path: Path, labels: list[str]) -> list[ConfigError]:
-    """An ONNX model whose outputs its ``task:`` cannot decode (a yolov5 file under
-    ``layout: yolov8``), read from the file's declared shapes without a runtime; the
-    check a load makes. Anything else it cannot tell is left to the load."""
+    """An ONNX model that is not one, whose input the config does not fit (``input.shape``,
+    ``max_batch_size``), or whose outputs its ``task:`` cannot decode (a yolov5 file under
+    ``layout: yolov8``), read from the file's declarations without a runtime: the checks
+    a load makes. Anything else it cannot tell is left to the load."""
     if path.suffix.lower() != ".onnx":
         return []
     try:
         inputs, outputs, metadata = read_onnx(path)
+    except ModelIntrospectionError as exc:
+        return [config.error("model_file", str(exc))]
+    try:
         filled = fill_input_shape(config, path)
-        image = next((i for i in inputs if i.name == filled.input.name), inputs[0])
+        image = check_input(filled, path, inputs)
         create_task(filled, image, metadata, labels or metadata_labels(metadata)).check_outputs(outputs)
     except ConfigError as exc:
         return list(exc.errors)

@@ -252,6 +252,32 @@ def test_a_model_whose_output_its_task_cannot_decode_is_refused_by_validate_and_
     assert table.text.strip().splitlines()[-1] == f"squares: {problem}"
 
 
+def test_validate_refuses_a_model_file_that_is_not_onnx_or_an_input_it_does_not_fit(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    # Both passed validate, and run refused them.
+    import shutil
+
+    repo = tmp_path / "models"
+    shutil.copytree(sample_models / "squares", repo / "squares")
+    config = repo / "squares" / "config.yaml"
+    good = config.read_text()
+    config.write_text(good.replace("shape: [3, 320, 320]", "shape: [3, 640, 640]"))
+    proc = run_cli("validate", str(write(tmp_path, GOOD)))
+    assert (proc.returncode, proc.stderr.strip()) == (2, (
+        f"{config}:9: input.shape: model.onnx: input tensor 'images' expects items of shape [3, 320, 320] "
+        "(C, H, W), but config.yaml has input.shape: [3, 640, 640] (wrong: H, W); set input.shape: [3, 320, 320]"
+    ))  # fmt: skip
+    config.write_text(good)
+    (repo / "squares" / "model.onnx").write_text("this is not ONNX")
+    proc = run_cli("validate", str(write(tmp_path, GOOD)))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(
+        f"{config}:5: model_file: {repo / 'squares' / 'model.onnx'}: not a readable ONNX model"
+    )
+    assert proc.stderr.strip().endswith("; re-export it")
+
+
 def test_validate_missing_file_exits_2(tmp_path: Path) -> None:
     proc = run_cli("validate", str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2
