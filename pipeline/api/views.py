@@ -15,7 +15,7 @@ from aiohttp import web
 
 from pipeline.api.answers import error
 from pipeline.frames import Frame
-from pipeline.outputs.relay import ended_source
+from pipeline.outputs.relay import LiveFrame, Subscription, ended_source
 from pipeline.runtime import Runtime
 from pipeline.snapshot import render_snapshot
 
@@ -27,6 +27,8 @@ EMBEDDABLE = frozenset({SNAPSHOT_PATH, MJPEG_PATH})
 MJPEG_FPS = 10.0
 MJPEG_MAX_FPS = 30.0
 MJPEG_BOUNDARY = "vidpipe-frame"
+# How often a viewer waiting for a frame is checked for having left (a silent source).
+VIEWER_CHECK_S = 1.0
 
 
 class ViewRoutes:
@@ -93,7 +95,7 @@ class ViewRoutes:
             await response.prepare(request)
             loop = asyncio.get_running_loop()
             due = loop.time()
-            while (item := await sub.next()) is not None:
+            while (item := await _next_while_connected(request, sub)) is not None:
                 jpeg = await asyncio.to_thread(item.jpeg)
                 head = (
                     f"--{MJPEG_BOUNDARY}\r\nContent-Type: image/jpeg\r\n"
@@ -107,3 +109,24 @@ class ViewRoutes:
         finally:
             sub.close()
         return response
+
+
+async def _next_while_connected(request: web.Request, sub: Subscription) -> LiveFrame | None:
+    """The subscription's next frame, or None once the viewer has gone.
+
+    A write is what finds a closed connection, and a source that sends no frames (a
+    camera that is down) gives nothing to write: without this check each viewer that left
+    kept its handler, its subscription and its connection for as long as the source
+    stayed silent.
+    """
+    pending = asyncio.ensure_future(sub.next())
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=VIEWER_CHECK_S)
+            if done:
+                return pending.result()
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                return None
+    finally:
+        pending.cancel()

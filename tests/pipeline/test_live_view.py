@@ -252,6 +252,30 @@ async def test_a_whep_session_ends_with_its_source(
         await stack.close()
 
 
+async def test_an_mjpeg_viewer_that_leaves_a_silent_source_is_let_go(
+    tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path
+) -> None:
+    # Only a write found a closed connection: a camera that is down sends nothing to write,
+    # and each viewer that left kept its handler and subscription while it stayed down.
+    stack = await start(tmp_path, nats_server, sample_models)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nobody listens here once it is closed
+    try:
+        status, _ = await stack.json(
+            "POST", "/v1/sources", json={"id": "dead", "url": f"rtsp://127.0.0.1:{port}/x"}
+        )
+        assert status == 201
+        relay = stack.runtime.outputs.relay
+        for _ in range(3):
+            async with stack.http.get("/v1/sources/dead/stream.mjpeg") as resp:
+                assert resp.status == 200
+                await until(lambda: relay.viewers("dead") == 1, what="the viewer subscribed")
+            await until(lambda: relay.viewers("dead") == 0, what="the viewer let go", timeout=5)
+    finally:
+        await stack.close()
+
+
 async def test_a_viewer_over_the_session_limit_is_told_why_and_it_is_logged(
     tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
