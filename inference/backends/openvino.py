@@ -258,8 +258,9 @@ def _load(config: ModelConfig, model_path: Path, ov: Any, device: str) -> _Share
         model = ov_core.read_model(str(model_path))
     except Exception as exc:
         raise _option_error(
-            config, "model_file.path", f"OpenVINO cannot read {model_path}: {exc}", "re-export the model"
-        ) from exc
+            config, "model_file.path", f"OpenVINO cannot read {model_path}: {_read_failure(model_path, exc)}",
+            "re-export the model",
+        ) from exc  # fmt: skip
     inputs = [
         TensorSpec(p.get_any_name(), tuple(_dims(p.get_partial_shape())), _dtype(p)) for p in model.inputs
     ]
@@ -535,3 +536,18 @@ class OpenVinoBackend(Backend):
             shared.users -= 1
             if shared.users == 0 and _cache.get(self._key) is shared:
                 del _cache[self._key]
+
+
+def _read_failure(model_path: Path, exc: Exception) -> str:
+    """Why OpenVINO could not read a model, in one line: its own message is a C++ trace of
+    several lines (one per source file it passed through)."""
+    if model_path.suffix.lower() == ".onnx":
+        from inference.introspect import ModelIntrospectionError, read_onnx
+
+        try:
+            read_onnx(model_path)
+        except ModelIntrospectionError:
+            return "it is not an ONNX model"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    useful = [line for line in lines if not line.startswith("Exception from ")]
+    return (useful or lines or [type(exc).__name__])[0]

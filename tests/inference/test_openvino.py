@@ -828,3 +828,15 @@ async def test_bad_static_batch_sizes_point_at_the_key(
     reason = await unavailable_reason(tmp_path, "ppocr_det")
     line = line_of(path, "  static_batch_sizes:")
     assert reason == f"{path}:{line}: backend_options.static_batch_sizes: {problem}", reason
+
+
+def test_a_model_file_openvino_cannot_read_is_one_line_naming_why(tmp_path: Path) -> None:
+    # OpenVINO's own message is a C++ trace, a line per source file it went through.
+    config = shipped(tmp_path, "squares")
+    (config.parent / "model.onnx").write_text("this is not an ONNX file")
+    table = describe_repository(tmp_path)
+    assert table.unavailable == ["squares"]
+    assert table.text.strip().splitlines()[-1] == (
+        f"squares: {config}:4: model_file.path: OpenVINO cannot read {config.parent / 'model.onnx'}: "
+        "it is not an ONNX model (hint: re-export the model)"
+    )
