@@ -47,6 +47,7 @@ from pipeline.counters import SourceCounters
 from pipeline.fleet.fence import LeaseFence, default_worker_id
 from pipeline.fleet.metrics import FleetMetrics
 from pipeline.frames import Frame
+from pipeline.heap import trim_soon
 from pipeline.metrics import Metrics
 from pipeline.outputs.manager import Outputs
 from pipeline.overload import OverloadMonitor
@@ -617,6 +618,7 @@ class Runtime:
             self._published_removed += run.published
         self.metrics.forget_source(self.config.pipeline, sid)
         self._idle.set()
+        trim_soon()  # its frame pool and decoder freed much, in the arenas of its threads
 
     def _on_source_state(self, source: Source, state: SourceState, reason: str) -> None:
         # Called from the source's thread; logging is thread-safe.

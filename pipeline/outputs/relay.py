@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import cv2
 import numpy as np
 
+from pipeline.heap import trim_soon
+
 __all__ = ["FrameRelay", "LiveFrame", "Subscription"]
 
 JPEG_QUALITY = 75
@@ -124,6 +126,8 @@ class FrameRelay:
             subs.discard(sub)
             if not subs:
                 del self._subs[sub.source]
+                if not self._subs:
+                    trim_soon()  # the viewers' encoders freed much, in their threads' arenas
 
     def viewers(self, source: str) -> int:
         return len(self._subs.get(source, ()))
