@@ -12,6 +12,7 @@ rate when they do not store one); without it the line shows frames and fps only.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import TextIO
@@ -58,6 +59,7 @@ class Progress:
         self.interval = interval
         self._start = time.monotonic()
         self._task: asyncio.Task[None] | None = None
+        self._handlers: list[logging.Handler] = []
 
     def line(self) -> str:
         done = self.done()
@@ -72,6 +74,11 @@ class Progress:
     def start(self) -> None:
         self._start = time.monotonic()
         self._task = asyncio.create_task(self._run())
+        # Log lines go to the same terminal: each first clears the progress line, which the
+        # next tick draws again below it (they were appended to the progress text).
+        self._handlers = [h for h in logging.getLogger().handlers if getattr(h, "stream", None) is self.out]
+        for handler in self._handlers:
+            handler.addFilter(self._clear)
 
     async def _run(self) -> None:
         while True:
@@ -79,11 +86,19 @@ class Progress:
             await asyncio.sleep(self.interval)
 
     def _draw(self) -> None:
-        # \r and clear-to-end: the line is rewritten in place; log lines start on a fresh one.
+        # \r and clear-to-end: the line is rewritten in place.
         self.out.write("\r" + self.line() + "\x1b[K")
         self.out.flush()
 
+    def _clear(self, record: logging.LogRecord) -> bool:
+        """A handler filter: wipe the progress line before the log line is written."""
+        self.out.write("\r\x1b[K")
+        return True
+
     async def stop(self) -> None:
+        for handler in self._handlers:
+            handler.removeFilter(self._clear)
+        self._handlers = []
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None

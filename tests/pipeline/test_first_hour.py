@@ -627,6 +627,9 @@ def test_a_file_run_on_a_terminal_shows_progress(
     code, shown = _on_a_terminal("run", str(squares_config), "--source", str(clip), "--nats", nats_server.url)
     assert code == 0, shown
     assert re.search(r"\r30/30 frames \(100%\)  [\d.]+ fps  ETA 0:00", shown), shown
+    # A log line wipes the progress line first: it was appended to the progress text.
+    assert "source clip: stopped (end of stream)" in shown
+    assert not re.search(r"(fps|ETA [^\r\n ]+)\x1b\[K[^\r\n]*\d\d:\d\d:\d\d (info|warning)", shown), shown
     # JSON logs on a terminal (a container run with a TTY): every line parses, no progress.
     code, shown = _on_a_terminal(
         "run", str(squares_config), "--source", str(clip), "--nats", nats_server.url, "--log-format", "json"
