@@ -62,6 +62,7 @@ from pipeline.console import (
 )
 from pipeline.redact import redact_url
 from pipeline.sources.schemes import SCHEME_OPTIONS
+from pipeline.urls import missing_file
 
 log = logging.getLogger("vidpipe")
 # What ends `run` and `subscribe` gracefully: Ctrl-C, a supervisor's stop, a closed terminal.
@@ -383,6 +384,24 @@ def cmd_validate(args: argparse.Namespace) -> int:
     # Everything `run` would refuse, the model repository and source files included.
     _not_a_video(args.config)
     cfg = load_config(args.config, sources=args.source, require_sources=True, check_resources=True)
+    if args.source:
+        # `run` goes on without a missing --source file (as with a camera that is down) and
+        # so load_config leaves them; asked to validate them, say what run would find.
+        missing = [
+            ConfigError(
+                "--source",
+                None,
+                "",
+                problem,
+                "relative paths start at the working folder"
+                if problem.startswith("file not found")
+                else hint,
+            )  # fmt: skip
+            for src in cfg.sources
+            if src.scheme == "file" and (found := missing_file(Path(src.url))) is not None
+            for problem, hint in [found]
+        ]
+        raise_errors(missing)
     _check_settings(_with_http(cfg, None), args)
     whip = _whip_without_http(cfg, args)
     if whip is not None:

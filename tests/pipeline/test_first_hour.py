@@ -137,6 +137,12 @@ def test_validate_refuses_what_run_refuses(tmp_path: Path, sample_models: Path) 
     ]
     proc = run_cli("validate", str(path), "--source", "test://?frames=3")
     assert (proc.returncode, proc.stdout) == (0, f"{path}: ok (pipeline shop: 1 source(s), 1 stage(s))\n")
+    # A --source file that is not there: run would fail it; validate said ok.
+    proc = run_cli("validate", str(path), "--source", str(tmp_path / "gone.mp4"), "--source", str(tmp_path))
+    assert (proc.returncode, proc.stderr.splitlines()) == (2, [
+        f"--source: file not found: {tmp_path / 'gone.mp4'} (hint: relative paths start at the working folder)",
+        f"--source: {tmp_path} is a folder, not a video file (hint: name a file in it)",
+    ])  # fmt: skip
 
 
 def test_validate_checks_the_model_configs_the_pipeline_uses(tmp_path: Path, sample_models: Path) -> None:
