@@ -396,7 +396,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 "relative paths start at the working folder"
                 if problem.startswith("file not found")
                 else hint,
-            )  # fmt: skip
+            )
             for src in cfg.sources
             if src.scheme == "file" and (found := missing_file(Path(src.url))) is not None
             for problem, hint in [found]
