@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from pipeline.api.answers import error
+from pipeline.api.answers import error, log
 from pipeline.api.bodies import read_body
 from pipeline.config import HttpConfig
 from pipeline.outputs.whep import WhepError as WhepEgressError
@@ -177,4 +177,5 @@ class WebRtcRoutes:
         sid, session = request.match_info["id"], request.match_info["session"]
         if not await self.whep.end(session, sid):
             return error(404, f"no active WHEP session {session!r} for {sid!r}")
+        log.info("source %s: WHEP session %s ended: the viewer ended it (DELETE)", sid, session)
         return web.Response(status=200)

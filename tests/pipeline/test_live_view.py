@@ -158,7 +158,7 @@ async def test_mjpeg_and_whep_need_the_token(
 
 
 async def test_whep_client_receives_annotated_video(
-    tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path
+    tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     stack = await start(tmp_path, nats_server, sample_models)
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
@@ -173,6 +173,8 @@ async def test_whep_client_receives_annotated_video(
         async with stack.http.delete(location) as resp:
             assert resp.status == 200
         assert stack.api.whep.sessions == {}
+        session = location.rsplit("/", 1)[1]
+        assert f"source cam: WHEP session {session} ended: the viewer ended it (DELETE)" in caplog.messages
     finally:
         await pc.close()
         await stack.close()
