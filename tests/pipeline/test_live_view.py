@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -160,6 +161,7 @@ async def test_mjpeg_and_whep_need_the_token(
 async def test_whep_client_receives_annotated_video(
     tmp_path: Path, nats_server: EmbeddedNats, sample_models: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="vidpipe")
     stack = await start(tmp_path, nats_server, sample_models)
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     try:
