@@ -103,7 +103,9 @@ def test_probes_answer_while_1500_idle_sockets_are_held(server: int) -> None:
                     elapsed, answer = 99.0, repr(exc).encode()
                 results.append((source, path, round(elapsed, 3), answer.split(b"\r\n", 1)[0]))
         assert flood.held >= FLOOD - 50, flood.held  # still flooding while the probes ran
-    assert all(status == b"HTTP/1.1 200 OK" and elapsed < 2.0 for _, _, elapsed, status in results), results
+    # Only the probes that failed, so a failure says which and how.
+    failed = [r for r in results if r[3] != b"HTTP/1.1 200 OK" or r[2] >= 2.0]
+    assert failed == [], (failed, flood.held, flood.reopened)
 
 
 async def test_the_cap_evicts_the_oldest_silent_connection_and_refuses_when_all_are_busy(
