@@ -83,8 +83,10 @@ async def test_an_undecodable_stream_leaks_no_thread_and_no_socket() -> None:
     assert set(labels) == {"stalled"}, labels
     assert len(labels) >= 10, labels  # many stalls, each of which leaked a thread and a socket before
     # Flat after the first stalls: no reader thread and no socket per stall.
+    # (One fd of slack: on a busy machine the test camera's own thread, in this process, may
+    # not have closed its side of the last connection yet; a leak per stall is ten or more.)
     assert late[0] <= early[0], (early, late)
-    assert late[1] <= early[1], (early, late)
+    assert late[1] <= early[1] + 1, (early, late)
     # One reader at most (none for a moment between two connections).
     gauge = [line for line in readers.splitlines() if line.startswith("vidpipe_source_reader_threads ")]
     assert gauge in (["vidpipe_source_reader_threads 1.0"], ["vidpipe_source_reader_threads 0.0"])
