@@ -178,7 +178,10 @@ class Publisher:
 
         async def on_error(exc: Exception) -> None:
             if not self._closing:
-                last[:] = [exc]
+                # The server refuses wrong credentials, then drops the connection: the
+                # "connection reset" that follows must not hide the reason.
+                if not (last and "authorization violation" in str(last[0]).lower()):
+                    last[:] = [exc]
                 log.debug("NATS error: %s", exc)
 
         try:
