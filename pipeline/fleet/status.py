@@ -20,6 +20,7 @@ from nats.js.kv import KeyValue
 
 from pipeline.fleet.buckets import META_PREFIX, bucket_items, bucket_name
 from pipeline.fleet.leases import StoredLease, parse_lease
+from pipeline.fleet.placement import place
 
 
 def _number(data: dict[str, Any], key: str, default: float) -> float:
@@ -142,20 +143,26 @@ async def read_status(js: JetStreamContext, fleet: str) -> dict[str, Any]:
         if now - info.ts < (info.lease_ttl or 12.0):
             alive.add(info.id)
         workers.append(worker_json(info, info.id in alive))
+    leases: dict[str, StoredLease] = {}
+    for sid, held in buckets["leases"].items():
+        try:
+            leases[sid] = parse_lease(held)
+        except ValueError:
+            if sid in buckets["sources"]:
+                skipped += 1
+    # Where the workers' placement wants each source, computed the way every worker does
+    # from the same buckets: it differs from the owner while a source moves.
+    capacities = {w["id"]: w["capacity"] for w in workers if w["alive"]}
+    placed = place(buckets["sources"], capacities, {sid: held.worker for sid, held in leases.items()})
     sources = []
     for sid in buckets["sources"]:
         owner, since, epoch, number, last = None, None, None, None, None
-        held = buckets["leases"].get(sid)
-        if held is not None:
-            try:
-                stored = parse_lease(held)
-            except ValueError:
-                skipped += 1
-            else:
-                owns, last = lease_owner(stored, alive)
-                if owns:
-                    owner, since, epoch, number = stored.worker, stored.since, stored.epoch, stored.number
-        sources.append(source_json(sid, owner, since, epoch, number, None, last))
+        stored = leases.get(sid)
+        if stored is not None:
+            owns, last = lease_owner(stored, alive)
+            if owns:
+                owner, since, epoch, number = stored.worker, stored.since, stored.epoch, stored.number
+        sources.append(source_json(sid, owner, since, epoch, number, placed.get(sid), last))
     return {"fleet": fleet, "workers": workers, "sources": sources, "skipped": skipped}
 
 
@@ -172,6 +179,8 @@ def format_status(status: dict[str, Any]) -> str:
         )
         fence = f"{s['epoch']}/{s['lease']}" if s["lease"] else "-"
         owner = s["owner"] or (f"- (was {s['last_owner']})" if s.get("last_owner") else "-")
+        if s.get("placed_on") and s["placed_on"] != s["owner"]:
+            owner += f" (to {s['placed_on']})"
         lines.append(f"{s['id']:<24} {owner:<32} {fence:>16}  {since}")
     if status.get("skipped"):
         lines += ["", f"{status['skipped']} stored entr(y/ies) did not parse and were skipped"]

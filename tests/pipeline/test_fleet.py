@@ -1413,9 +1413,10 @@ async def test_a_lease_of_a_worker_that_is_gone_shows_no_owner_but_names_it(
         status = await read_status(js, "gone")
     finally:
         await nc.close()
-    assert [(s["id"], s["owner"], s["last_owner"]) for s in status["sources"]] == [
-        ("cam1", "alive-1", None),
-        ("cam2", None, "dead-2"),
+    # Placement from the same buckets: alive-1 has room for one source, the one it runs.
+    assert [(s["id"], s["owner"], s["last_owner"], s["placed_on"]) for s in status["sources"]] == [
+        ("cam1", "alive-1", None, "alive-1"),
+        ("cam2", None, "dead-2", None),
     ]
     table = format_status(status).splitlines()
     assert [line.split()[:2] for line in table if line.startswith("cam")] == [
@@ -1423,6 +1424,36 @@ async def test_a_lease_of_a_worker_that_is_gone_shows_no_owner_but_names_it(
         ["cam2", "-"],
     ]
     assert "(was dead-2)" in next(line for line in table if line.startswith("cam2"))
+
+
+async def test_fleet_list_shows_where_a_source_is_moving(nats_server: EmbeddedNats) -> None:
+    # w1 runs both sources; w2 has joined, so placement gives it one of them.
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    try:
+        sources = await open_bucket(js, "moving", "sources")
+        leases = await open_bucket(js, "moving", "leases")
+        workers = await open_bucket(js, "moving", "workers")
+        now = time.time()
+        for wid in ("w1", "w2"):
+            beat = {
+                "capacity": 8,
+                "load": 2 if wid == "w1" else 0,
+                "version": "0",
+                "ts": now,
+                "lease_ttl": 4.0,
+            }
+            await workers.put(wid, json.dumps(beat).encode())
+        for sid in ("cam1", "cam2"):
+            await sources.put(sid, encode_source(SourceConfig(url="test://?fps=5", id=sid)))
+            await leases.put(sid, lease_value("w1", now - 30, 7, 1))
+        status = await read_status(js, "moving")
+    finally:
+        await nc.close()
+    assert sorted((s["owner"], s["placed_on"]) for s in status["sources"]) == [("w1", "w1"), ("w1", "w2")]
+    moving = next(s["id"] for s in status["sources"] if s["placed_on"] == "w2")
+    table = format_status(status).splitlines()
+    assert next(line for line in table if line.startswith(moving)).split()[1:4] == ["w1", "(to", "w2)"]
 
 
 async def test_two_processes_with_one_worker_id_are_told_so(
