@@ -802,6 +802,18 @@ def test_subscribe_that_received_nothing_says_so(nats_server: EmbeddedNats) -> N
     )
 
 
+def _wait_for_api(url: str, timeout: float = 30.0) -> None:
+    """Poll ``url`` until the run's API answers (the process was started a moment ago)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, "the API did not come up"
+            time.sleep(0.1)
+
+
 def test_done_line_counts_sources_added_and_removed_through_the_api(
     tmp_path: Path, squares_config: Path, nats_server: EmbeddedNats
 ) -> None:
@@ -810,14 +822,7 @@ def test_done_line_counts_sources_added_and_removed_through_the_api(
                   "--duration", "8")  # fmt: skip
     try:
         api = f"http://127.0.0.1:{port}/v1/sources"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(api, timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the API did not come up"
-                time.sleep(0.1)
+        _wait_for_api(api)
         body = json.dumps({"url": "test://?fps=50&frames=5&id=once"}).encode()
         post = urllib.request.Request(api, body, {"Content-Type": "application/json"}, method="POST")
         urllib.request.urlopen(post, timeout=5).close()
@@ -844,14 +849,7 @@ def test_removing_the_last_source_over_the_api_keeps_the_run_up_for_the_next(
                   f"127.0.0.1:{port}", "--nats", nats_server.url)  # fmt: skip
     try:
         api = f"http://127.0.0.1:{port}/v1/sources"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(api, timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the API did not come up"
-                time.sleep(0.1)
+        _wait_for_api(api)
         urllib.request.urlopen(urllib.request.Request(f"{api}/cam", method="DELETE"), timeout=5).close()
         body = json.dumps({"url": "test://?fps=50&frames=5&id=next"}).encode()
         post = urllib.request.Request(api, body, {"Content-Type": "application/json"}, method="POST")
