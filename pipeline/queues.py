@@ -34,9 +34,11 @@ END = EndOfStream()
 
 
 class StreamBreak:
-    """Marker a live source leaves when its stream breaks (it left ``up`` for ``backoff``).
+    """Marker a source leaves where its stream breaks: a live source that left ``up`` for
+    ``backoff``, or a looping file at the end of a pass.
 
-    The frames after it come from a new connection, if any; ``next_index`` is the
+    The frames after it come from a new connection (or the clip from its start), if any;
+    the graph ends the stream's tracks at it. ``next_index`` is the
     index the next frame will have. Only a queue made with ``breaks=True`` keeps it.
     """
 

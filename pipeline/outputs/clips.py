@@ -38,6 +38,14 @@ seconds. A stream that sends no keyframe within those bounds loses its pre-roll
 counted and logged). A recording clip stops at ``CLIP_MAX_BYTES``. The ring is
 released when the stream ends (reconnect, end of file) or the source stops.
 
+A clip never crosses from one stream to the next: a new stream (a reconnect, the
+next pass of a ``loop: true`` file, where the picture jumps back to the clip's
+start) ends the clip recording at the seam. A file decodes ahead of publishing, so
+the next pass's packets come while events of the pass before are still to be
+published: that pass's ring is kept (:class:`_Ended`) until a frame of the next
+one is published, and a clip of an event in it is cut from those packets alone,
+ending at the seam.
+
 Sources that have no packets (``test://``, WHIP) cannot record clips.
 """
 
@@ -147,6 +155,17 @@ class ClipInfo:
     zone: str | None = None
     line: str | None = None
     direction: str | None = None
+
+
+@dataclass(slots=True)
+class _Ended:
+    """A stream that ended (a looping file's pass) while frames of it may not be published yet."""
+
+    first_pts: float  # the pts of its first frame: events from there on (to the next one's) are its
+    delta: float  # source pts minus stream seconds
+    template: Any
+    ring: collections.deque[tuple[float, Any]]
+    last_end_s: float  # where its last clip ends, in its stream seconds
 
 
 @dataclass(slots=True)
@@ -268,6 +287,12 @@ class ClipRecorder:
         self._template: Any = None
         # Source pts minus stream seconds, from the latest decoded frame (constant per connection).
         self._delta: float | None = None
+        # The source pts of the stream's first decoded frame: where its events start.
+        self._first_pts: float | None = None
+        # Streams that ended before all their frames were published (a file decodes ahead),
+        # oldest first. Each is let go once a frame of the stream after it is published, so
+        # there are never more than the frames decoded ahead (the source's frame pool).
+        self._ended: collections.deque[_Ended] = collections.deque()
         self._active: _Clip | None = None
         # Stream seconds where the last clip of this stream ends: an event before it is part
         # of that clip, even once the clip is written (a file decodes ahead of publishing).
@@ -316,8 +341,10 @@ class ClipRecorder:
         done: list[_Clip] = []
         with self._lock:
             if stream is not self._stream:
-                # A new connection (or a file's next pass): its timestamps start afresh.
-                done.extend(self._end_stream())
+                # A new connection (or a file's next pass): its timestamps start afresh, and
+                # the clip recording ends at the seam. The ring stays for the events of the
+                # stream's frames that are still on their way to publishing.
+                done.extend(self._end_stream(keep=True))
                 self._stream = stream
                 self._template = _template(stream)
             clip = self._active
@@ -345,6 +372,9 @@ class ClipRecorder:
 
     def on_frame_time(self, stream_seconds: float, pts: float) -> None:
         self._delta = pts - stream_seconds
+        if self._first_pts is None:
+            with self._lock:
+                self._first_pts = pts
 
     def _trim(self, newest: float) -> None:
         keep_from = newest - self.config.pre_s - HEADROOM_S
@@ -385,11 +415,23 @@ class ClipRecorder:
                     self.dropped_bytes / 1e6,
                 )  # fmt: skip
 
-    def _end_stream(self) -> list[_Clip]:
-        """Under the lock: the stream ended; its ring goes, its clip is finished."""
+    def _end_stream(self, keep: bool = False) -> list[_Clip]:
+        """Under the lock: the stream ended; its ring goes, its clip is finished.
+
+        ``keep``: another stream follows at once (a file's next pass) while this one's
+        frames may still be published; the ring is kept for their events. Otherwise
+        every ring goes.
+        """
         clip, self._active = self._active, None
+        if not keep:
+            self._ended.clear()
+        elif self._ring and self._first_pts is not None and self._delta is not None:
+            self._ended.append(
+                _Ended(self._first_pts, self._delta, self._template, self._ring, self._last_end_s)
+            )
         self._last_end_s = -math.inf  # a new stream's times start afresh
-        self._ring.clear()
+        self._first_pts = None
+        self._ring = collections.deque()
         self._ring_bytes = 0
         self._starved = False
         self._stream = None
@@ -409,6 +451,11 @@ class ClipRecorder:
 
     def on_frame(self, frame: Frame) -> None:
         """Look for an event in a published frame; open a clip when one starts."""
+        if self._ended:
+            # Every published frame lets go of the passes before its own, events or not: a
+            # looping file with no events would otherwise keep one ring per pass.
+            with self._lock:
+                self._forget_published(frame.pts)
         found = clip_event(frame.objects, self._known, self.config.on, self.config.labels, frame.events)
         if found is None:
             return
@@ -422,11 +469,18 @@ class ClipRecorder:
         with self._lock:
             if self._active is not None:
                 return  # one clip at a time: this event is inside the one recording
-            delta = self._delta if self._delta is not None else 0.0
+            # An event of a stream that has ended (a looping file's pass before) is cut from
+            # that stream's packets: its clip ends at the seam at the latest.
+            ended = self._ended_at(at_pts)
+            if ended is not None:
+                ring, delta, template, last_end_s = ended.ring, ended.delta, ended.template, ended.last_end_s
+            else:
+                ring, template, last_end_s = self._ring, self._template, self._last_end_s
+                delta = self._delta if self._delta is not None else 0.0
             event_s = at_pts - delta
-            if event_s <= self._last_end_s:
+            if event_s <= last_end_s:
                 return  # inside the last clip's window, already written: part of that clip
-            if not self._ring:
+            if not ring:
                 now = time.monotonic()
                 if now - self._warned_empty_at >= 60:
                     self._warned_empty_at = now
@@ -438,25 +492,45 @@ class ClipRecorder:
                 return
             start_target = event_s - self.config.pre_s
             start = 0
-            for i, (seconds, packet) in enumerate(self._ring):
+            for i, (seconds, packet) in enumerate(ring):
                 if seconds > start_target:
                     break
                 if packet.is_keyframe:
                     start = i
             clip = _Clip(
                 event=event, event_s=event_s, end_s=event_s + self.config.post_s, event_frame=at_frame,
-                label=what.label, track_id=what.track_id, event_pts=at_pts, stream=self._template,
+                label=what.label, track_id=what.track_id, event_pts=at_pts, stream=template,
                 delta=delta, zone=zone, line=line, direction=direction,
             )  # fmt: skip
-            self._last_end_s = clip.end_s
-            # Packets already past the end (a file decoded far ahead) complete it at once.
-            for seconds, packet in itertools.islice(self._ring, start, None):
-                if _take(clip, seconds, packet):
-                    if clip.packets:
-                        self._writer.submit(self._write, clip)
-                    break
+            if ended is not None:
+                ended.last_end_s = clip.end_s
             else:
+                self._last_end_s = clip.end_s
+            # Packets already past the end (a file decoded far ahead) complete it at once; so
+            # does the end of an ended stream's packets.
+            complete = ended is not None
+            for seconds, packet in itertools.islice(ring, start, None):
+                if _take(clip, seconds, packet):
+                    complete = True
+                    break
+            if not complete:
                 self._active = clip
+            elif clip.packets:
+                self._writer.submit(self._write, clip)
+
+    def _ended_at(self, pts: float) -> _Ended | None:
+        """Under the lock: the ended stream an event at ``pts`` belongs to; None: the current one."""
+        if self._first_pts is not None and pts >= self._first_pts - SAME_TIME_S:
+            return None
+        return next((e for e in reversed(self._ended) if e.first_pts <= pts + SAME_TIME_S), None)
+
+    def _forget_published(self, pts: float) -> None:
+        """Under the lock: a frame at ``pts`` is published; the streams before its own go."""
+        while self._ended:
+            after = self._ended[1].first_pts if len(self._ended) > 1 else self._first_pts
+            if after is None or pts < after - SAME_TIME_S:
+                return
+            self._ended.popleft()
 
     def close(self) -> None:
         """The source ended: write the clip that is recording, as far as it got; keep nothing more."""

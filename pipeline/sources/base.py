@@ -221,10 +221,11 @@ class Source(ABC):
         self.reason = reason
 
     def _break_stream(self) -> None:
-        """The stream went down: a break after the frames already queued (live sources).
+        """A break after the frames already queued: a live stream went down, or a looping
+        file starts its next pass.
 
-        What follows comes from a new connection: the graph ends the stream's tracks
-        at the break (:class:`~pipeline.queues.StreamBreak`).
+        What follows is another scene (a new connection, the clip from its start): the
+        graph ends the stream's tracks at the break (:class:`~pipeline.queues.StreamBreak`).
         """
         with self._queue_lock:
             if self._queue is not None and not self._ended.is_set():

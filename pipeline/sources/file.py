@@ -23,6 +23,12 @@ file that cannot be opened or decoded is reported in one line naming it, goes to
 warning after the frames that did decode, and a file with fewer frames than its
 container declares (``stream.frames``, a cut download) logs one warning with both
 counts.
+
+With ``loop: true`` every pass is a new scene, as a camera's reconnect is: the
+source leaves a :class:`~pipeline.queues.StreamBreak` after a pass's last frame,
+so the tracks open then end at the seam (``track_end``) and the next pass starts
+with new ids, and event clips keep to the frames of one pass. ``pts`` and frame
+indices go on increasing: the next pass starts one frame after the last.
 """
 
 from __future__ import annotations
@@ -69,8 +75,12 @@ class FileSource(AvSource):
                 self._play(container, realtime)
             finally:
                 container.close()
-            if not self.config.loop:
+            if not self.config.loop or self.stopping:
                 break
+            # The picture jumps back to the clip's start: a new scene, as after a camera's
+            # reconnect. The break ends the pass's tracks after its last frame, so none is
+            # carried (or counted across a line) through the jump.
+            self._break_stream()
             # The next pass starts one frame after this one's last: the timeline goes on as
             # if the clip were played twice in a row (a 1 ms step left the seam frame 1 ms
             # long, and a recording or clip across it a frame short).

@@ -19,7 +19,9 @@ The maths lives in :mod:`pipeline.tracking`; this stage keeps one tracker per
 source and per detector stage (ids are unique per source), in frame order
 (``ordered``), so ids never depend on timing. When a live source goes down
 (``up`` to ``backoff``) its tracks end: the next connection's objects get new
-ids. Objects of a detector that skipped the frame (infer ``interval``) are the
+ids. So do they at the seam of a looping file (``loop: true``), where the
+picture jumps back to the clip's start: nothing is matched across the jump.
+Objects of a detector that skipped the frame (infer ``interval``) are the
 tracker's predicted boxes, added with ``predicted`` set. A detection that is
 not (yet) part of a confirmed track keeps no ``track_id``.
 """
@@ -168,8 +170,9 @@ class TrackStage(Stage):
             )
 
     def end_source(self, source: str) -> list[Event]:
-        # The source ended or its live stream broke: its tracks end with it. The id
-        # counter stays, so objects of a next connection get ids never used before.
+        # The source ended, its live stream broke or a looping file starts its next pass:
+        # its tracks end with it. The id counter stays, so objects of a next connection
+        # (or pass) get ids never used before.
         state = self._sources.get(source)
         if state is not None:
             state.by_stage.clear()
