@@ -12,16 +12,21 @@ an offer naming ``10.0.0.1:22`` or a host on another network would make the
 server probe it. :meth:`OfferGuard.filter_offer` keeps only the candidates whose
 address lies in ``http.ice_networks`` (hostnames, such as mDNS ``.local``
 names, are dropped: resolving them is a request of its own) and refuses an offer
-left with none (400). By default the ranges are those of the address the server
-listens on: loopback and this host's own interface addresses for a loopback
-address (a browser on this host offers those), the /24 (IPv4) or /64 (IPv6) around
-a specific address, and the private, link-local and loopback ranges for
-``0.0.0.0`` or ``::``.
+that named addresses and is left with none (400). An offer left with no candidate
+at all (it named none, as a client that trickles them sends it, or only mDNS
+names) also loses its ``a=end-of-candidates``: the session then connects from the
+checks the peer sends to the answer's candidates, instead of giving up at once.
+Candidates sent later (trickle ICE, ``PATCH``) are not taken. By default the
+ranges are those of the address the server listens on: loopback and this host's
+own interface addresses for a loopback address (a browser on this host offers
+those), the /24 (IPv4) or /64 (IPv6) around a specific address, and the private,
+link-local and loopback ranges for ``0.0.0.0`` or ``::``.
 
 A session counts as pending from its answer until its peer connection connects;
 one that has not connected within :data:`PENDING_TIMEOUT` seconds is ended by
-its owner (WHIP source or WHEP server), and a client address may have at most
-``max_pending_webrtc_per_client`` pending at once (429 beyond).
+its owner (WHIP source or WHEP server), with :func:`unconnected_reason`, and a
+client address may have at most ``max_pending_webrtc_per_client`` pending at once
+(429 beyond).
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ __all__ = [
     "OfferGuard",
     "OfferRefused",
     "PendingSession",
+    "candidate_count",
     "default_ice_networks",
     "parse_network",
+    "unconnected_reason",
 ]
 
 # Seconds a WHIP or WHEP session may take to connect (ICE and DTLS on a LAN take
@@ -61,6 +68,25 @@ _PRIVATE = (
     "fc00::/7",
     "fe80::/10",
 )
+
+
+def candidate_count(sdp: str) -> int:
+    """How many ICE candidates (``a=candidate:`` lines) ``sdp`` names."""
+    return sum(1 for line in sdp.splitlines() if line.startswith("a=candidate:"))
+
+
+def unconnected_reason(candidates: int) -> str:
+    """Why a session whose offer named ``candidates`` usable candidates ended unconnected."""
+    reason = f"not connected within {PENDING_TIMEOUT:g}s"
+    if candidates == 0:
+        # The likely cause, said where the operator looks: the client trickles its
+        # candidates (PATCH, not taken) and its own checks did not reach this server.
+        reason += (
+            "; its offer named no ICE candidate this server could use, so only the peer's own "
+            "checks could connect it (candidates sent later by PATCH are not taken: send the "
+            "offer once ICE gathering is complete)"
+        )
+    return reason
 
 
 class OfferRefused(VidpipeError):
@@ -150,7 +176,10 @@ class OfferGuard:
         return any(ip in network for network in self.networks)
 
     def filter_offer(self, sdp: str) -> str:
-        """``sdp`` with only the candidates in the allowed ranges; :class:`OfferRefused` if none is left."""
+        """``sdp`` with only the candidates in the allowed ranges (see the module doc).
+
+        Raises :class:`OfferRefused` (400) when the offer named addresses and none is allowed.
+        """
         kept: list[str] = []
         dropped: list[str] = []
         for line in sdp.splitlines():
@@ -167,7 +196,8 @@ class OfferGuard:
         # only ever answers the address that reached it). Only an offer that named addresses,
         # all outside the ranges, is refused.
         named = [a for a in dropped if not a.endswith(".local")]
-        if named and not any(line.startswith("a=candidate:") for line in kept):
+        left = sum(1 for line in kept if line.startswith("a=candidate:"))
+        if named and not left:
             shown = ", ".join(sorted(set(named))[:3])
             ranges = ", ".join(str(n) for n in self.networks[:6]) or "none"
             raise OfferRefused(
@@ -175,6 +205,12 @@ class OfferGuard:
                 f"bad SDP offer: no ICE candidate in the allowed ranges (offered {shown}; "
                 f"http.ice_networks allows {ranges})",
             )
+        if not left:
+            # "No candidates, and no more to come" makes aiortc fail the connection at once,
+            # before the peer's checks arrive: an offer that ends its gathered mDNS names with
+            # this line, or a client's that names none, never connected. Without it, aiortc
+            # waits for those checks (and the session for PENDING_TIMEOUT at most).
+            kept = [line for line in kept if not line.startswith("a=end-of-candidates")]
         return "\r\n".join(kept) + "\r\n"
 
     def admit(self, client: str) -> PendingSession:

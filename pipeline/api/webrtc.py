@@ -11,7 +11,8 @@
 ``POST`` takes an ``application/sdp`` offer and answers 201 with the SDP answer and
 the session's URL in ``Location``; ``DELETE`` on that URL ends the session. Every
 offer first passes the :class:`~pipeline.webrtc_guard.OfferGuard` (allowed ICE
-candidates, pending sessions per client).
+candidates, pending sessions per client). ``PATCH`` on a session URL (trickle ICE,
+ICE restart) gets 405 with ``Allow: DELETE`` and what to do instead.
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ from pipeline.webrtc_guard import (
 
 if TYPE_CHECKING:
     from pipeline.fleet.worker import FleetWorker
+
+
+# Neither trickle ICE nor ICE restarts are taken, so PATCH is not a method of a session
+# (RFC 9110's 405, with Allow); a trickling client is told what works instead.
+NO_PATCH = (
+    "PATCH is not supported: this server takes no trickle ICE or ICE restart; put the ICE "
+    "candidates in the offer (send it once ICE gathering is complete), and DELETE this URL "
+    "to end the session"
+)
 
 
 def offer_guard(config: HttpConfig, host: str) -> OfferGuard:
@@ -72,8 +82,10 @@ class WebRtcRoutes:
     def add_to(self, router: web.UrlDispatcher) -> None:
         router.add_post("/whip/{name}", self.whip_offer)
         router.add_delete("/whip/{name}/{session}", self.whip_delete)
+        router.add_route("*", "/whip/{name}/{session}", self.session_other)
         router.add_post("/whep/{id}", self.whep_offer)
         router.add_delete("/whep/{id}/{session}", self.whep_delete)
+        router.add_route("*", "/whep/{id}/{session}", self.session_other)
 
     @property
     def whep(self) -> WhepServer:
@@ -100,6 +112,14 @@ class WebRtcRoutes:
             return self.guard.filter_offer(offer), self.guard.admit(request.remote or "")
         except OfferRefused as exc:
             return error(exc.status, exc.message)
+
+    async def session_other(self, request: web.Request) -> web.Response:
+        """Any method but DELETE on a WHIP or WHEP session URL, whatever the session: 405.
+
+        A ``PATCH`` (trickle ICE, ICE restart) is told what works instead.
+        """
+        message = NO_PATCH if request.method == "PATCH" else "Method Not Allowed"
+        return error(405, message, {"Allow": "DELETE"})
 
     # -- WHIP --------------------------------------------------------------------------------
 

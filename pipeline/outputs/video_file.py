@@ -73,7 +73,8 @@ def recording_path(template: Path, now: float | None = None) -> Path:
 class VideoFileWriter:
     """Writes frames to ``template`` (see :func:`recording_path`); opened at the first frame.
 
-    The first frame's size fixes the file's; :attr:`path` is the file, once open.
+    The first frame's size fixes the file's; a frame of another size finishes the file
+    and opens the next one (a new :attr:`path`, which is the file being written).
     """
 
     def __init__(self, template: Path, codec: str = "libx264", crf: int = 23) -> None:
@@ -120,8 +121,7 @@ class VideoFileWriter:
                 # callback: lines that break `--log-format json`. FFmpeg still reports a failure.
                 options["x265-params"] = "log-level=none"
             stream = self._container.add_stream(self.codec, rate=25, options=options)
-            stream.width = image.shape[1] - image.shape[1] % 2
-            stream.height = image.shape[0] - image.shape[0] % 2
+            stream.width, stream.height = self._size(image)
             stream.pix_fmt = "yuv420p"
             stream.time_base = self.time_base
             stream.codec_context.time_base = self.time_base
@@ -150,6 +150,8 @@ class VideoFileWriter:
         """
         if self.failed:
             return
+        if self._container is not None and self._size(image) != (self._stream.width, self._stream.height):
+            self._next_file(image)
         if self._container is None:
             self._open(image)
             self._first_pts = pts
@@ -160,6 +162,27 @@ class VideoFileWriter:
             if self.frames == 0 and self.path is not None:
                 self.path.unlink(missing_ok=True)  # nothing in it: leave no empty file behind
             raise RecordingError(f"cannot write {self.path}: {_reason(exc)}") from None
+
+    @staticmethod
+    def _size(image: np.ndarray) -> tuple[int, int]:
+        """The encoded width and height of ``image``: 4:2:0 needs even sides."""
+        return image.shape[1] - image.shape[1] % 2, image.shape[0] - image.shape[0] % 2
+
+    def _next_file(self, image: np.ndarray) -> None:
+        """The picture changed size (a WHIP publisher turned its phone): an encoder's size is
+        fixed, so this file is finished and the frames go on in a new one."""
+        old, (width, height) = self.path, self._size(image)
+        try:
+            self.close()
+        except Exception as exc:
+            log.error("recording %s not finished: %s", old, _reason(exc))
+            self._abandon()
+            self.failed = False  # the next file may still open
+        self._held, self._durations, self._last_duration, self._first_pts = None, {}, 0, None
+        self.frames = 0
+        log.info(
+            "recording %s: the picture changed to %dx%d; recording goes on in a new file", old, width, height
+        )
 
     def _write(self, image: np.ndarray, pts: float) -> None:
         assert self._first_pts is not None

@@ -20,7 +20,7 @@ from typing import Any
 from inference.errors import VidpipeError
 from inference.ratelimit import RateLimitedLog
 from pipeline.outputs.relay import FrameRelay, Subscription, ended_source
-from pipeline.webrtc_guard import PENDING_TIMEOUT, PendingSession
+from pipeline.webrtc_guard import PENDING_TIMEOUT, PendingSession, candidate_count, unconnected_reason
 
 log = logging.getLogger("vidpipe.whep")
 
@@ -85,6 +85,8 @@ class _Session:
     # Counted against the viewer's address until the connection is up or ends.
     unconnected: PendingSession | None = None
     expiry: asyncio.TimerHandle | None = None
+    # ICE candidates in the offer (after the guard): none says why a session never connected.
+    candidates: int = 0
 
     def settle(self) -> None:
         """Connected or ended: no longer pending, no expiry."""
@@ -131,7 +133,9 @@ class WhepServer:
         # No ICE servers: the default would be a public STUN server (see WHIP).
         pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         sub = self.relay.subscribe(source, WHEP_FPS)
-        session = _Session(secrets.token_urlsafe(12), source, pc, sub, unconnected)
+        session = _Session(
+            secrets.token_urlsafe(12), source, pc, sub, unconnected, candidates=candidate_count(sdp)
+        )
         self.sessions[session.id] = session
 
         @pc.on("connectionstatechange")
@@ -166,7 +170,7 @@ class WhepServer:
     def _expire(self, session: _Session) -> None:
         session.expiry = None
         if session.pc.connectionState != "connected":
-            self._end_soon(session, f"not connected within {PENDING_TIMEOUT:g}s")
+            self._end_soon(session, unconnected_reason(session.candidates))
 
     def _end_soon(self, session: _Session, why: str) -> None:
         """End ``session`` from a callback (a timer, a track), if it is still open."""

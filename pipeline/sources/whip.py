@@ -27,6 +27,12 @@ frame converted while its session was being torn down is discarded instead of
 flipping the state back to ``up``. Frames are converted one at a time, in order;
 when conversion falls behind, the newest received frame replaces the waiting one
 and the replaced one counts as ``queue_full``.
+
+A publisher may change its video size mid-stream (a phone turned on its side, a
+browser lowering its send resolution): each change is logged (at most one line a
+second per source, counting the rest), the source's frame pool is made anew for
+the new size, and messages carry the new width and height from that frame on. The
+tracks end at the change, as at a reconnect: the picture is another one.
 """
 
 from __future__ import annotations
@@ -42,13 +48,14 @@ from typing import Any
 
 from inference.errors import VidpipeError
 from inference.memory import BufferHandle
+from inference.ratelimit import RateLimitedLog
 from pipeline.config import SourceConfig
 from pipeline.frames import Frame
 from pipeline.queues import FrameQueue
 from pipeline.sources.base import ReconnectReason, Source, SourceContext, SourceError, SourceState
 from pipeline.sources.decode import copy_rgb
 from pipeline.urls import whip_name
-from pipeline.webrtc_guard import PENDING_TIMEOUT, PendingSession
+from pipeline.webrtc_guard import PENDING_TIMEOUT, PendingSession, candidate_count, unconnected_reason
 
 log = logging.getLogger("vidpipe.whip")
 
@@ -81,6 +88,10 @@ class WhipSession:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     first_pts: float | None = None
     skipped: int = 0
+    # Width and height of the last frame converted: a change is logged.
+    size: tuple[int, int] | None = None
+    # ICE candidates in the offer (after the guard): none says why a session never connected.
+    candidates: int = 0
     # Counted against the publisher's address until the connection is up or ends.
     unconnected: PendingSession | None = None
     expiry: asyncio.TimerHandle | None = None
@@ -99,6 +110,8 @@ class WhipSource(Source):
         self._ended_by: ReconnectReason | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        # A publisher flipping its size every frame must not write a line per frame.
+        self._resized = RateLimitedLog(interval=1.0, logger=log, level=logging.INFO)
         # Buffers are taken on the event loop, which must never wait for one: a dry pool drops.
         self.emit_blocks = False
         self.set_state(SourceState.CONNECTING, WAITING)
@@ -156,7 +169,9 @@ class WhipSource(Source):
         # network usually cannot reach, and waiting for it delays every answer.
         pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         # Claimed before the first await so a concurrent second POST gets 409.
-        session = WhipSession(id=secrets.token_urlsafe(12), pc=pc, unconnected=unconnected)
+        session = WhipSession(
+            id=secrets.token_urlsafe(12), pc=pc, unconnected=unconnected, candidates=candidate_count(offer)
+        )
         self.session = session
 
         @pc.on("track")
@@ -224,7 +239,7 @@ class WhipSource(Source):
         """A session that has not connected in time: end it, freeing the source for another."""
         session.expiry = None
         if self.session is session and session.pc.connectionState != "connected":
-            reason = f"publisher lost: not connected within {PENDING_TIMEOUT:g}s"
+            reason = f"publisher lost: {unconnected_reason(session.candidates)}"
             task = asyncio.ensure_future(self._end(session, SourceState.BACKOFF, reason, "timeout"))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
@@ -308,6 +323,7 @@ class WhipSource(Source):
                 pts = capture_ts
             if session.first_pts is None:
                 session.first_pts = pts
+            self._note_size(session, frame.width, frame.height)
             try:
                 reserved = self._reserve(pts - session.first_pts, (frame.height, frame.width, 3))
             except SourceError as exc:  # over max_pixels: this publisher's stream is refused
@@ -329,6 +345,21 @@ class WhipSource(Source):
                 return
             if not self._publish(buffer, pts, capture_ts):
                 return
+
+    def _note_size(self, session: WhipSession, width: int, height: int) -> None:
+        """Log a change of the publisher's video size: boxes change scale with it."""
+        old, session.size = session.size, (width, height)
+        if old is not None and old != session.size:
+            # Another picture (turned, rescaled): boxes of the old size match nothing in the
+            # new one, so the tracks end here, as at a reconnect, and no line is crossed by
+            # the jump.
+            self._break_stream()
+            self._resized(
+                self.id,
+                f"source {self.id}: the publisher changed its video from {old[0]}x{old[1]} to "
+                f"{width}x{height} (session {session.id}); messages carry the new width and "
+                "height from here on",
+            )
 
 
 def _release_after(buffer: BufferHandle, conversion: asyncio.Future[None]) -> None:

@@ -66,18 +66,47 @@ function makeCard(id) {
   const video = el("video", { id: `live-${id}`, muted: "", playsinline: "", hidden: "" });
   video.muted = true;
   const live = el("button", { type: "button", class: "live", "data-live": id }, "Watch live");
-  const card = { root, img, video, live, fields, shownPublished: 0, loading: false, blobUrl: null, whep: null };
+  // Why the live view could not start or was lost. Its own element, not the page's status
+  // line, which every poll rewrites: it stays until the user clicks the button again.
+  const liveError = el("div", { class: "live-error", role: "alert", "data-live-error": id, hidden: "" });
+  const card = {
+    root, img, video, live, liveError, fields, shownPublished: 0, loading: false, blobUrl: null, whep: null,
+  };
   live.addEventListener("click", () => (card.whep ? stopLive(card) : startLive(id, card)));
-  root.append(title, reason, overload, dl, img, video, live);
+  root.append(title, reason, overload, dl, img, video, live, liveError);
   return card;
+}
+
+function showLiveError(card, message) {
+  card.liveError.textContent = message;
+  card.liveError.hidden = false;
+}
+
+// The server answers every refusal as {"error": "..."}: show that, it says what to do.
+async function refusal(resp) {
+  let detail = "";
+  try {
+    detail = (await resp.json()).error || "";
+  } catch (_) {
+    // not JSON (a proxy's page): the status alone
+  }
+  return `live view refused: ${detail || resp.statusText || "no reason given"} (HTTP ${resp.status})`;
 }
 
 // The live view is WebRTC over WHEP: fetch() carries the token, which an <img> of the
 // MJPEG stream could not; the video element shows the annotated frames as they come.
 async function startLive(id, card) {
+  card.liveError.hidden = true; // the user acted: a new try
+  card.liveError.textContent = "";
   const pc = new RTCPeerConnection();
   card.whep = { pc, location: null };
   card.live.textContent = "Stop live";
+  pc.onconnectionstatechange = () => {
+    if (pc.connectionState === "failed" && card.whep && card.whep.pc === pc) {
+      showLiveError(card, "live view lost: the WebRTC connection failed (is UDP to the server blocked?)");
+      stopLive(card);
+    }
+  };
   pc.addTransceiver("video", { direction: "recvonly" });
   pc.ontrack = (event) => {
     card.video.srcObject = event.streams[0] || new MediaStream([event.track]);
@@ -98,14 +127,25 @@ async function startLive(id, card) {
       headers: { ...authHeaders, "Content-Type": "application/sdp" },
       body: pc.localDescription.sdp,
     });
-    if (!resp.ok) throw new Error(`live view refused (${resp.status})`);
+    if (card.whep === null || card.whep.pc !== pc) {
+      // Stopped while the offer was out: give back a session the server made for it.
+      const location = resp.ok && resp.headers.get("Location");
+      if (location) fetch(location, { method: "DELETE", headers: authHeaders }).catch(() => {});
+      return;
+    }
+    if (!resp.ok) {
+      showLiveError(card, await refusal(resp));
+      stopLive(card);
+      return;
+    }
     card.whep.location = resp.headers.get("Location");
     await pc.setRemoteDescription({ type: "answer", sdp: await resp.text() });
   } catch (err) {
-    const status = document.getElementById("status");
-    status.textContent = String(err.message || err);
-    status.classList.add("error");
-    stopLive(card);
+    // fetch() failing (server gone, network down) or a browser refusing the answer.
+    if (card.whep && card.whep.pc === pc) {
+      showLiveError(card, `live view failed: ${err.message || err}`);
+      stopLive(card);
+    }
   }
 }
 

@@ -182,3 +182,33 @@ def test_codec_h264_is_libx264_with_its_crf(tmp_path: Path) -> None:
         sizes[codec, crf] = writer.path.stat().st_size
     assert sizes["h264", 10] > 2 * sizes["h264", 45]
     assert sizes["h264", 45] == sizes["libx264", 45]
+
+
+def test_a_picture_that_changes_size_goes_on_in_a_new_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A WHIP publisher that turns its phone: the encoder's size is fixed, so the frames of
+    # the new size were cut and stretched into the old one.
+    caplog.set_level(logging.INFO, logger="vidpipe.outputs")
+    writer = VideoFileWriter(tmp_path / "cam.mp4")
+    parts = [((240, 320), (200, 40, 40), 10), ((320, 240), (40, 40, 200), 8), ((240, 320), (40, 200, 40), 6)]
+    paths, t = [], 0
+    for shape, colour, count in parts:
+        for _ in range(count):
+            writer.write(np.full((*shape, 3), colour, np.uint8), t / 10)
+            t += 1
+        paths.append(writer.path)
+    writer.close()
+    assert paths == [tmp_path / "cam.mp4", tmp_path / "cam.1.mp4", tmp_path / "cam.2.mp4"]
+    for path, (shape, colour, count) in zip(paths, parts, strict=True):
+        assert path is not None
+        with av.open(str(path)) as f:
+            images = [frame.to_ndarray(format="bgr24") for frame in f.decode(video=0)]
+        assert len(images) == count, path
+        assert {image.shape[:2] for image in images} == {shape}, path
+        assert np.abs(images[-1].astype(int) - colour).max() < 12, path
+    said = [r.getMessage() for r in caplog.records if "picture changed" in r.getMessage()]
+    assert said == [
+        f"recording {paths[0]}: the picture changed to 240x320; recording goes on in a new file",
+        f"recording {paths[1]}: the picture changed to 320x240; recording goes on in a new file",
+    ]
