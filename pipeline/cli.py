@@ -838,14 +838,7 @@ def _not_a_video(config: str) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     _not_a_video(args.config)
-    cfg = load_config(
-        args.config, sources=args.source, require_sources=not (args.http or args.fleet), fleet_name=args.fleet
-    )
-    if args.publish:
-        cfg = dataclasses.replace(cfg, nats=dataclasses.replace(cfg.nats, publish=args.publish))
-    cfg = _with_fleet(cfg, args.fleet)
-    cfg = _with_http(cfg, args.http)
-    _check_settings(cfg, args)
+    cfg = _load_for_run(args)
     _check_nats_port_free(cfg, args)
     _check_http_port_free(cfg, args)
     if args.max_frames is not None and args.max_frames < 1:
@@ -853,6 +846,48 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.duration is not None and args.duration <= 0:
         raise ConfigError("--duration", None, "", "must be greater than 0")
     return asyncio.run(run_pipeline(cfg, args))
+
+
+def _load_for_run(args: argparse.Namespace) -> PipelineConfig:
+    """The config ``run`` runs, with the command line's settings in it. Refused (exit 2),
+    every problem at once, for what ``validate`` refuses in the file, the model repository
+    and the models' configs and files (with the same messages and warnings) and for
+    settings ``run`` cannot use, before anything starts: not the embedded NATS server, not
+    a model.
+
+    Sources are left to the run: a missing file or a camera that is down fails that source
+    only, and the others go on. So the file is loaded twice: with its sources (or the
+    ``--source`` ones), and without any but with what lies outside it. Only the second
+    reads the models' files (as ``validate`` does), before their load reads them again.
+    """
+    errors: list[ConfigError] = []
+    cfg: PipelineConfig | None = None
+    try:
+        cfg = load_config(
+            args.config,
+            sources=args.source,
+            require_sources=not (args.http or args.fleet),
+            fleet_name=args.fleet,
+        )
+    except ConfigError as exc:
+        errors.extend(exc.errors)
+    if cfg is not None:
+        try:
+            if args.publish:
+                cfg = dataclasses.replace(cfg, nats=dataclasses.replace(cfg.nats, publish=args.publish))
+            cfg = _with_http(_with_fleet(cfg, args.fleet), args.http)
+            _check_settings(cfg, args)
+        except ConfigError as exc:
+            errors.extend(exc.errors)
+    try:
+        load_config(args.config, sources=[], check_resources=True, fleet_name=args.fleet)
+    except ConfigError as exc:
+        # The file's own problems come back from both loads: each is said once.
+        said = {e.render() for e in errors}
+        errors.extend(e for e in exc.errors if e.render() not in said)
+    raise_errors(errors)
+    assert cfg is not None  # a load that failed left errors
+    return cfg
 
 
 async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
@@ -876,6 +911,7 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     api: Any = None
     loop = asyncio.get_running_loop()
     signals = 0
+    starting = True  # until the sources start (or the fleet is joined)
 
     def on_signal(sig: signal.Signals) -> None:
         nonlocal signals
@@ -885,7 +921,17 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
                 # A closed terminal, or a supervisor's reload: vidpipe reloads models over the
                 # API, not its config on SIGHUP, so the graceful stop is what is left to do.
                 log.info("SIGHUP: vidpipe does not reload its config on SIGHUP; stopping")
-            log.info("stopping: finishing frames in flight (signal again to force)")
+            if not starting:
+                log.info("stopping: finishing frames in flight (signal again to force)")
+            elif runtime.loading_model is not None:
+                # A model's load runs in a thread that cannot be cut short (an OpenVINO
+                # compile, a TensorRT build): say what the stop waits for.
+                log.info(
+                    "stopping: no source will start; model %s finishes loading first (signal again to force)",
+                    runtime.loading_model,
+                )
+            else:
+                log.info("stopping: no source will start (signal again to force)")
             runtime.request_stop()
         else:
             log.warning("forced exit")
@@ -911,6 +957,18 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
             fleet = await _start_fleet(runtime, cfg, nats_url)
         else:
             await runtime.start()
+        starting = False
+        if runtime.stop_requested and not runtime.source_ids_seen:
+            # Stopped while starting (the models loading): no source ran, so there is no
+            # run to sum up, only what a stop while vidpipe loads says too.
+            if fleet is not None:
+                await fleet.stop()
+            await runtime.stop()
+            if summary is not None:
+                await summary.stop()
+                summary = None
+            _ignore_stop_signals(loop)
+            return stopped_while_starting(_command_name(args), json_lines=args.log_format == "json")
         _log_models(runtime)
         if getattr(args, "progress", False) and _wants_progress(cfg, args.log_format):
             total = await asyncio.to_thread(_total_frames, cfg, args.max_frames)
@@ -1236,11 +1294,14 @@ def _with_fleet(cfg: PipelineConfig, name: str | None) -> PipelineConfig:
 
 
 async def _start_fleet(runtime: Any, cfg: PipelineConfig, nats_url: str) -> Any:
-    """Prepare the runtime without its sources, then join the fleet, which starts them."""
+    """Prepare the runtime without its sources, then join the fleet, which starts them
+    (None: a stop came while the models loaded, and nothing joined)."""
     from pipeline.fleet.worker import FleetWorker
 
     assert cfg.fleet is not None
     await runtime.prepare()
+    if runtime.stop_requested:
+        return None  # stopped while the models loaded: no fleet to join
     fleet = FleetWorker(runtime, cfg.fleet, nats_url)
     await fleet.start()
     return fleet

@@ -287,6 +287,7 @@ class Runtime:
         self.metrics = metrics or Metrics()
         self.metrics.reader_threads.set_function(lambda: float(reader_threads()))
         self.models: ModelRepository | None = None
+        self.loading_model: str | None = None  # the model being loaded while the runtime starts
         self.stages: list[Stage] = []
         # A fleet worker's publisher asks the fence before every message; the worker,
         # built on this runtime, fills it (pipeline.fleet.fence).
@@ -337,16 +338,30 @@ class Runtime:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load models, build stages, connect NATS and start every source."""
+        """Load models, build stages, connect NATS and start every source.
+
+        After a :meth:`request_stop` meanwhile (Ctrl-C while the models load) no source
+        starts; :meth:`stop` then releases what did.
+        """
         await self.prepare()
-        self.start_sources()
+        if not self.stop_requested:
+            self.start_sources()
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether :meth:`request_stop` (or :meth:`stop`) was called."""
+        return self._stopping.is_set()
 
     async def prepare(self) -> None:
-        """Everything but the sources: models, stages, the NATS connection."""
+        """Everything but the sources: models, stages, the NATS connection. A stop asked for
+        while it loads the models ends it after the model loading then (a load runs in a
+        thread and is not cut short): no further model, stage or connection."""
         self.started_at = time.time()
         check_device(self.config)
         self._make_output_folders()
         await self._load_models()
+        if self.stop_requested:
+            return
         graph = derive_graph_limit(self.config, self._model_configs())
         if graph is not None:
             self._graph_slots = asyncio.Semaphore(graph)
@@ -408,7 +423,10 @@ class Runtime:
             )  # fmt: skip
         self.models = ModelRepository(Path(root), observer=self.metrics)
         self.metrics.model_info.status = self.models.status
+        log.info("loading %d model(s): %s", len(names), ", ".join(names))
         for name in names:
+            if self.stop_requested:
+                return  # stopped while starting: the models left are not loaded
             i = next(i for i, s in enumerate(cfg.stages) if name in s.models())
             key = f"stages[{i}].model"
             if name not in self.models.names():
@@ -417,7 +435,11 @@ class Runtime:
                     f"(it has: {', '.join(self.models.names()) or 'no models'})",
                     key=key, file=cfg.file, line=cfg.line(key),
                 )  # fmt: skip
-            status = await self.models.load(name)
+            self.loading_model = name
+            try:
+                status = await self.models.load(name)
+            finally:
+                self.loading_model = None
             if status.state is not ModelState.READY:
                 raise PipelineStartError(
                     f"model {name} is unavailable: {status.reason}",
