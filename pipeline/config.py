@@ -653,11 +653,18 @@ def _check_graph(
     file: str,
     stages: list[tuple[int, StageOptions]],
     source_index: list[int],
+    outputs: list[tuple[int, OutputConfig]],
+    unchecked: Collection[int] = (),
+    replaced: Collection[str] = (),
 ) -> list[ConfigError]:
     """Whole-graph checks that single fields cannot express.
 
     ``stages`` are the entries that built, with their index in the file; one that
     did not build is already an error, and references to it are not reported again.
+    The stages at ``unchecked`` indexes stand in for entries with a wrong key their
+    ``problems()`` read, which are not run; ``replaced`` are the top-level keys that
+    were wrong (the checks that read one are skipped). ``outputs`` are those that
+    built, with their index.
     """
     errors: list[ConfigError] = []
 
@@ -685,7 +692,7 @@ def _check_graph(
                 )
             whip_names.setdefault(name, i)
     limit = cfg.runtime.max_sources
-    if len(cfg.sources) > limit:
+    if len(cfg.sources) > limit and not _replaced(replaced, "runtime.max_sources"):
         line = line_of(raw_sources, limit) if raw_sources is not None else None
         err(
             "sources",
@@ -693,7 +700,7 @@ def _check_graph(
             f"{len(cfg.sources)} sources, more than runtime.max_sources ({limit})",
             "run fewer sources per process, or raise runtime.max_sources",
         )
-    for i, out in enumerate(cfg.outputs):
+    for i, out in outputs:
         if not isinstance(out, FileOutputConfig) or "{source}" in out.path:
             continue
         recorded = [s.source_id for s in cfg.sources if not out.sources or s.source_id in out.sources]
@@ -731,7 +738,7 @@ def _check_graph(
             err(*at("name"), f"duplicate stage name {stage.name!r}", "stage names must be unique")
         after = [s for j, s in stages if j > i]
         for key, problem in [
-            *stage.problems(),
+            *(stage.problems() if i not in unchecked else []),
             *stage.order_problems(list(seen.values())),
             *stage.later_problems(after),
         ]:
@@ -750,7 +757,7 @@ def _check_graph(
             elif not kinds[seen[ref].type].finds_objects:
                 err(*at(ref_key), f"stage {ref!r} is a {seen[ref].type} stage and finds no objects")
         seen.setdefault(stage.name, stage)
-    if cfg.models is None and cfg.models_used():
+    if cfg.models is None and cfg.models_used() and not _replaced(replaced, "models"):
         err("models", line_of(raw), "infer stages need a model repository", "add models: <folder>")
     return errors
 
@@ -782,7 +789,10 @@ def _output_problem(cfg: PipelineConfig, out: OutputConfig) -> tuple[str, str] |
 
 
 def _check_resources(
-    cfg: PipelineConfig, stages: list[tuple[int, StageOptions]], source_index: list[int] | None
+    cfg: PipelineConfig,
+    stages: list[tuple[int, StageOptions]],
+    source_index: list[int] | None,
+    outputs: list[tuple[int, OutputConfig]],
 ) -> list[ConfigError]:
     """What ``run`` would refuse once it looks outside the file: source files, the model
     repository, each model's own config.yaml, its model and labels files, and ``classes:``
@@ -799,7 +809,7 @@ def _check_resources(
         for i, src in zip(source_index, cfg.sources, strict=True):
             if src.scheme == "file" and (missing := missing_file(Path(src.url))) is not None:
                 err(f"sources[{i}].url", *missing)
-    for i, out in enumerate(cfg.outputs):
+    for i, out in outputs:
         unwritable = _output_problem(cfg, out)
         if unwritable is not None:
             key = f"outputs[{i}].path" if isinstance(out, FileOutputConfig) else f"outputs[{i}].dir"
@@ -1046,6 +1056,68 @@ def _not_a_list(raw: Any, file: str, key: str, line: int | None) -> ConfigError:
     )
 
 
+def _without(data: dict[str, Any], paths: Collection[str]) -> LineDict:
+    """A copy of the mapping ``data`` without the keys at ``paths``, with its lines.
+
+    A dotted path (``runtime.max_sources``) drops the key inside its section and keeps the
+    section's other keys; a list item's (``nats.servers[1]``) drops the whole list.
+    """
+    out = LineDict(data)
+    out.line, out.key_lines = getattr(data, "line", 0), getattr(data, "key_lines", {})
+    inner: dict[str, list[str]] = {}
+    for path in paths:
+        if path in out:
+            del out[path]
+            continue
+        first, dot, rest = path.partition(".")
+        key = first.split("[", 1)[0]
+        if dot and key == first and isinstance(out.get(key), dict):
+            inner.setdefault(key, []).append(rest)
+        else:
+            out.pop(key, None)
+    for key, rests in inner.items():
+        if key in out:  # not dropped whole by another path
+            out[key] = _without(out[key], rests)
+    return out
+
+
+def _entry_keys(errors: list[ConfigError], path: str, item: dict[str, Any]) -> set[str] | None:
+    """The keys of the entry at ``path`` (``stages[2]``) its errors are about; None when one
+    is about the entry as a whole (a required key missing, keys that do not go together)."""
+    keys: set[str] = set()
+    for err in errors:
+        if not err.path.startswith(path + "."):
+            return None
+        key = err.path[len(path) + 1 :]
+        keys.add(key if key in item else re.split(r"[.\[]", key, maxsplit=1)[0])
+    return keys
+
+
+def _meant(keys: Collection[str], fields: Collection[str]) -> set[str]:
+    """The fields ``keys`` may stand for: each key that is one, and the one an unknown key
+    looks like (its error's did-you-mean). A check that reads one of them would judge its
+    default where the file may have meant to set it: ``modle: x`` is not "no model"."""
+    meant = set()
+    for key in keys:
+        meant.update([key] if key in fields else difflib.get_close_matches(key, list(fields), n=1))
+    return meant
+
+
+def _replaced(replaced: Collection[str], key: str) -> bool:
+    """Whether ``key`` (``runtime.max_sources``) stands at its default in the config the later
+    checks see while the file set it: it, or its section, was wrong, or a misspelling of it
+    was found in its place (``runtime.max_source``). A check that reads it would judge the
+    default, not the file."""
+    section, _, name = key.rpartition(".")
+    for r in replaced:
+        if key == r or key.startswith(r + "."):
+            return True
+        r_section, _, r_name = r.rpartition(".")
+        if r_section == section and difflib.get_close_matches(r_name, [name], n=1):
+            return True
+    return False
+
+
 def _build_sources(
     raw: Any, file: str, base_dir: Path, errors: list[ConfigError], line: int | None = None
 ) -> list[tuple[int, SourceConfig]]:
@@ -1097,12 +1169,18 @@ def _misspelt_type(item: dict[str, Any], file: str, path: str) -> ConfigError | 
 
 
 def _build_stages(
-    raw: Any, file: str, errors: list[ConfigError], line: int | None = None
+    raw: Any, file: str, errors: list[ConfigError], line: int | None, unchecked: set[int]
 ) -> list[tuple[int, StageOptions]]:
-    """Each ``stages[]`` entry validated against the options of its ``type``, with its index."""
+    """Each ``stages[]`` entry validated against the options of its ``type``, with its index.
+
+    An entry with wrong keys that its kind's checks do not read (``problem_keys``,
+    ``graph_keys``) is returned too, built without them, so the graph is still checked
+    with it; its index goes into ``unchecked`` when its own ``problems()`` cannot be judged.
+    """
     if raw is None:
         return []
     if not isinstance(raw, list):
+        # Not a list: there are no stages, and nothing can be said about the graph.
         errors.append(_not_a_list(raw, file, "stages", line))
         return []
     kinds = stage_kinds()
@@ -1118,6 +1196,7 @@ def _build_stages(
             )
             continue
         kind = item.get("type")
+        # Without a known type the entry's keys mean nothing: they are checked once it has one.
         if kind is None:
             errors.append(
                 _misspelt_type(item, file, path)
@@ -1151,27 +1230,47 @@ def _build_stages(
             for key in item
             if key not in takes and key in known
         ]
-        if misplaced:
-            # The kind's own unknown-key check would repeat them as typos.
-            errors.extend(misplaced)
-            continue
+        # The entry is checked without them: the kind's own unknown-key check would repeat
+        # them as typos, and no check of the kind reads a key it does not take.
+        errors.extend(misplaced)
+        rest = _without(item, [e.path[len(path) + 1 :] for e in misplaced])
+        options = cls.options_type
         try:
-            out.append((i, build(item, cls.options_type, file, path=path)))
+            out.append((i, build(rest, options, file, path=path)))
+            continue
         except ConfigError as exc:
             errors.append(exc)
+            wrong = _entry_keys(exc.errors, path, rest)
+        if wrong is None:
+            continue
+        # A key the kind does not take is read by no check; one it takes (or meant) may be.
+        judged = _meant(wrong, [f.name for f in dataclasses.fields(options)])
+        if judged and (options.graph_keys is None or judged & options.graph_keys):
+            continue  # the graph's checks would judge a stand-in's defaults, not the file
+        try:
+            out.append((i, build(_without(rest, wrong), options, file, path=path)))
+        except ConfigError:
+            continue
+        if judged and (options.problem_keys is None or judged & options.problem_keys):
+            unchecked.add(i)
     return out
+
+
+# The keys of an output the file's checks read (where it writes, which sources): an output
+# with another key wrong is still checked, built without that key.
+_OUTPUT_CHECKED_KEYS = frozenset({"type", "path", "dir", "sources"})
 
 
 def _build_outputs(
     raw: Any, file: str, errors: list[ConfigError], line: int | None = None
-) -> list[OutputConfig]:
-    """Each ``outputs[]`` entry validated against the options of its ``type``."""
+) -> list[tuple[int, OutputConfig]]:
+    """Each ``outputs[]`` entry validated against the options of its ``type``, with its index."""
     if raw is None:
         return []
     if not isinstance(raw, list):
         errors.append(_not_a_list(raw, file, "outputs", line))
         return []
-    out: list[OutputConfig] = []
+    out: list[tuple[int, OutputConfig]] = []
     for i, item in enumerate(raw):
         path = f"outputs[{i}]"
         line = line_of(raw, i)
@@ -1184,6 +1283,7 @@ def _build_outputs(
             continue
         kind = item.get("type")
         cls = OUTPUT_TYPES.get(kind) if isinstance(kind, str) else None
+        # Without a known type the entry's keys mean nothing: they are checked once it has one.
         if kind is None and (misspelt := _misspelt_type(item, file, path)) is not None:
             errors.append(misspelt)
             continue
@@ -1193,27 +1293,53 @@ def _build_outputs(
             errors.append(ConfigError(file, line_of(item, "type") or line, f"{path}.type", problem, choices))
             continue
         try:
-            out.append(build(item, cls, file, path=path))
+            out.append((i, build(item, cls, file, path=path)))
+            continue
         except ConfigError as exc:
             errors.append(exc)
+            wrong = _entry_keys(exc.errors, path, item)
+        if wrong is None or _meant(wrong, [f.name for f in dataclasses.fields(cls)]) & _OUTPUT_CHECKED_KEYS:
+            continue  # its path and sources are what the later checks read
+        with contextlib.suppress(ConfigError):
+            out.append((i, build(_without(item, wrong), cls, file, path=path)))
     return out
 
 
-def _build_top(raw: LineDict, file: str, errors: list[ConfigError]) -> PipelineConfig | None:
-    """The top-level keys; a second try without the keys that failed lets the rest be checked."""
+# Stands in for a pipeline name that is missing or wrong, so the file's other checks still
+# run (none of them reads the name).
+_STAND_IN_NAME = "pipeline"
+
+
+def _build_top(raw: LineDict, file: str, errors: list[ConfigError]) -> tuple[PipelineConfig | None, set[str]]:
+    """The top-level keys, and the (dotted) keys that were wrong.
+
+    When some are wrong, a stand-in config is built without them (a section keeps its
+    other keys; a wrong or missing name is stood in for), so that the sources, the graph,
+    the files and the models are still checked: every problem is reported at once. Later
+    checks that read a key that was wrong are skipped (:func:`_replaced`). None: no
+    stand-in could be built.
+    """
     try:
-        return build(raw, PipelineConfig, file)
+        return build(raw, PipelineConfig, file), set()
     except ConfigError as exc:
         errors.extend(exc.errors)
-        bad = {e.path.split(".")[0].split("[")[0] for e in exc.errors}
-    if "" in bad:  # a required key is missing: there is no config to check further
-        return None
-    rest = LineDict((k, v) for k, v in raw.items() if k not in bad)
-    rest.line, rest.key_lines = raw.line, raw.key_lines
-    try:
-        return build(rest, PipelineConfig, file)
-    except ConfigError:
-        return None
+        wrong = {e.path for e in exc.errors}
+    fields = {f.name for f in dataclasses.fields(PipelineConfig)}
+    # Unknown keys are read by nothing; the name is the one required key.
+    replaced = {k for k in raw if k not in fields} | ({"pipeline"} if "pipeline" not in raw else set())
+    while True:
+        replaced |= wrong - {""}
+        stand_in = _without(raw, replaced)
+        if "pipeline" in replaced:
+            stand_in["pipeline"] = _STAND_IN_NAME
+        try:
+            return build(stand_in, PipelineConfig, file), replaced
+        except ConfigError as exc:
+            # A section without its wrong key can lack a required one (fleet.name): the
+            # next round drops the section.
+            wrong = {e.path for e in exc.errors}
+        if wrong - {""} <= replaced:
+            return None, replaced
 
 
 def _key_lines(node: Any, path: str = "") -> dict[str, int]:
@@ -1281,11 +1407,12 @@ def load_config(
         named = LineDict({**fleet, "name": fleet_name})
         named.line, named.key_lines = getattr(fleet, "line", 0), getattr(fleet, "key_lines", {})
         top["fleet"] = named
-    cfg = _build_top(top, file, errors)
+    cfg, replaced = _build_top(top, file, errors)
     file_sources = _build_sources(
         raw.get("sources"), file, p.parent.resolve(), errors, line_of(raw, "sources")
     )
-    stages = _build_stages(raw.get("stages"), file, errors, line_of(raw, "stages"))
+    unchecked: set[int] = set()
+    stages = _build_stages(raw.get("stages"), file, errors, line_of(raw, "stages"), unchecked)
     outputs = _build_outputs(raw.get("outputs"), file, errors, line_of(raw, "outputs"))
     if cfg is None:
         raise_errors(errors)
@@ -1293,7 +1420,7 @@ def load_config(
     cfg = replace(
         cfg,
         stages=[s for _, s in stages],
-        outputs=outputs,
+        outputs=[o for _, o in outputs],
         lines=_key_lines(raw),
         base_dir=str(p.parent.resolve()),
     )
@@ -1313,12 +1440,15 @@ def load_config(
     cfg = replace(cfg, file=file)
     # Where each source is in the file (an entry that did not build is not among them).
     source_index = [i for i, _ in file_sources] if sources is None else list(range(len(cfg.sources)))
-    errors.extend(_check_graph(cfg, raw, file, stages, source_index))
+    errors.extend(_check_graph(cfg, raw, file, stages, source_index, outputs, unchecked, replaced))
     if (
         require_sources
         and not cfg.sources
         and cfg.http is None
         and cfg.fleet is None
+        # A wrong http: or fleet: is still one: sources may come through it once it is fixed.
+        and not _replaced(replaced, "http")
+        and not _replaced(replaced, "fleet")
         and "sources" not in {e.path.split("[")[0] for e in errors}
         and not any(e.file == "--source" for e in errors)  # a --source refused says it all
     ):
@@ -1332,6 +1462,6 @@ def load_config(
             )
         )
     if check_resources:
-        errors.extend(_check_resources(cfg, stages, source_index if sources is None else None))
+        errors.extend(_check_resources(cfg, stages, source_index if sources is None else None, outputs))
     raise_errors(errors)
     return cfg

@@ -35,6 +35,14 @@ if TYPE_CHECKING:
 class StageOptions:
     """The keys every stage takes; each kind derives its own options from this."""
 
+    # The keys the config checks read of an entry, beyond name and type: problem_keys those
+    # :meth:`problems` reads, graph_keys those the graph's and the models' checks read (through
+    # the other methods here, or by name). When an entry has a wrong value under another key,
+    # the loader checks the rest of it as if that key were at its default, so all its problems
+    # are reported at once. None: the checks may read any key, and a wrong one stops them.
+    problem_keys: ClassVar[frozenset[str] | None] = None
+    graph_keys: ClassVar[frozenset[str] | None] = None
+
     name: str = field(metadata=spec(check=check_name, help=NAME_HELP))
     type: str = field(metadata=spec(help="the stage kind: infer, track, ..."))
 

@@ -66,7 +66,13 @@ class ZoneConfig:
     """A named polygon: ``{name, polygon: [[x, y], ...]}`` (three corners at least)."""
 
     name: str = field(metadata=spec(check=check_name, help=NAME_HELP))
-    polygon: list[list[float]] = field(metadata=spec(help="corners [[x, y], ...], three at least"))
+    # Its shape is checked here, with the zone's other keys, so a wrong name and a wrong
+    # polygon are reported together.
+    polygon: list[list[float]] = field(
+        metadata=spec(
+            check=lambda points: _shape_check("polygon", points), help="corners [[x, y], ...], three at least"
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -74,12 +80,21 @@ class LineConfig:
     """A named, directed segment: ``{name, points: [[x1, y1], [x2, y2]]}``."""
 
     name: str = field(metadata=spec(check=check_name, help=NAME_HELP))
-    points: list[list[float]] = field(metadata=spec(help="two points [[x1, y1], [x2, y2]]"))
+    points: list[list[float]] = field(
+        metadata=spec(
+            check=lambda points: _shape_check("points", points), help="two points [[x1, y1], [x2, y2]]"
+        )
+    )
 
 
 @dataclass(frozen=True)
 class ZonesOptions(StageOptions):
     """``type: zones``: the zones and lines, and how objects are placed against them."""
+
+    # What problems() reads; the graph's checks read nothing of a zones stage but its name
+    # and type. A wrong hysteresis, anchor, track_end_after or classes leaves the rest checked.
+    problem_keys = frozenset({"zones", "lines", "normalized"})
+    graph_keys = frozenset[str]()
 
     zones: list[ZoneConfig] = field(default_factory=list)
     lines: list[LineConfig] = field(default_factory=list)
@@ -106,13 +121,20 @@ class ZonesOptions(StageOptions):
             if (where[0], name) in names:
                 out.append((f"{where}.name", f"duplicate name {name!r}"))
             names.add((where[0], name))
-            problem = _shape_problem(key, points, self.normalized)
-            if problem:
-                out.append((f"{where}.{key}", problem))
+            # The shape itself was checked with the zone or line (ZoneConfig, LineConfig).
+            if self.normalized and any(not 0 <= v <= 1 for p in points for v in p):
+                out.append((f"{where}.{key}", "with normalized: true, coordinates are between 0 and 1"))
         return out
 
 
-def _shape_problem(key: str, points: list[list[float]], normalized: bool) -> str | None:
+def _shape_check(key: str, points: list[list[float]]) -> tuple[str, str] | None:
+    """The field check of a polygon or a line's points: the problem, with no hint (the field's
+    help would repeat what the problem says)."""
+    problem = _shape_problem(key, points)
+    return (problem, "") if problem else None
+
+
+def _shape_problem(key: str, points: list[list[float]]) -> str | None:
     """What is wrong with a zone's polygon or a line's points, if anything."""
     if any(len(p) != 2 for p in points):
         return "every point is [x, y]"
@@ -133,8 +155,6 @@ def _shape_problem(key: str, points: list[list[float]], normalized: bool) -> str
         return f"a line is two points, got {len(points)}"
     if key == "points" and points[0] == points[1]:
         return "the two points are the same"
-    if normalized and any(not 0 <= v <= 1 for p in points for v in p):
-        return "with normalized: true, coordinates are between 0 and 1"
     return None
 
 

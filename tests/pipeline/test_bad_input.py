@@ -105,7 +105,8 @@ def test_a_broken_model_stops_the_run_with_the_model_named(
     cfg = tmp_path / "p.yaml"
     cfg.write_text(SQUARES.format(models=repo))
     proc = run_cli("run", str(cfg), "--source", "test://?frames=3", "--nats", nats_server.url)
-    assert proc.returncode == 1, proc.stderr
+    # Refused before anything starts, as validate refuses it (exit 2, the config's problem).
+    assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "squares" in line]
     assert lines, proc.stderr
     assert any(expected in line for line in lines), proc.stderr
@@ -116,7 +117,8 @@ def test_an_unknown_model_lists_what_the_repository_has(tmp_path: Path, sample_m
     cfg = tmp_path / "p.yaml"
     cfg.write_text(SQUARES.format(models=sample_models).replace("model: squares", "model: yolo9000"))
     proc = run_cli("run", str(cfg), "--source", "test://?frames=3")
-    assert proc.returncode == 1
+    assert proc.returncode == 2
+    assert proc.stdout == ""  # refused before the embedded NATS server starts
     assert "model 'yolo9000' is not in the repository" in proc.stderr
     assert "ppocr_cls, ppocr_det, ppocr_rec, squares" in proc.stderr
 

@@ -73,6 +73,9 @@ def test_validate_reports_every_error_at_once_with_file_and_line(tmp_path: Path,
         f"{path}:8: stages[1].classes: 'txt' is not a label of model 'ppocr_det' (hint: did you mean 'text'?)",
         f"{path}:9: stages[2].on: does not apply to a stage of type track "
         "(hint: type track takes: name, type, tracker, classes, match, iou, low_iou, high_score, low_score, new_score, min_hits, max_age)",
+        # The wrong key hides none of the stage's other problems.
+        f"{path}:9: stages[2].type: the track stage comes before detector 'read', whose objects it cannot "
+        "track; stages run in order: move the track stage below the detectors",
         f"{path}:10: stages[3].model: model 'ppocr_rec' is a text_recognize model: it finds no objects, so it "
         "cannot run on whole frames (hint: run it on the objects of a detector stage: on: <that stage's name>)",
     ]
