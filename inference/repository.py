@@ -477,7 +477,14 @@ def describe_repository(root: Path, *, backend_factory: BackendFactory = create_
         if (folder / CONFIG_FILE).is_file():
             continue
         found = sorted(folder.glob("*.onnx")) + sorted(folder.glob("*/*.onnx"))
-        if found:
+        versioned = model_in_folder(folder)
+        if versioned is not None:
+            # Triton's layout (N/model.onnx, often with a config.pbtxt): the config goes beside it.
+            notes.append(
+                f"{folder.name}: a model folder ({versioned.relative_to(root)}) but no {CONFIG_FILE}, "
+                f"so not a model; vidpipe models add {folder} --repo {root} writes one"
+            )
+        elif found:
             notes.append(
                 f"{folder.name}: a model file ({found[0].relative_to(root)}) but no {CONFIG_FILE}, so not a "
                 f"model; vidpipe models add {found[0]} --repo {root} --name NAME writes one"
@@ -513,6 +520,13 @@ class AddedModel:
 MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
+def model_in_folder(folder: Path) -> Path | None:
+    """The ONNX file of a model folder laid out as Triton's (``N/model.onnx``): the highest
+    version's; None when there is none."""
+    versions = [int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / "model.onnx").is_file()]
+    return folder / str(max(versions)) / "model.onnx" if versions else None
+
+
 async def add_model(
     model: Path,
     root: Path,
@@ -521,6 +535,7 @@ async def add_model(
     link: bool = False,
     backend: str | None = None,
     instances: int = 1,
+    in_place: bool = False,
 ) -> AddedModel:
     """Add an ONNX file to the repository as ``root/NAME/1/model.onnx`` with a config written from it.
 
@@ -529,7 +544,9 @@ async def add_model(
     :class:`ModelRepository` to prove the config works; if it does not load,
     the folder is removed again and :class:`ModelLoadError` says why; a file it
     cannot describe is a :class:`ModelIntrospectionError`, before anything is written.
-    An existing model folder is never overwritten.
+    An existing model folder is never overwritten. ``in_place``: ``model`` is already
+    ``root/NAME/N/model.onnx`` (a Triton-style folder in the repository): only the config
+    is written beside it, and only it is removed again if the model does not load.
     """
     model = Path(model).resolve()
     root = Path(root)
@@ -541,9 +558,29 @@ async def add_model(
             "not starting with '.' or '-'); pass --name"
         )
     folder = root / name
+    text = config_text(desc, name, backend=backend, instances=instances)
+    if in_place:
+        if (
+            model.name != "model.onnx"
+            or model.parent.parent != folder.resolve()
+            or not model.parent.name.isdigit()
+        ):
+            raise ModelIntrospectionError(
+                f"{model} is not {folder}/N/model.onnx; it cannot be added in place"
+            )
+        if (folder / CONFIG_FILE).exists():
+            raise ModelIntrospectionError(
+                f"{folder / CONFIG_FILE} already exists; the model is in the repository"
+            )
+        try:
+            (folder / CONFIG_FILE).write_text(text, encoding="utf-8")
+            status = await _load_once(root, name)
+        except BaseException:
+            (folder / CONFIG_FILE).unlink(missing_ok=True)
+            raise
+        return AddedModel(name, folder, folder / CONFIG_FILE, model, text, desc, status)
     if folder.exists():
         raise ModelIntrospectionError(f"{folder} already exists; pass --name or remove it first")
-    text = config_text(desc, name, backend=backend, instances=instances)
     target = folder / "1" / "model.onnx"
     target.parent.mkdir(parents=True)
     try:
@@ -552,12 +589,18 @@ async def add_model(
         else:
             shutil.copyfile(model, target)
         (folder / CONFIG_FILE).write_text(text, encoding="utf-8")
-        repo = ModelRepository(root)
-        status = await repo.load(name)
-        await repo.close()
-        if status.state is not ModelState.READY:
-            raise ModelLoadError(f"model {name}: the written config does not load: {status.reason}")
+        status = await _load_once(root, name)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
     return AddedModel(name, folder, folder / CONFIG_FILE, target, text, desc, status)
+
+
+async def _load_once(root: Path, name: str) -> ModelStatus:
+    """Load ``name`` from ``root`` to prove its written config works (:class:`ModelLoadError` if not)."""
+    repo = ModelRepository(root)
+    status = await repo.load(name)
+    await repo.close()
+    if status.state is not ModelState.READY:
+        raise ModelLoadError(f"model {name}: the written config does not load: {status.reason}")
+    return status

@@ -434,9 +434,23 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_models_add(args: argparse.Namespace) -> int:
     """``vidpipe models add MODEL.onnx``: exit 2 for a file it cannot describe, 1 if it does not load,
     130 when Ctrl-C ends it (what it had written is removed)."""
+    from inference.repository import model_in_folder
+
     model = Path(args.model)
     if model.is_dir():
-        raise ConfigError(str(model), None, "", "is a folder, not a model file", "give the .onnx file")
+        # A model folder (Triton's layout: config.pbtxt, 1/model.onnx): its ONNX file, named
+        # after the folder, as Triton names it.
+        found = model_in_folder(model)
+        if found is None:
+            raise ConfigError(str(model), None, "", "is a folder, not a model file", "give the .onnx file")
+        if args.name is None:
+            args.name = model.resolve().name
+        if (model / "config.pbtxt").is_file():
+            print(
+                f"note: {model / 'config.pbtxt'} is not read: config.yaml is written from the ONNX file "
+                "(carry max_batch_size, dynamic_batching and instance_group over by hand where they differ)"
+            )
+        model = found
     if not model.is_file():
         raise ConfigError(str(model), None, "", "model file not found", "check the path")
     if args.instances is not None and args.instances < 1:
@@ -456,8 +470,11 @@ def cmd_models_add(args: argparse.Namespace) -> int:
     # before the end removes it, so that the same command can simply be run again.
     folder = repo / (args.name or model.resolve().stem)
     made_here = not folder.exists() and not folder.is_symlink()
+    # A model folder already in the repository (root/NAME/N/model.onnx) gets its config.yaml
+    # beside its versions: nothing is copied.
+    in_place = not made_here and model.resolve().parent.parent == folder.resolve()
     try:
-        return _add_model(args, model, repo)
+        return _add_model(args, model, repo, in_place)
     except KeyboardInterrupt:
         if made_here:
             shutil.rmtree(folder, ignore_errors=True)
@@ -467,7 +484,7 @@ def cmd_models_add(args: argparse.Namespace) -> int:
         return _interrupted(args, "nothing was written")
 
 
-def _add_model(args: argparse.Namespace, model: Path, repo: Path) -> int:
+def _add_model(args: argparse.Namespace, model: Path, repo: Path, in_place: bool) -> int:
     from inference.introspect import ModelIntrospectionError
     from inference.repository import add_model, read_source
     from inference.tuning import TrialPoint, choose_instances, write_tuned_config
@@ -475,7 +492,13 @@ def _add_model(args: argparse.Namespace, model: Path, repo: Path) -> int:
     try:
         added = asyncio.run(
             add_model(
-                model, repo, args.name, link=args.link, backend=args.backend, instances=args.instances or 1
+                model,
+                repo,
+                args.name,
+                link=args.link,
+                backend=args.backend,
+                instances=args.instances or 1,
+                in_place=in_place,
             )
         )
     except ModelIntrospectionError as exc:

@@ -256,6 +256,38 @@ def test_models_list_says_how_to_make_a_model_of_a_folder_without_config(
     lines = proc.stdout.splitlines()
     assert lines[1].startswith("squares ")
     assert lines[-1] == (
-        f"stray: a model file (stray/1/model.onnx) but no config.yaml, so not a model; "
-        f"vidpipe models add {repo / 'stray' / '1' / 'model.onnx'} --repo {repo} --name NAME writes one"
+        f"stray: a model folder (stray/1/model.onnx) but no config.yaml, so not a model; "
+        f"vidpipe models add {repo / 'stray'} --repo {repo} writes one"
     )
+    # The command it names writes the config beside the version folder, and copies nothing.
+    (repo / "stray" / "config.pbtxt").write_text('name: "stray"\nmax_batch_size: 8\n')
+    added = run_cli("models", "add", str(repo / "stray"), "--repo", str(repo), "--instances", "1")
+    assert added.returncode == 0, added.stderr
+    assert added.stdout.splitlines()[0] == (
+        f"note: {repo / 'stray' / 'config.pbtxt'} is not read: config.yaml is written from the ONNX file "
+        "(carry max_batch_size, dynamic_batching and instance_group over by hand where they differ)"
+    )
+    assert f"model file: {repo / 'stray' / '1' / 'model.onnx'}" in added.stdout
+    assert sorted(p.relative_to(repo).as_posix() for p in (repo / "stray").rglob("*")) == [
+        "stray/1", "stray/1/model.onnx", "stray/config.pbtxt", "stray/config.yaml",
+    ]  # fmt: skip
+    listed = run_cli("models", "list", str(repo))
+    assert listed.returncode == 0, listed.stdout
+    assert [line.split()[:3] for line in listed.stdout.splitlines()[1:]] == [
+        ["squares", "-", "ready"], ["stray", "1", "ready"],
+    ]  # fmt: skip
+
+
+def test_models_add_takes_a_triton_model_folder_from_outside_the_repository(tmp_path: Path) -> None:
+    triton = tmp_path / "export" / "gate_detector"
+    (triton / "3").mkdir(parents=True)
+    ultralytics_export(triton / "3" / "model.onnx", "yolov8")
+    (triton / "1").mkdir()  # an older version, left empty: the highest with a model is taken
+    repo = tmp_path / "models"
+    added = run_cli("models", "add", str(triton), "--repo", str(repo), "--instances", "1")
+    assert added.returncode == 0, added.stderr
+    assert f"model file: {repo / 'gate_detector' / '1' / 'model.onnx'}" in added.stdout
+    assert "model gate_detector loads: ready" in added.stdout
+    assert (repo / "gate_detector" / "1" / "model.onnx").read_bytes() == (
+        triton / "3" / "model.onnx"
+    ).read_bytes()
