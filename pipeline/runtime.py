@@ -41,6 +41,7 @@ from pipeline.admission import (
     repository_batchers,
     whole_frame_stages,
 )
+from pipeline.backoff import RetryLog
 from pipeline.cancel import cancel_and_wait
 from pipeline.config import FileOutputConfig, PipelineConfig, SourceConfig, model_misfits
 from pipeline.counters import SourceCounters
@@ -333,6 +334,8 @@ class Runtime:
         self.metrics.collector.watch(config.pipeline, lambda: list(self.sources.values()))
         # Live views, recordings and clips; idle for sources nobody watches or records.
         self._warnings = RateLimitedLog(logger=log, level=logging.WARNING)
+        # A camera that stays down: its first failures each a line, then one every few minutes.
+        self._retry_log = RetryLog()
         self.outputs = Outputs(config, publish=self._publish_raw, on_recording_drop=self._on_recording_drop)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -639,6 +642,7 @@ class Runtime:
             del self.sources[sid]
             self._published_removed += run.published
         self.metrics.forget_source(self.config.pipeline, sid)
+        self._retry_log.forget(sid)
         self._idle.set()
         trim_soon()  # its frame pool and decoder freed much, in the arenas of its threads
 
@@ -649,10 +653,14 @@ class Runtime:
             text = reason if reason.startswith("source ") else f"source {source.id}: {reason}"
             log.error("%s", text, extra=about)
         elif state == SourceState.BACKOFF:
-            log.warning("source %s: %s", source.id, reason, extra=about)
+            more = self._retry_log.failed(source.id)
+            if more is not None:
+                log.warning("source %s: %s%s", source.id, reason, more, extra=about)
             self.outputs.stream_ended(source.id)  # its clip rings go until it reconnects
         else:
-            log.info("source %s: %s%s", source.id, state.value, f" ({reason})" if reason else "", extra=about)
+            after = self._retry_log.recovered(source.id) if state == SourceState.UP else ""
+            said = f" ({reason})" if reason else ""
+            log.info("source %s: %s%s%s", source.id, state.value, said, after, extra=about)
 
     def _on_sent(self, source: str) -> None:
         # A message really left (core: sent or flushed from the outbox; JetStream: acked).
