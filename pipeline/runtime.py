@@ -677,6 +677,7 @@ class Runtime:
             f"source {source}: a frame left out of its recording: drawing and encoding are slower "
             "than the source (vidpipe_recording_frames_dropped_total counts them; lower max_fps, "
             "or record without annotate)",
+            extra={"source": source},
         )
 
     def _count_drop(self, source: str, reason: str) -> None:
@@ -759,10 +760,12 @@ class Runtime:
                 run = self.sources.get(frame.source)
                 if run is not None and not isinstance(exc, ModelUnavailable):
                     run.counters.failing += 1  # a model that is down is a readiness reason of its own
+                # Per source: one camera's failures must not hide another's.
                 self._errors(
-                    f"{stage.name}:{type(exc).__name__}",
+                    f"{stage.name}:{frame.source}:{type(exc).__name__}",
                     f"stage {stage.name} failed on frame {frame.index} of {frame.source}: "
                     f"{type(exc).__name__}: {exc}; frame dropped",
+                    extra={"source": frame.source},
                 )
                 log.debug("stage failure", exc_info=True)
                 frame.release()
@@ -835,6 +838,7 @@ class Runtime:
             self._errors(
                 f"publish:{frame.source}:{type(exc).__name__}",
                 f"source {frame.source}: frame {frame.index} not published: {exc}",
+                extra={"source": frame.source},
             )
             frame.release()
             return

@@ -202,7 +202,11 @@ async def test_a_stage_that_raises_drops_that_frame_only(
     tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats, collector: Collector,
     caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
-    path = config_file(tmp_path, sample_models, "  - {url: 'test://?fps=100&frames=30', queue_size: 64}")
+    sources = (
+        "  - {url: 'test://?fps=100&frames=30', queue_size: 64}\n"
+        "  - {url: 'test://?fps=100&frames=30&id=other', queue_size: 64}"
+    )
+    path = config_file(tmp_path, sample_models, sources)
     path.write_text(path.read_text() + "  - {name: flaky, type: fail_on_frame, fail_on: [3, 4, 17]}\n")
     await collector.start(nats_server.url)
     with stage_kinds(FailOnFrame):
@@ -210,14 +214,21 @@ async def test_a_stage_that_raises_drops_that_frame_only(
         await runtime.start()
     await runtime.wait(20)
     await runtime.stop()
-    await collector.wait_for(27)
-    frames = [m["frame"] for m in collector.messages]
-    assert frames == [f for f in range(30) if f not in (3, 4, 17)]
-    assert metric(runtime, "vidpipe_frames_dropped_total", source="test", reason="stage_error") == 3
-    # One log line per kind of failure per interval, not one per frame.
-    errors = [r.getMessage() for r in caplog.records if "stage flaky failed" in r.getMessage()]
+    await collector.wait_for(54)
+    for source in ("test", "other"):
+        frames = [m["frame"] for m in collector.by_source(source)]
+        assert frames == [f for f in range(30) if f not in (3, 4, 17)]
+        assert metric(runtime, "vidpipe_frames_dropped_total", source=source, reason="stage_error") == 3
+    # One log line per kind of failure per source and interval, not one per frame; one
+    # camera's failures do not hide another's. The line names its source (a JSON field).
+    errors = sorted(
+        (r.getMessage(), getattr(r, "source", None))
+        for r in caplog.records
+        if "stage flaky failed" in r.getMessage()
+    )
     assert errors == [
-        "stage flaky failed on frame 3 of test: ValueError: cannot handle frame 3; frame dropped"
+        ("stage flaky failed on frame 3 of other: ValueError: cannot handle frame 3; frame dropped", "other"),
+        ("stage flaky failed on frame 3 of test: ValueError: cannot handle frame 3; frame dropped", "test"),
     ]
 
 
