@@ -749,10 +749,10 @@ async def _connect_client(servers: str) -> Any:
     )
 
 
-async def _wait_for_server(servers: str, problems: list[str]) -> Any:
+async def _wait_for_server(servers: str, problems: list[str], args: argparse.Namespace | None = None) -> Any:
     """A client that keeps trying until a server answers, and reconnects for as long as it runs:
     a subscriber may start before the pipeline and outlive a server restart. The first
-    failure to connect is said once on stderr; ``problems`` gets each one."""
+    failure to connect is said once on stderr (in ``args``' log format); ``problems`` gets each one."""
     import nats
 
     connected = False
@@ -761,11 +761,12 @@ async def _wait_for_server(servers: str, problems: list[str]) -> Any:
         log.debug("nats: %s", exc)
         if not connected:
             if not problems:
-                print(
+                _say(
+                    args or argparse.Namespace(),
                     f"vidpipe: waiting for NATS at {redact_url(servers)} ({exc or type(exc).__name__}); "
                     "Ctrl-C to stop",
-                    file=sys.stderr,
-                    flush=True,
+                    level="warning",
+                    stream=sys.stderr,
                 )
             problems.append(str(exc) or type(exc).__name__)
 
@@ -784,16 +785,23 @@ async def cmd_subscribe(args: argparse.Namespace) -> int:
     started = time.monotonic()
     problems: list[str] = []
     try:
-        nc = await asyncio.wait_for(_wait_for_server(args.nats, problems), timeout=args.timeout)
+        nc = await asyncio.wait_for(_wait_for_server(args.nats, problems, args), timeout=args.timeout)
     except TimeoutError:
         why = f": {problems[-1]}" if problems else ""
-        print(
+        _say(
+            args,
             f"vidpipe: cannot connect to NATS at {redact_url(args.nats)} in {args.timeout:g}s{why}",
-            file=sys.stderr,
+            level="error",
+            stream=sys.stderr,
         )
         return EXIT_RUNTIME
     except Exception as exc:  # a URL the client refuses outright
-        print(f"vidpipe: cannot connect to NATS at {redact_url(args.nats)}: {exc}", file=sys.stderr)
+        _say(
+            args,
+            f"vidpipe: cannot connect to NATS at {redact_url(args.nats)}: {exc}",
+            level="error",
+            stream=sys.stderr,
+        )
         return EXIT_RUNTIME
     done = asyncio.Event()
     received = 0
@@ -821,10 +829,12 @@ async def cmd_subscribe(args: argparse.Namespace) -> int:
     await nc.close()
     if received == 0:
         # Silence is the one answer a newcomer cannot read: say what was listened to, and where.
-        print(
+        _say(
+            args,
             f"vidpipe: no messages on {args.subject} at {redact_url(args.nats)} in "
             f"{time.monotonic() - started:.0f}s (is a pipeline running and publishing there?)",
-            file=sys.stderr,
+            level="warning",
+            stream=sys.stderr,
         )
     return EXIT_OK
 

@@ -805,6 +805,23 @@ def test_subscribe_that_received_nothing_says_so(nats_server: EmbeddedNats) -> N
     )
 
 
+def test_subscribe_speaks_json_with_log_format_json(nats_server: EmbeddedNats) -> None:
+    # Its own lines were plain text whatever --log-format said.
+    quiet = run_cli("subscribe", "--nats", nats_server.url, "--timeout", "4", "--log-format", "json")
+    assert quiet.returncode == 0, quiet.stderr
+    (line,) = [json.loads(text) for text in quiet.stderr.splitlines()]
+    assert (line["level"], line["logger"]) == ("warning", "vidpipe")
+    assert line["msg"].startswith(f"vidpipe: no messages on vidpipe.> at {nats_server.url} in ")
+    url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    down = run_cli("subscribe", "--nats", url, "--timeout", "3", "--log-format", "json")
+    assert down.returncode == 1
+    lines = [json.loads(text) for text in down.stderr.splitlines()]
+    assert [(r["level"], r["msg"].split(" (")[0].split(" in ")[0]) for r in lines] == [
+        ("warning", f"vidpipe: waiting for NATS at {url}"),
+        ("error", f"vidpipe: cannot connect to NATS at {url}"),
+    ]
+
+
 def _wait_for_api(url: str, timeout: float = 30.0) -> None:
     """Poll ``url`` until the run's API answers (the process was started a moment ago)."""
     deadline = time.monotonic() + timeout
