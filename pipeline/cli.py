@@ -356,10 +356,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return stopped_while_starting(_command_name(args), json_lines=args.log_format == "json")
     except Exception as exc:
         if args.debug:
+            if _traceback_as_json(args, exc):
+                return EXIT_RUNTIME
             raise
         _say(args, f"vidpipe: {exc} (run with --debug for details)", level="error", stream=sys.stderr)
         return EXIT_RUNTIME
     return EXIT_USAGE
+
+
+def _traceback_as_json(args: argparse.Namespace, exc: BaseException) -> bool:
+    """With ``--debug --log-format json``, the failure and its traceback as one JSON line
+    (``exc``, as log records carry it), where raising would print the traceback as text
+    among the JSON lines. False: plain logs, so the caller raises."""
+    if args.log_format != "json":
+        return False
+    import traceback
+
+    text = "".join(traceback.format_exception(exc)).rstrip()
+    _say(args, f"vidpipe: {exc}", level="error", stream=sys.stderr, exc=text)
+    return True
 
 
 def _command_name(args: argparse.Namespace) -> str:
@@ -1036,9 +1051,10 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     except ConfigError:
         raise
     except Exception as exc:
-        if args.debug:
+        if args.debug and not _traceback_as_json(args, exc):
             raise
-        _say(args, f"vidpipe: {exc}", level="error", stream=sys.stderr)
+        if not args.debug:
+            _say(args, f"vidpipe: {exc}", level="error", stream=sys.stderr)
         with contextlib.suppress(Exception):
             await runtime.stop()
         return EXIT_RUNTIME

@@ -822,6 +822,19 @@ def test_subscribe_speaks_json_with_log_format_json(nats_server: EmbeddedNats) -
     ]
 
 
+def test_debug_with_json_logs_gives_the_traceback_as_a_json_field(squares_config: Path) -> None:
+    # --debug raised the failure, and Python printed its traceback as text among the JSON lines.
+    url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    proc = run_cli("run", str(squares_config), "--debug", "--log-format", "json", "--source", "test://?frames=3",
+                   "--nats", url)  # fmt: skip
+    assert proc.returncode == 1
+    lines = [json.loads(text) for text in proc.stderr.splitlines()]  # every line is JSON
+    last = lines[-1]
+    assert (last["level"], last["msg"].split(":")[0]) == ("error", "vidpipe")
+    assert f"cannot connect to NATS at {url}" in last["msg"]
+    assert last["exc"].startswith("Traceback (most recent call last):")
+
+
 def _wait_for_api(url: str, timeout: float = 30.0) -> None:
     """Poll ``url`` until the run's API answers (the process was started a moment ago)."""
     deadline = time.monotonic() + timeout
