@@ -11,16 +11,21 @@ batches, are read at scrape time from the counters objects themselves (a
 :class:`~inference.batcher.BatcherStats` per model) by :class:`CountersCollector`;
 ``Runtime.report()`` reads the same objects. The rest (what stages count) are
 prometheus_client metrics that only this registry holds.
+
+The registry also holds prometheus_client's ``process_*`` series (memory, CPU,
+open files of this process), which docs/operations.md names: they are not in the
+default registry vidpipe does not serve.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
@@ -117,6 +122,18 @@ class Metrics:
             ["pipeline", "source", "reason"],
             registry=r,
         )
+        # Both read at scrape time from the publisher (which sets their function), so an
+        # outage shows at the next scrape, long before the outbox is full and drops.
+        self.nats_connected = Gauge(
+            "vidpipe_nats_connected", "1 while the NATS connection is up, 0 while it is not",
+            ["pipeline"], registry=r,
+        )  # fmt: skip
+        self.publish_outbox = Gauge(
+            "vidpipe_publish_outbox_messages",
+            "Messages waiting in the core-mode outbox for NATS to come back",
+            ["pipeline"],
+            registry=r,
+        )
         self.recording_dropped = Counter(
             "vidpipe_recording_frames_dropped_total",
             "Published frames of a live source left out of its recordings (the drawing worker was behind)",
@@ -188,6 +205,9 @@ class Metrics:
         gpu = GpuCollector.create()
         if gpu is not None:
             r.register(gpu)
+        # A registry handed in may have them already (the default one does).
+        with contextlib.suppress(ValueError):
+            ProcessCollector(registry=r)
 
     def forget_source(self, pipeline: str, source: str) -> None:
         """Drop a removed source's series, so camera churn does not grow the registry.
@@ -489,10 +509,13 @@ class ModelInfoCollector(Collector):
 def exported_metric_names() -> set[str]:
     """Every series name vidpipe exports, as PromQL sees it (``_total``, ``_bucket``, ...).
 
-    Dashboards and alert rules are checked against this set.
+    Dashboards and alert rules are checked against this set. prometheus_client's
+    ``process_*`` families are not vidpipe's and are left out.
     """
     names: set[str] = set()
     for family in Metrics().registry.collect():
+        if not family.name.startswith("vidpipe_"):
+            continue
         if family.type == "counter":
             names.add(family.name + "_total")
         elif family.type == "histogram":

@@ -143,6 +143,14 @@ class Publisher:
         self.fence = fence
         self.display_url = redact_url(url) if url is not None else "no NATS (messages to this process only)"
         self._errors = RateLimitedLog(logger=log)
+        if url is not None:
+            # Read at each scrape, nothing per message; without a URL there is no connection.
+            metrics.nats_connected.labels(pipeline).set_function(self._connected_value)
+            metrics.publish_outbox.labels(pipeline).set_function(lambda: float(len(self._outbox)))
+
+    def _connected_value(self) -> float:
+        """``vidpipe_nats_connected``: 1 while the client's link is up (not while it reconnects)."""
+        return 1.0 if self.nc is not None and self.nc.is_connected else 0.0
 
     @property
     def flushing(self) -> bool:
