@@ -1,9 +1,14 @@
 """Liveness and readiness, as ``/healthz`` and ``/readyz`` report them.
 
-* live: the process answers HTTP, so its event loop turns (restart it otherwise);
-* ready: every model the stages use is loaded, NATS is connected, and at least
-  one source delivers frames: it is up, and its last ``FAILING_FRAMES`` frames did
-  not all fail in a stage (send traffic / count it as serving otherwise).
+* live: the process answers HTTP, so its event loop turns, and (in a fleet) its own
+  loops run (restart it otherwise). Nothing outside the process counts: an unreachable
+  NATS would restart every replica at once and mend nothing;
+* ready: every model the stages use is loaded, NATS is connected (in a fleet, this
+  worker's heartbeat lands too), and at least one source delivers frames: it is up,
+  and its last ``FAILING_FRAMES`` frames did not all fail in a stage (send traffic /
+  count it as serving otherwise). A pipeline whose sources are added over the API or
+  placed by a fleet (``sources_required=False``) is ready with none, since the request
+  that adds one has to reach it; once it runs some, one of them must deliver frames.
 """
 
 from __future__ import annotations
@@ -16,8 +21,12 @@ from pipeline.stats import PipelineReport
 FAILING_FRAMES = 10
 
 
-def readiness_problems(report: PipelineReport) -> list[str]:
-    """Why the pipeline in ``report`` is not ready, one short reason each; empty when ready."""
+def readiness_problems(report: PipelineReport, sources_required: bool = True) -> list[str]:
+    """Why the pipeline in ``report`` is not ready, one short reason each; empty when ready.
+
+    ``sources_required``: False where sources come from elsewhere than the configuration
+    (the API, a fleet's placement), so that running none is no reason.
+    """
     reasons: list[str] = []
     needed = set(report.models_needed)
     if needed and not report.models_loaded:
@@ -33,7 +42,8 @@ def readiness_problems(report: PipelineReport) -> list[str]:
     if not report.nats_connected:
         reasons.append("NATS is not connected")
     if not report.sources:
-        reasons.append("no sources")
+        if sources_required:
+            reasons.append("no sources")
     elif not any(src.state is SourceState.UP for src in report.sources):
         states = ", ".join(f"{src.id} {src.state.value}" for src in report.sources)
         reasons.append(f"no source is up ({states})")

@@ -1,6 +1,8 @@
 """What orchestrators and scrapers read: ``/healthz``, ``/readyz`` and ``/metrics``.
 
-``/healthz`` and ``/readyz`` never need the token (a probe has no secrets); with a
+``/healthz`` fails only when this process is stuck (its event loop, in a fleet its
+own loops), never for an outage outside it; ``/readyz`` says that (NATS, models,
+sources). Both never need the token (a probe has no secrets); with a
 token configured, ``/readyz`` shows callers without it counts only, no source ids
 or reasons. The verdicts come from :mod:`pipeline.health` over the runtime's
 :class:`~pipeline.stats.PipelineReport`.
@@ -41,7 +43,8 @@ class ProbeRoutes:
     def __init__(self, runtime: Runtime, auth: BearerAuth, fleet: FleetWorker | None) -> None:
         self._runtime = runtime
         self._auth = auth
-        # In a fleet, a worker that lost its buckets is not healthy.
+        # In a fleet: a worker whose loops are stuck is not live; one cut off from NATS
+        # or its buckets is not ready.
         self._fleet = fleet
 
     def add_to(self, router: web.UrlDispatcher) -> None:
@@ -57,7 +60,10 @@ class ProbeRoutes:
 
     async def readyz(self, request: web.Request) -> web.Response:
         report = self._runtime.report()
-        reasons = readiness_problems(report)
+        reasons = readiness_problems(report, sources_required=self._sources_required())
+        fleet_problem = self._fleet.readiness_problem() if self._fleet is not None else None
+        if fleet_problem is not None:
+            reasons.append(fleet_problem)
         if self._auth.required and not self._auth.authorized(request):
             # A probe needs the verdict; source ids and reasons are for those with the token.
             counts = {"ready": not reasons, **readiness_counts(report)}
@@ -65,6 +71,15 @@ class ProbeRoutes:
         if reasons:
             return web.json_response({"ready": False, "reasons": reasons}, status=503)
         return web.json_response({"ready": True, "reasons": []})
+
+    def _sources_required(self) -> bool:
+        """Whether running no source makes this pipeline not ready.
+
+        Only where the configuration names its sources: one that names none waits for
+        ``POST /v1/sources`` (which a load balancer routes only to a ready pipeline), and
+        a fleet worker runs what placement gives it, maybe nothing while others run it all.
+        """
+        return bool(self._runtime.config.sources) and self._fleet is None
 
     async def metrics(self, request: web.Request) -> web.Response:
         # The classic text format: what Metrics.render() writes and every scraper reads.

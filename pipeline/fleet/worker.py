@@ -175,6 +175,7 @@ class FleetWorker:
         self._probe_reconnects = 0
         self._left = False  # the heartbeat was deleted while the publishing connection is stuck
         self._last_heartbeat = 0.0  # monotonic time of the last heartbeat that landed
+        self._last_round = 0.0  # monotonic time the renewer last finished a round (landed or not)
         self._last_purge = 0.0
         # (revision, monotonic time) of a heartbeat written and not yet seen by the watcher.
         self._own_heartbeat: tuple[int, float] | None = None
@@ -329,17 +330,46 @@ class FleetWorker:
         log.info("fleet %s: worker %s left (%d source(s) handed over)", self.name, self.id, len(owned))
 
     def health_problem(self) -> str | None:
-        """Why this worker cannot take part in the fleet now (``/healthz`` fails); None when fine.
+        """Why this worker's own loops are stuck (``/healthz`` fails, restart it); None when fine.
 
-        No heartbeat has landed for ``max(30 s, 5 × lease_ttl)``: the buckets are gone and
-        cannot be made again, or NATS has been out of reach that long.
+        Only what a restart mends: the renewer or the placer ended (an error escaped it), or
+        the renewer finished no round for ``max(30 s, 5 × lease_ttl)`` while NATS was
+        connected (each call in a round is bounded, so a round that long is a stuck task).
+        NATS out of reach, or JetStream refusing writes, is an outage outside this process:
+        :meth:`readiness_problem` says so and every worker would restart for nothing.
+        """
+        if self._draining or not self._started:
+            return None
+        for task in self._tasks:
+            if task.done() and not task.cancelled():
+                error = task.exception()
+                why = _described(error) if error is not None else "it returned"
+                return f"fleet {self.name}: its {task.get_name()} loop ended: {why}"
+        if not self.connected:
+            return None  # not stuck: waiting for NATS (a round's clock starts again on reconnect)
+        quiet = time.monotonic() - max(self._last_round, self._started, self._blind_until)
+        limit = max(30.0, 5 * self.ttl)
+        if quiet > limit:
+            return (
+                f"fleet {self.name}: its renewer finished no round for {quiet:.0f}s "
+                f"(limit {limit:.0f}s) while NATS is connected"
+            )
+        return None
+
+    def readiness_problem(self) -> str | None:
+        """Why this worker cannot take part in the fleet now (``/readyz`` fails); None when fine.
+
+        NATS is out of reach, or no heartbeat has landed for ``lease_ttl`` (the others
+        count it gone after three quarters of that): the buckets are gone and cannot be
+        made again, or JetStream refuses writes.
         """
         if self._draining or not self._started:
             return None
         quiet = time.monotonic() - max(self._last_heartbeat, self._started)
-        limit = max(30.0, 5 * self.ttl)
-        if quiet > limit:
-            return f"fleet {self.name}: no heartbeat written for {quiet:.0f}s (limit {limit:.0f}s)"
+        if not self.connected:
+            return f"fleet {self.name}: NATS is not connected (no heartbeat written for {quiet:.0f}s)"
+        if quiet > self.ttl:
+            return f"fleet {self.name}: no heartbeat written for {quiet:.0f}s (limit {self.ttl:g}s)"
         return None
 
     # -- heartbeats and renewals -----------------------------------------------------------
@@ -486,6 +516,7 @@ class FleetWorker:
             except Exception as exc:
                 problem = f"{_described(exc)}"
                 self._errors("buckets", f"fleet {self.name}: bucket check failed: {problem}")
+            self._last_round = time.monotonic()
 
     async def _renew(self, lease: Lease) -> None:
         t0 = time.perf_counter()
