@@ -262,6 +262,13 @@ async def test_dashboard_watches_a_source_live_over_whep(
         # tab held it until WebRTC found the connection gone, about 30 s).
         await chromium.evaluate("document.querySelector('button.live[data-live=\"lobby\"]').click()")
         await until(lambda: len(stack.api.whep.sessions) == 1, what="a second live session", timeout=20)
+        # The page has the session's URL (the answer reached it): a page closed while its
+        # offer is still out cannot end a session it never heard of; that one expires unconnected.
+        await chromium.poll(
+            "[...cards.values()].some((c) => c.whep !== null && Boolean(c.whep.location))",
+            lambda v: v is True,
+            timeout=20,
+        )
         await chromium.evaluate("location.href = 'about:blank'")
         await until(lambda: stack.api.whep.sessions == {}, what="the session ended with the page", timeout=5)
     finally:
