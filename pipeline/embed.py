@@ -30,6 +30,10 @@ closed stops receiving.
 The pipeline ends once every source it ran has ended (as ``vidpipe run`` does)
 and then the iterators finish; ``keep_running=True`` keeps it up for sources
 added later, until :meth:`Pipeline.stop`.
+
+A pipeline belongs to the event loop that started it: call its methods on that
+loop's thread and stop it before the loop ends (its decode and model threads
+run on otherwise). It runs once: after :meth:`Pipeline.stop`, make a new one.
 """
 
 from __future__ import annotations
@@ -39,16 +43,20 @@ import collections
 import contextlib
 import inspect
 import logging
+import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from inference.ratelimit import RateLimitedLog
+from inference.schema import ConfigError, raise_errors
 from pipeline.cancel import cancel_and_wait
-from pipeline.config import PipelineConfig, load_config, parse_source
+from pipeline.config import PipelineConfig, SourceConfig, load_config, nats_url_problem, parse_source
+from pipeline.health import readiness_problems
 from pipeline.runtime import Runtime
 from pipeline.stats import PipelineReport
+from pipeline.urls import missing_file
 
 __all__ = ["Message", "Pipeline", "ResultCallback", "ResultStream"]
 
@@ -143,8 +151,32 @@ class ResultStream:
         self._channel.leave()
 
 
+def _missing_files(sources: list[SourceConfig], file: str, key: str, hint: str) -> list[ConfigError]:
+    """A ConfigError for each file source that cannot be read (missing, a folder, not a file).
+
+    Only files: a camera or stream URL is not tried, as a config file's is not.
+    """
+    errors = []
+    for i, src in enumerate(sources):
+        if src.scheme == "file" and (found := missing_file(Path(src.url))) is not None:
+            problem, own_hint = found
+            # The caller's hint says where relative paths start; a folder's own says what to do.
+            chosen = hint if problem.startswith("file not found") else own_hint
+            errors.append(ConfigError(file, None, key.format(i=i), problem, chosen))
+    return errors
+
+
 class Pipeline:
-    """One pipeline run inside this program; use ``async with`` or :meth:`start` / :meth:`stop`."""
+    """One pipeline run inside this program; use ``async with`` or :meth:`start` / :meth:`stop`.
+
+    ``nats_url``: also publish every result to this NATS server (``nats://``, ``tls://``,
+    ``ws://``, ``wss://``; several joined by commas); by default the config's ``nats.url``
+    or ``nats.servers``, and with neither no NATS at all. ``max_frames``: stop each source
+    after this many frames (at least 1). ``keep_running``: stay up when every source has
+    ended, for sources added later, until :meth:`stop`.
+
+    ``pipe = Pipeline(load_config("configs/demo.yaml", check_resources=True), max_frames=100)``
+    """
 
     def __init__(
         self,
@@ -154,11 +186,26 @@ class Pipeline:
         max_frames: int | None = None,
         keep_running: bool = False,
     ) -> None:
+        # bool is an int to Python, and a str would only fail later inside the intake task.
+        if max_frames is not None and (
+            not isinstance(max_frames, int) or isinstance(max_frames, bool) or max_frames < 1
+        ):
+            raise ValueError(f"max_frames must be a whole number of at least 1 (or None), got {max_frames!r}")
+        if nats_url is not None and (problem := nats_url_problem(nats_url.split(","))) is not None:
+            # Refused here rather than after start() has tried to connect for seconds.
+            raise ConfigError("nats_url", None, "", *problem)
         self.config = config
         if config.fleet is not None:
             log.warning(
                 "pipeline %s: its fleet: section is for vidpipe run --fleet; an embedded pipeline "
                 "runs the sources it is given (the config's, and add_source) itself",
+                config.pipeline,
+            )
+        if config.http is not None:
+            log.warning(
+                "pipeline %s: its http: section is for vidpipe run; an embedded pipeline starts no "
+                "HTTP server: the program serves its own (metrics_text() and readiness() give "
+                "/metrics and /readyz)",
                 config.pipeline,
             )
         # No URL here or in the config: no NATS at all (no embedded server either).
@@ -171,8 +218,10 @@ class Pipeline:
         self._callbacks: list[ResultCallback] = []
         self._channels: set[_Channel] = set()
         self._errors = RateLimitedLog(logger=log)
+        self._tracebacks = RateLimitedLog(logger=log, level=logging.DEBUG)
         self._started = False
         self._stopping = False
+        self._ended = False  # the result streams have ended
         self._watch: asyncio.Task[None] | None = None
         self._shutdown: asyncio.Task[None] | None = None
         self._done = asyncio.Event()
@@ -180,14 +229,27 @@ class Pipeline:
     # -- building ------------------------------------------------------------------------
 
     @classmethod
-    def from_file(cls, path: str | Path, *, sources: list[str] | None = None, **options: Any) -> Pipeline:
+    def from_file(
+        cls, path: str | Path, *, sources: str | list[str] | None = None, **options: Any
+    ) -> Pipeline:
         """A pipeline YAML file; ``sources`` replaces its sources (like ``vidpipe run --source``).
 
-        ``options`` are :class:`Pipeline`'s (``nats_url``, ``max_frames``, ``keep_running``).
-        Raises :class:`~inference.schema.ConfigError` (``FILE:LINE: ...``) for a bad file, with
-        every problem ``vidpipe validate`` reports (a model the repository lacks, a missing file).
+        ``Pipeline.from_file("configs/demo.yaml", sources=["clip.mp4"], max_frames=100)``
+
+        ``sources`` is a list of URLs, or one URL as a str; their relative paths start at the
+        working folder. ``options`` are :class:`Pipeline`'s (``nats_url``, ``max_frames``,
+        ``keep_running``). Raises :class:`~inference.schema.ConfigError` (``FILE:LINE: ...``)
+        for a bad file, with every problem ``vidpipe validate`` reports (a model the
+        repository lacks, a missing file), and for a file in ``sources`` that is missing.
         """
-        return cls(load_config(path, sources=sources, check_resources=True), **options)
+        if isinstance(sources, str):
+            sources = [sources]  # one URL, not one source per character
+        config = load_config(path, sources=sources, check_resources=True)
+        if sources is not None:
+            # load_config leaves them, as vidpipe run goes on without one; validate --source does not.
+            hint = "relative paths start at the working folder"
+            raise_errors(_missing_files(config.sources, "from_file", "sources[{i}]", hint))
+        return cls(config, **options)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, base_dir: str | Path = ".", **options: Any) -> Pipeline:
@@ -198,8 +260,17 @@ class Pipeline:
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> Pipeline:
-        """Load the models, connect NATS (when there is a URL) and start the config's sources."""
+        """Load the models, connect NATS (when there is a URL) and start the config's sources.
+
+        ``pipe = await Pipeline.from_file("configs/demo.yaml").start()``
+
+        Raises :class:`~pipeline.stages.publish.PublishError` when NATS cannot be reached and
+        :class:`~pipeline.runtime.PipelineStartError` for what only starting finds (an output
+        folder that cannot be written, a model that does not load). A pipeline starts once.
+        """
         if self._started:
+            if self._shutdown is not None:
+                raise RuntimeError("a stopped pipeline cannot be started again: make a new Pipeline")
             raise RuntimeError("the pipeline was already started")
         self._started = True
         if self._keep_running:
@@ -210,6 +281,7 @@ class Pipeline:
             with contextlib.suppress(Exception):
                 await self.runtime.stop()
             self._finish_streams()
+            self._done.set()
             raise
         if self.runtime.sources:
             self._watch_sources()
@@ -218,9 +290,12 @@ class Pipeline:
     def add_source(self, url: str, *, id: str | None = None, **options: Any) -> str:
         """Start a source (``url`` and any ``sources:`` key as keyword arguments); returns its id.
 
-        Relative file paths start at the config's folder. Raises
-        :class:`~inference.schema.ConfigError` for bad options, ``ValueError`` for an id
-        in use and :class:`~pipeline.runtime.SourceLimitError` at ``runtime.max_sources``.
+        ``pipe.add_source("clip.mp4", id="door", realtime=True)``
+
+        Relative file paths start at the config's folder (``base_dir`` for a dict). Raises
+        :class:`~inference.schema.ConfigError` for bad options or a file that is missing
+        (a camera is not tried), ``ValueError`` for an id in use and
+        :class:`~pipeline.runtime.SourceLimitError` at ``runtime.max_sources``.
         """
         if not self._started or self._shutdown is not None:
             raise RuntimeError("add_source needs a started pipeline that has not finished")
@@ -229,16 +304,28 @@ class Pipeline:
         config = parse_source(
             data, base_dir=self.config.base_dir, taken_ids=self.runtime.sources, file="add_source"
         )
+        hint = "relative paths start at the config's folder, base_dir for a dict"
+        raise_errors(_missing_files([config], "add_source", "sources.url", hint))
         run = self.runtime.add_source(config)
         self._watch_sources()
         return run.source.id
 
     async def remove_source(self, source_id: str) -> bool:
-        """Stop a source after its frames in flight are published; False if there is none."""
+        """Stop a source after its frames in flight are published; False if there is none.
+
+        ``removed = await pipe.remove_source("door")``
+
+        Once the pipeline is stopping or stopped there is nothing to remove: False.
+        """
+        if self._shutdown is not None:
+            return False
         return await self.runtime.remove_source(source_id)
 
     async def wait(self) -> None:
-        """Until the pipeline has finished (its sources ended, or :meth:`stop`)."""
+        """Until the pipeline has finished and stopped (its sources ended, or :meth:`stop`).
+
+        ``await pipe.wait()``: once it returns, :meth:`stop` has nothing left to do.
+        """
         if not self._started:
             raise RuntimeError("wait() needs a started pipeline: start() it, or use async with")
         await self._done.wait()
@@ -287,13 +374,17 @@ class Pipeline:
             await self.runtime.stop()
         finally:
             self._finish_streams()
-            await cancel_and_wait(self._watch)
+            try:
+                await cancel_and_wait(self._watch)
+            finally:
+                # Only now: a program that stops its loop once wait() returns leaves nothing running.
+                self._done.set()
 
     def _finish_streams(self) -> None:
+        self._ended = True
         for channel in self._channels:
             channel.end()
         self._channels.clear()
-        self._done.set()
 
     # -- results -------------------------------------------------------------------------
 
@@ -303,7 +394,7 @@ class Pipeline:
             raise ValueError("max_queue must be at least 1")
         channel = _Channel(max_queue)
         channel.blocking = not self._stopping
-        if self._done.is_set():
+        if self._ended:
             channel.end()
         else:
             self._channels.add(channel)
@@ -312,9 +403,14 @@ class Pipeline:
     def on_result(self, callback: ResultCallback) -> ResultCallback:
         """Call ``callback(message)`` for every result (usable as a decorator).
 
-        An async callback is awaited before the source's next message; an exception
-        is logged and the pipeline goes on. Do not await :meth:`stop` inside one:
-        it waits for this very callback; call :meth:`request_stop`.
+        ``pipe.on_result(lambda message: print(message["frame"]))``
+
+        An async callback is awaited before the source's next message. An exception
+        (``CancelledError`` included, unless the pipeline itself is being cancelled) is
+        logged with its traceback, at most once per 10 s per kind, and the pipeline goes
+        on; ``SystemExit`` and ``KeyboardInterrupt`` are not caught and end the program.
+        Do not await :meth:`stop` inside one: it waits for this very callback; call
+        :meth:`request_stop`.
         """
         self._callbacks.append(callback)
         return callback
@@ -325,24 +421,58 @@ class Pipeline:
                 result = callback(message)
                 if inspect.isawaitable(result):
                     await result
+            except asyncio.CancelledError as exc:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # the pipeline is being cancelled, not only the callback's own await
+                self._callback_failed(callback, message, exc)
             except Exception as exc:
-                self._errors(
-                    f"callback:{type(exc).__name__}",
-                    f"result callback {getattr(callback, '__name__', callback)!r} failed on frame "
-                    f"{message.get('frame')} of {message.get('source')}: {type(exc).__name__}: {exc}",
-                )
+                self._callback_failed(callback, message, exc)
         for channel in list(self._channels):
             if channel.left:
                 self._channels.discard(channel)
                 continue
             await channel.put(message)
 
+    def _callback_failed(self, callback: ResultCallback, message: Message, exc: BaseException) -> None:
+        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        # Where in the callback it failed, so the line alone leads to the bug; the whole
+        # traceback at DEBUG, on the same schedule (once per 10 s per kind).
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+        key = f"callback:{type(exc).__name__}"
+        failed = (
+            f"result callback {getattr(callback, '__name__', callback)!r} failed on frame "
+            f"{message.get('frame')} of {message.get('source')}: {text}"
+        )
+        self._errors(key, failed + where)
+        self._tracebacks(key, f"{failed}\n{''.join(traceback.format_exception(exc)).rstrip()}")
+
     # -- state ---------------------------------------------------------------------------
 
     @property
     def finished(self) -> bool:
+        """True once the pipeline has finished and stopped (what :meth:`wait` waits for)."""
         return self._done.is_set()
 
     def report(self) -> PipelineReport:
-        """Sources, models and totals as they are now (what ``/v1/stats`` shows)."""
+        """Sources, models and totals as they are now (what ``/v1/stats`` shows).
+
+        ``[(s.id, s.state.value, s.published) for s in pipe.report().sources]``
+        """
         return self.runtime.report()
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus text exposition of this pipeline's metrics (what ``/metrics`` serves).
+
+        ``web.Response(body=pipe.metrics_text(), content_type="text/plain")`` in an aiohttp route.
+        """
+        return self.runtime.metrics.render()
+
+    def readiness(self) -> list[str]:
+        """Why the pipeline is not ready, one reason each (what ``/readyz`` lists); empty when ready.
+
+        Running no source is no reason: an embedded pipeline's sources may come from
+        :meth:`add_source`. ``ready = not pipe.readiness()``
+        """
+        return readiness_problems(self.report(), sources_required=False)

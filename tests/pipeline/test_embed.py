@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import builtins
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -88,6 +92,7 @@ async def test_with_nats_the_caller_and_subscribers_get_the_same_messages(
 async def test_async_callbacks_are_awaited_in_frame_order_and_a_failing_one_does_not_stop_the_run(
     sample_models: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.DEBUG, logger="vidpipe.embed")
     order: list[int] = []
     pipe = Pipeline.from_dict(squares(sample_models))
 
@@ -104,7 +109,12 @@ async def test_async_callbacks_are_awaited_in_frame_order_and_a_failing_one_does
         pipe.add_source("test://?width=320&height=240&fps=100&frames=8", queue_size=64)
         await pipe.wait()
     assert order == list(range(8))
-    assert "result callback 'broken' failed on frame 0 of test: RuntimeError: consumer bug" in caplog.text
+    line = broken.__code__.co_firstlineno + 2  # its raise
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [
+        "result callback 'broken' failed on frame 0 of test: RuntimeError: consumer bug "
+        f"(at {__file__}:{line} in broken)"
+    ]
 
 
 async def test_a_reader_that_breaks_out_never_holds_the_pipeline(sample_models: Path) -> None:
@@ -208,3 +218,201 @@ def test_the_documented_example_runs_as_written() -> None:
         10
     )
     assert len(lines) == 10
+
+
+async def test_the_whole_traceback_of_a_failing_callback_is_logged_at_debug(
+    sample_models: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="vidpipe.embed")
+    pipe = Pipeline.from_dict(squares(sample_models))
+
+    @pipe.on_result
+    def broken(message: dict[str, Any]) -> None:
+        raise RuntimeError("consumer bug")
+
+    async with pipe:
+        pipe.add_source("test://?width=160&height=120&fps=100&frames=3", queue_size=64)
+        await pipe.wait()
+    [debug] = [
+        r.getMessage() for r in caplog.records if r.levelname == "DEBUG" and "consumer bug" in r.getMessage()
+    ]
+    assert debug.splitlines()[:2] == [
+        "result callback 'broken' failed on frame 0 of test: RuntimeError: consumer bug",
+        "Traceback (most recent call last):",
+    ]
+    assert debug.splitlines()[-2:] == ['    raise RuntimeError("consumer bug")', "RuntimeError: consumer bug"]
+
+
+async def test_a_callback_whose_await_is_cancelled_is_logged_and_the_source_goes_on(
+    sample_models: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pipe = Pipeline.from_dict(squares(sample_models))
+
+    @pipe.on_result
+    async def store(message: dict[str, Any]) -> None:
+        if message["frame"] == 2:
+            cancelled = asyncio.get_running_loop().create_future()
+            cancelled.cancel()
+            await cancelled  # a client call cancelled under the callback
+
+    async with pipe:
+        stream = pipe.results()
+        pipe.add_source("test://?width=160&height=120&fps=100&frames=6", queue_size=64)
+        # Bounded so that a regression fails rather than hangs.
+        frames = await asyncio.wait_for(_frames(stream), 30)
+    assert frames == list(range(6))
+    line = store.__code__.co_firstlineno + 5  # its await
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        f"result callback 'store' failed on frame 2 of test: CancelledError (at {__file__}:{line} in store)"
+    ]
+
+
+async def _frames(stream: Any) -> list[int]:
+    return [m["frame"] async for m in stream]
+
+
+async def test_a_missing_file_source_is_refused_when_added(sample_models: Path, tmp_path: Path) -> None:
+    (tmp_path / "clips").mkdir()
+    async with Pipeline.from_dict(squares(sample_models), base_dir=tmp_path, keep_running=True) as pipe:
+        with pytest.raises(ConfigError) as err:
+            pipe.add_source("/nonexistent.mp4")
+        assert str(err.value) == (
+            "add_source: sources.url: file not found: /nonexistent.mp4 "
+            "(hint: relative paths start at the config's folder, base_dir for a dict)"
+        )
+        with pytest.raises(ConfigError) as err:
+            pipe.add_source("clips", id="folder")
+        assert str(err.value) == (
+            f"add_source: sources.url: {tmp_path / 'clips'} is a folder, not a video file (hint: name a file in it)"
+        )
+        assert pipe.report().sources == []
+        # A camera is not tried: it is retried in the background, as in a config file.
+        assert pipe.add_source("rtsp://127.0.0.1:9/stream", id="cam") == "cam"
+
+
+def test_a_missing_file_given_to_from_file_is_refused_and_one_url_is_one_source(
+    squares_config: Path, demo_clip: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(demo_clip.parent)
+    with pytest.raises(ConfigError) as err:
+        Pipeline.from_file(squares_config, sources=["nope.mp4", demo_clip.name])
+    assert str(err.value) == (
+        f"from_file: sources[0]: file not found: {demo_clip.parent / 'nope.mp4'} "
+        "(hint: relative paths start at the working folder)"
+    )
+    pipe = Pipeline.from_file(squares_config, sources=demo_clip.name)
+    assert [s.url for s in pipe.config.sources] == [str(demo_clip)]
+
+
+@pytest.mark.parametrize("value", [0, -1, "5", 2.5, True])
+def test_max_frames_must_be_a_whole_number_of_at_least_one(sample_models: Path, value: Any) -> None:
+    with pytest.raises(ValueError) as err:
+        Pipeline.from_dict(squares(sample_models), max_frames=value)
+    assert str(err.value) == f"max_frames must be a whole number of at least 1 (or None), got {value!r}"
+
+
+def test_a_nats_url_that_is_not_one_is_refused_when_the_pipeline_is_made(sample_models: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        Pipeline.from_dict(squares(sample_models), nats_url="nats://127.0.0.1:4222,http://127.0.0.1:4222")
+    assert str(err.value) == (
+        "nats_url: 'http://127.0.0.1:4222' is not a NATS server URL "
+        "(hint: use nats://, tls://, ws://, wss://, e.g. nats://127.0.0.1:4222)"
+    )
+
+
+async def test_an_http_section_is_named_and_metrics_and_readiness_are_the_programs_to_serve(
+    sample_models: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pipe = Pipeline.from_dict(
+        squares(sample_models) | {"http": {"listen": "127.0.0.1:8080"}}, keep_running=True
+    )
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "pipeline embedded: its http: section is for vidpipe run; an embedded pipeline starts no HTTP "
+        "server: the program serves its own (metrics_text() and readiness() give /metrics and /readyz)"
+    ]
+    assert pipe.readiness() == ["models are not loaded yet", "NATS is not connected"]
+    async with pipe:
+        stream = pipe.results()
+        pipe.add_source("test://?width=160&height=120&fps=50", id="cam", queue_size=64)
+        async for message in stream:
+            if message["frame"] >= 2:
+                break
+        assert pipe.readiness() == []
+        metrics = pipe.metrics_text().decode()
+    published = [
+        line for line in metrics.splitlines() if line.startswith("vidpipe_published_messages_total{")
+    ]
+    assert len(published) == 1 and 'source="cam"' in published[0] and float(published[0].split()[-1]) >= 3
+
+
+async def test_a_stopped_pipeline_removes_nothing_and_cannot_be_started_again(sample_models: Path) -> None:
+    pipe = await Pipeline.from_dict(squares(sample_models), keep_running=True).start()
+    pipe.add_source("test://?width=160&height=120&fps=50", id="cam")
+    await pipe.stop()
+    assert await pipe.remove_source("cam") is False
+    with pytest.raises(RuntimeError) as err:
+        await pipe.start()
+    assert str(err.value) == "a stopped pipeline cannot be started again: make a new Pipeline"
+
+
+async def test_wait_returns_once_the_stop_has_finished(sample_models: Path) -> None:
+    pipe = await Pipeline.from_dict(squares(sample_models)).start()
+    pipe.add_source("test://?width=160&height=120&fps=100&frames=3", queue_size=64)
+    await pipe.wait()
+    assert pipe.finished
+    # Nothing of the pipeline is left on the loop: a program may stop it now.
+    assert [t.get_name() for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+
+def test_a_synchronous_program_drives_the_pipeline_from_a_loop_in_a_thread(sample_models: Path) -> None:
+    # The pattern docs/embedding.md gives for a program without asyncio.
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    pipe = Pipeline.from_dict(squares(sample_models), keep_running=True)
+    seen: list[int] = []
+    third = threading.Event()
+
+    def record(message: dict[str, Any]) -> None:
+        seen.append(message["frame"])
+        if len(seen) == 3:
+            third.set()
+
+    pipe.on_result(record)
+
+    async def add(url: str, id: str) -> str:
+        return pipe.add_source(url, id=id, queue_size=64)
+
+    call(pipe.start())
+    assert call(add("test://?width=160&height=120&fps=50&frames=3", "cam")) == "cam"
+    assert third.wait(60)
+    call(pipe.stop())
+    assert pipe.finished and seen == [0, 1, 2]
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+    assert not thread.is_alive()
+
+
+def test_every_example_in_the_embedding_doc_is_a_program_as_written() -> None:
+    # No top-level await (a SyntaxError outside a coroutine) and no name the reader must guess.
+    text = (ROOT / "docs" / "embedding.md").read_text()
+    examples = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(examples) == 3
+    for example in examples:
+        tree = ast.parse(example)
+        assigned = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+        imported = {
+            a.asname or a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom | ast.Import)
+            for a in n.names
+        }
+        params = {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        assert used - assigned - defined - imported - params - set(dir(builtins)) == set(), example
