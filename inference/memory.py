@@ -99,6 +99,7 @@ class BufferPool:
         self._handles = [BufferHandle(self, i, self._allocate()) for i in range(count)]
         self._free = list(reversed(self._handles))
         self._waits = 0
+        self._closed = False
 
     def _allocate(self) -> Any:
         # The only place the pool creates an array, so ``allocations`` counts every one.
@@ -138,6 +139,8 @@ class BufferPool:
                 self._waits += 1
                 deadline = None if timeout is None else time.monotonic() + timeout
                 while not self._free:
+                    if self._closed:
+                        raise PoolExhausted(f"{self.name}: the pool is closed (its source was removed)")
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         raise PoolExhausted(
@@ -154,9 +157,23 @@ class BufferPool:
             if handle._refs <= 0:
                 raise RuntimeError(f"{self.name}: buffer {handle.index} released more often than acquired")
             handle._refs -= 1
-            if handle._refs == 0:
+            if handle._refs == 0 and not self._closed:
                 self._free.append(handle)
                 self._cond.notify()
+
+    def close(self) -> None:
+        """The pool's owner is gone (a removed source): let its arrays go now.
+
+        Pool and handles refer to each other, so without this a dropped pool waits for
+        Python's cyclic collector, which may not run for hours: every removed camera's
+        frames stayed resident. Free arrays go at once; one still out goes when it is
+        released. The pool hands out nothing more.
+        """
+        with self._cond:
+            self._closed = True
+            self._handles = []
+            self._free = []
+            self._cond.notify_all()
 
     def __repr__(self) -> str:
         return (

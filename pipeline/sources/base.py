@@ -202,9 +202,12 @@ class Source(ABC):
         self._ended.wait(timeout)
 
     def release_pools(self) -> None:
-        """Give this source's frame pool back to the budget (it is being removed)."""
+        """Give this source's frame pool back to the budget and free it (it is being removed)."""
         if self.frame_memory is not None:
             self.frame_memory.release(self)
+        pool, self.frame_pool = self.frame_pool, None
+        if pool is not None:
+            pool.close()
 
     def set_state(self, state: SourceState, reason: str = "") -> None:
         if state == self.state and reason == self.reason:

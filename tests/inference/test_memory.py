@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -110,3 +112,29 @@ def test_allocations_counts_the_arrays_the_array_module_created() -> None:
 def test_count_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least one buffer"):
         BufferPool((1,), np.uint8, count=0)
+
+
+def test_a_closed_pool_lets_its_arrays_go_without_the_cyclic_collector() -> None:
+    # Pool and handles refer to each other: a removed camera's dropped pool waited for a
+    # full garbage collection, which may not come for hours, with its frames resident.
+    gc.disable()
+    try:
+        pool = BufferPool((64, 64, 3), np.uint8, 3, name="frames-gone")
+        out = pool.acquire()
+        free = [weakref.ref(h.array) for h in pool._handles if h is not out]
+        pool.close()
+        del pool
+        assert [ref() is None for ref in free] == [True, True]
+        kept = weakref.ref(out.array)
+        out.release()  # a frame given up on comes back after the close: it is let go too
+        del out
+        assert kept() is None
+    finally:
+        gc.enable()
+
+
+def test_a_closed_pool_hands_out_nothing() -> None:
+    pool = BufferPool((4,), np.uint8, 1, name="frames-gone")
+    pool.close()
+    with pytest.raises(PoolExhausted, match="frames-gone: the pool is closed"):
+        pool.acquire(timeout=5)
