@@ -764,7 +764,7 @@ async def _connect_client(servers: str) -> Any:
     )
 
 
-async def _wait_for_server(servers: str, problems: list[str], args: argparse.Namespace | None = None) -> Any:
+async def _wait_for_server(servers: str, problems: list[str], args: argparse.Namespace) -> Any:
     """A client that keeps trying until a server answers, and reconnects for as long as it runs:
     a subscriber may start before the pipeline and outlive a server restart. The first
     failure to connect is said once on stderr (in ``args``' log format); ``problems`` gets each one."""
@@ -777,7 +777,7 @@ async def _wait_for_server(servers: str, problems: list[str], args: argparse.Nam
         if not connected:
             if not problems:
                 _say(
-                    args or argparse.Namespace(),
+                    args,
                     f"vidpipe: waiting for NATS at {redact_url(servers)} ({exc or type(exc).__name__}); "
                     "Ctrl-C to stop",
                     level="warning",
