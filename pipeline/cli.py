@@ -50,7 +50,7 @@ from typing import Any
 
 import pipeline
 from inference.schema import MAX_REPORTED_ERRORS, ConfigError, raise_errors
-from pipeline.config import HttpConfig, PipelineConfig, load_config
+from pipeline.config import HttpConfig, PipelineConfig, load_config, missing_source_files
 from pipeline.console import (
     EXIT_FORCED,
     EXIT_OK,
@@ -62,7 +62,6 @@ from pipeline.console import (
 )
 from pipeline.redact import redact_url
 from pipeline.sources.schemes import SCHEME_OPTIONS
-from pipeline.urls import missing_file
 
 log = logging.getLogger("vidpipe")
 # What ends `run` and `subscribe` gracefully: Ctrl-C, a supervisor's stop, a closed terminal.
@@ -402,21 +401,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.source:
         # `run` goes on without a missing --source file (as with a camera that is down) and
         # so load_config leaves them; asked to validate them, say what run would find.
-        missing = [
-            ConfigError(
-                "--source",
-                None,
-                "",
-                problem,
-                "relative paths start at the working folder"
-                if problem.startswith("file not found")
-                else hint,
-            )
-            for src in cfg.sources
-            if src.scheme == "file" and (found := missing_file(Path(src.url))) is not None
-            for problem, hint in [found]
-        ]
-        raise_errors(missing)
+        raise_errors(
+            missing_source_files(cfg.sources, "--source", "", "relative paths start at the working folder")
+        )
     _check_settings(_with_http(cfg, None), args)
     whip = _whip_without_http(cfg, args)
     if whip is not None:

@@ -788,6 +788,23 @@ def _output_problem(cfg: PipelineConfig, out: OutputConfig) -> tuple[str, str] |
     return None
 
 
+def missing_source_files(sources: list[SourceConfig], file: str, key: str, hint: str) -> list[ConfigError]:
+    """A ConfigError for each file source that cannot be read (missing, a folder, not a file),
+    for sources given outside a config file (``--source``, ``add_source``): ``file`` and
+    ``key`` (``sources[{i}]``) name where, ``hint`` says where relative paths start.
+
+    Only files: a camera or stream URL is not tried, as a config file's is not.
+    """
+    errors = []
+    for i, src in enumerate(sources):
+        if src.scheme == "file" and (found := missing_file(Path(src.url))) is not None:
+            problem, own_hint = found
+            # The caller's hint says where relative paths start; a folder's own says what to do.
+            chosen = hint if problem.startswith("file not found") else own_hint
+            errors.append(ConfigError(file, None, key.format(i=i), problem, chosen))
+    return errors
+
+
 def _check_resources(
     cfg: PipelineConfig,
     stages: list[tuple[int, StageOptions]],

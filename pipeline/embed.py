@@ -52,11 +52,10 @@ from typing import Any
 from inference.ratelimit import RateLimitedLog
 from inference.schema import ConfigError, raise_errors
 from pipeline.cancel import cancel_and_wait
-from pipeline.config import PipelineConfig, SourceConfig, load_config, nats_url_problem, parse_source
+from pipeline.config import PipelineConfig, load_config, missing_source_files, nats_url_problem, parse_source
 from pipeline.health import readiness_problems
 from pipeline.runtime import Runtime
 from pipeline.stats import PipelineReport
-from pipeline.urls import missing_file
 
 __all__ = ["Message", "Pipeline", "ResultCallback", "ResultStream"]
 
@@ -151,21 +150,6 @@ class ResultStream:
         self._channel.leave()
 
 
-def _missing_files(sources: list[SourceConfig], file: str, key: str, hint: str) -> list[ConfigError]:
-    """A ConfigError for each file source that cannot be read (missing, a folder, not a file).
-
-    Only files: a camera or stream URL is not tried, as a config file's is not.
-    """
-    errors = []
-    for i, src in enumerate(sources):
-        if src.scheme == "file" and (found := missing_file(Path(src.url))) is not None:
-            problem, own_hint = found
-            # The caller's hint says where relative paths start; a folder's own says what to do.
-            chosen = hint if problem.startswith("file not found") else own_hint
-            errors.append(ConfigError(file, None, key.format(i=i), problem, chosen))
-    return errors
-
-
 class Pipeline:
     """One pipeline run inside this program; use ``async with`` or :meth:`start` / :meth:`stop`.
 
@@ -248,7 +232,7 @@ class Pipeline:
         if sources is not None:
             # load_config leaves them, as vidpipe run goes on without one; validate --source does not.
             hint = "relative paths start at the working folder"
-            raise_errors(_missing_files(config.sources, "from_file", "sources[{i}]", hint))
+            raise_errors(missing_source_files(config.sources, "from_file", "sources[{i}]", hint))
         return cls(config, **options)
 
     @classmethod
@@ -305,7 +289,7 @@ class Pipeline:
             data, base_dir=self.config.base_dir, taken_ids=self.runtime.sources, file="add_source"
         )
         hint = "relative paths start at the config's folder, base_dir for a dict"
-        raise_errors(_missing_files([config], "add_source", "sources.url", hint))
+        raise_errors(missing_source_files([config], "add_source", "sources.url", hint))
         run = self.runtime.add_source(config)
         self._watch_sources()
         return run.source.id
