@@ -840,3 +840,35 @@ def test_a_model_file_openvino_cannot_read_is_one_line_naming_why(tmp_path: Path
         f"squares: {config}:4: model_file.path: OpenVINO cannot read {config.parent / 'model.onnx'}: "
         "it is not an ONNX model (hint: re-export the model)"
     )
+
+
+# Run in a fresh interpreter: counts the forks (os.register_at_fork) while vidpipe's
+# OpenVINO backend module, OpenVINO and NNCF load, then lists the home folder.
+_TELEMETRY_PROBE = """
+import os, sys
+forks = []
+os.register_at_fork(before=lambda: forks.append(1))
+import inference.backends.openvino
+import openvino, nncf
+print(len(forks), sorted(os.listdir(os.environ["HOME"])), sys.modules["openvino_telemetry"])
+"""
+
+
+def test_loading_openvino_sends_no_telemetry_and_forks_nothing(tmp_path: Path) -> None:
+    # OpenVINO posts a usage event to Google Analytics on import, from a forked child that
+    # inherits the event loop's signal fd; vidpipe must neither send it nor fork for it.
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    home.mkdir()
+    probe = subprocess.run(
+        [sys.executable, "-c", _TELEMETRY_PROBE],
+        cwd=ROOT,
+        env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.strip() == "0 [] None"
