@@ -1000,7 +1000,7 @@ async def run_pipeline(cfg: PipelineConfig, args: argparse.Namespace) -> int:
                 await fleet.stop()
             await runtime.stop()
             if summary is not None:
-                await summary.stop()
+                await summary.stop(totals=False)
                 summary = None
             _ignore_stop_signals(loop)
             return stopped_while_starting(_command_name(args), json_lines=args.log_format == "json")

@@ -159,7 +159,9 @@ class Summary:
             line = json.dumps({**record, **fields}, ensure_ascii=False)
         print(line, file=self.out, flush=True)
 
-    async def stop(self) -> None:
+    async def stop(self, totals: bool = True) -> None:
+        """Stop reading; ``totals``: print the run's closing ``received ...`` line (not for a
+        run stopped before any source started, which has nothing to sum up)."""
         if self._nc is not None:
             # The server may already be gone at shutdown.
             with contextlib.suppress(Exception):
@@ -170,6 +172,8 @@ class Summary:
             self.print_line()
         if self._nc is not None:
             await self._nc.close()
+        if not totals:
+            return
         total = sum(self.totals.values())
         common = ", ".join(f'"{t}" x{n}' for t, n in self.texts.most_common(8))
         labels = ", ".join(

@@ -170,9 +170,13 @@ def _slow_detector(links: int) -> onnx.ModelProto:
     return model
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+@pytest.mark.parametrize(
+    ("sig", "summary"),
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["sigint", "sigterm", "sigint-summary"],
+)
 def test_a_stop_while_the_models_load_starts_no_source_and_says_it_stopped_while_starting(
-    tmp_path: Path, sample_models: Path, sig: signal.Signals
+    tmp_path: Path, sample_models: Path, sig: signal.Signals, summary: bool
 ) -> None:
     repo = tmp_path / "models"
     shutil.copytree(sample_models / "squares", repo / "squares")
@@ -187,7 +191,7 @@ def test_a_stop_while_the_models_load_starts_no_source_and_says_it_stopped_while
         "  - {name: slow, type: infer, model: a_slow}\n  - {name: det, type: infer, model: squares}\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "run", str(path)],
+        [sys.executable, "-m", "pipeline.cli", "run", str(path), *(["--summary"] if summary else [])],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -207,7 +211,11 @@ def test_a_stop_while_the_models_load_starts_no_source_and_says_it_stopped_while
             proc.kill()
     lines = _without_times("".join(seen) + line + err)
     assert proc.returncode == 0, err
-    assert re.fullmatch(r"embedded NATS server at nats://127\.0\.0\.1:\d+\n", out), out
+    first, *rest = out.splitlines()
+    assert re.fullmatch(r"embedded NATS server at nats://127\.0\.0\.1:\d+", first), out
+    # --summary: its seconds while the models load, and no totals of a run that never ran.
+    assert all(re.fullmatch(r"\[ *\d+s\] waiting for frames", line) for line in rest), out
+    assert summary or not rest, out
     assert lines == [
         "info loading 2 model(s): a_slow, squares",
         "info stopping: no source will start; model a_slow finishes loading first (signal again to force)",
