@@ -336,7 +336,10 @@ class Runtime:
         self._warnings = RateLimitedLog(logger=log, level=logging.WARNING)
         # A camera that stays down: its first failures each a line, then one every few minutes.
         self._retry_log = RetryLog()
-        self.outputs = Outputs(config, publish=self._publish_raw, on_recording_drop=self._on_recording_drop)
+        # Clips messages go the way events go: outbox or acks, losses counted (pipeline.stages.publish).
+        self.outputs = Outputs(
+            config, publish=self.publisher.publish_clip, on_recording_drop=self._on_recording_drop
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -546,12 +549,18 @@ class Runtime:
         # Every frame of this source is in its queue, in flight, being decoded, or the
         # latest one kept for the snapshot; more buffers than that would never be used.
         in_flight = self.max_in_flight(len(self.sources) + 1)
+        # This run's id in the messages' Nats-Msg-Id; its clips (written later, maybe after
+        # the source is gone) carry it too.
+        stream_id = uuid.uuid4().hex[:12]
+        clips = self.outputs.add_source(
+            config, gives_packets=class_of(config).gives_packets, stream_id=stream_id
+        )
         # Drops and reconnects are counted by the source's own counters (pipeline.counters).
         context = SourceContext(
             on_state=self._on_source_state,
             frame_pool_size=config.queue_size + in_flight + 4,
             frame_memory=self.frame_memory,
-            packet_listener=self.outputs.add_source(config, gives_packets=class_of(config).gives_packets),
+            packet_listener=clips,
         )
         try:
             source = create_source(config, context)
@@ -565,7 +574,9 @@ class Runtime:
             counters.drop("queue_full")
 
         queue: FrameQueue[Frame] = FrameQueue(config.queue_size, policy, loop, on_drop, breaks=True)
-        run = SourceRun(config=config, source=source, queue=queue, max_in_flight=in_flight)
+        run = SourceRun(
+            config=config, source=source, queue=queue, max_in_flight=in_flight, stream_id=stream_id
+        )
         self.sources[sid] = run
         run.intake = asyncio.create_task(self._intake(run), name=f"intake-{sid}")
         source.start(queue)
@@ -857,12 +868,6 @@ class Runtime:
                 self._on_published(frame)
             except Exception as exc:  # an embedder's hook must not stall this source
                 log.error("on_published hook failed on frame %d of %s: %r", frame.index, frame.source, exc)
-
-    async def _publish_raw(self, subject: str, payload: bytes) -> None:
-        """A message beside the detections (clips) on the pipeline's NATS connection."""
-        nc = self.publisher.nc
-        if nc is not None and nc.is_connected:
-            await nc.publish(subject, payload)
 
     async def _end_source(self, run: SourceRun, key: str = "end") -> None:
         """After a source's last frame, or the last before its stream broke: publish what

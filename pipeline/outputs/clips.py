@@ -26,7 +26,9 @@ to the end of their group (up to the next packet shown later than all before it,
 a keyframe) when a frame before the end is among them, and dropped when none is. A
 clip so ends with at most one run of B-frames and its reference frame past the end,
 with no frame missing in between; its ``end`` is its last frame's pts (the largest),
-not the last packet's. Events while a clip records are part of it. The clip is
+not the last packet's. An event shown before a clip's end (its event plus ``post_s``)
+is part of it; one at the end or later opens its own clip, also while the one before
+still waits for its last packets (clips of one recorder may so record at once). The clip is
 muxed on a worker thread as it came from the camera (no decode, no encode), its
 first frame at 0, and announced on ``vidpipe.<pipeline>.<source>.clips``
 (docs/outputs.md).
@@ -293,13 +295,18 @@ class ClipRecorder:
         # oldest first. Each is let go once a frame of the stream after it is published, so
         # there are never more than the frames decoded ahead (the source's frame pool).
         self._ended: collections.deque[_Ended] = collections.deque()
-        self._active: _Clip | None = None
+        # Clips recording (more than one only while the one before waits for its last packets).
+        self._active: list[_Clip] = []
         # Stream seconds where the last clip of this stream ends: an event before it is part
         # of that clip, even once the clip is written (a file decodes ahead of publishing).
         self._last_end_s = -math.inf
+        # The last stream ended (its ring let go) and no packet of a new one has come: an
+        # event of its frames still being published has no clip, for that reason.
+        self._stream_gone = False
         # A keyframe that came without timestamps, and its stream: stamped by the next packet.
         self._unstamped: tuple[Any, Any] | None = None
         self._warned_empty_at = -math.inf
+        self._warned_gone_at = -math.inf
         self._known: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._warned_at = -math.inf
         self._closed = False  # the source ended: packets still on their way are not kept
@@ -347,18 +354,18 @@ class ClipRecorder:
                 done.extend(self._end_stream(keep=True))
                 self._stream = stream
                 self._template = _template(stream)
-            clip = self._active
-            if clip is not None:
+                self._stream_gone = False
+            for clip in list(self._active):
                 if _take(clip, seconds, packet):
                     done.append(clip)
-                    self._active = None
+                    self._active.remove(clip)
                 elif clip.bytes >= CLIP_MAX_BYTES:
                     log.warning(
                         "source %s: clip of %s stopped at %d MB (the most a clip holds)",
                         self.source, clip.event, CLIP_MAX_BYTES // 2**20,
                     )  # fmt: skip
                     done.append(clip)
-                    self._active = None
+                    self._active.remove(clip)
             if self._ring or packet.is_keyframe:  # a ring starts at a keyframe, or nothing decodes
                 self._starved = False
                 self._ring.append((seconds, packet))
@@ -422,9 +429,12 @@ class ClipRecorder:
         frames may still be published; the ring is kept for their events. Otherwise
         every ring goes.
         """
-        clip, self._active = self._active, None
+        clips, self._active = self._active, []
         if not keep:
             self._ended.clear()
+            # Frames of this stream may still be on their way to publishing (a live
+            # source's queue): their events find no ring, and the log says why.
+            self._stream_gone = self._stream_gone or self._stream is not None
         elif self._ring and self._first_pts is not None and self._delta is not None:
             self._ended.append(
                 _Ended(self._first_pts, self._delta, self._template, self._ring, self._last_end_s)
@@ -438,7 +448,7 @@ class ClipRecorder:
         self._template = None
         self._delta = None
         self._unstamped = None
-        return [clip] if clip is not None and clip.packets else []
+        return [clip for clip in clips if clip.packets]
 
     def stream_ended(self) -> None:
         """The source's stream ended (it reconnects, or stopped): release the ring, write the clip."""
@@ -467,8 +477,6 @@ class ClipRecorder:
             at_pts, at_frame = frame.pts, frame.index
             zone = line = direction = None
         with self._lock:
-            if self._active is not None:
-                return  # one clip at a time: this event is inside the one recording
             # An event of a stream that has ended (a looping file's pass before) is cut from
             # that stream's packets: its clip ends at the seam at the latest.
             ended = self._ended_at(at_pts)
@@ -478,8 +486,21 @@ class ClipRecorder:
                 ring, template, last_end_s = self._ring, self._template, self._last_end_s
                 delta = self._delta if self._delta is not None else 0.0
             event_s = at_pts - delta
-            if event_s <= last_end_s:
-                return  # inside the last clip's window, already written: part of that clip
+            if event_s < last_end_s - SAME_TIME_S:
+                # Shown before the last clip's end (recording, or already written when a file
+                # decodes ahead): part of that clip. At its end or later, the frame is not in
+                # it (a clip holds the frames before its end), so it gets a clip of its own.
+                return
+            if not ring and ended is None and self._stream_gone:
+                now = time.monotonic()
+                if now - self._warned_gone_at >= 60:
+                    self._warned_gone_at = now
+                    log.warning(
+                        "source %s: no clip for %s at frame %d: the stream ended (a reconnect, the "
+                        "source's end) before the frame was published, and its clip ring went with it",
+                        self.source, event, at_frame,
+                    )  # fmt: skip
+                return
             if not ring:
                 now = time.monotonic()
                 if now - self._warned_empty_at >= 60:
@@ -514,7 +535,7 @@ class ClipRecorder:
                     complete = True
                     break
             if not complete:
-                self._active = clip
+                self._active.append(clip)
             elif clip.packets:
                 self._writer.submit(self._write, clip)
 

@@ -29,6 +29,12 @@ its objects and at the events any stage attached to it: the one way events
 reach outputs) and every packet on the source's thread. When a live source's
 stream ends (it goes to backoff) the runtime calls :meth:`Outputs.stream_ended`
 so the clip rings let their packets go.
+
+Each written clip is handed to the ``publish`` callback (the runtime's
+:meth:`~pipeline.stages.publish.Publisher.publish_clip`), which sends it as
+events are sent: queued while NATS is away, acknowledged in JetStream mode,
+with ``Nats-Msg-Id: <pipeline>/<source>/<stream id>/<event frame>/clip-<k>``
+(``<k>``: the place of its ``clips`` output among the pipeline's).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +61,7 @@ from pipeline.sources.base import PacketListener
 
 log = logging.getLogger("vidpipe.outputs")
 
-__all__ = ["CLIPS_SCHEMA", "Outputs", "clips_subject"]
+__all__ = ["CLIPS_SCHEMA", "ClipPublish", "Outputs", "clip_message", "clips_schema", "clips_subject"]
 
 CLIPS_SCHEMA = "vidpipe.clips/v1"
 # Frames a source's worker may hold (each keeps a pooled buffer): the frame pool has
@@ -65,6 +72,10 @@ MAX_PENDING = 2
 # A longer one drops frames from the recording; a stop waits for at most these.
 BACKLOG_FRAMES = 30
 BACKLOG_BYTES = 48 * 1024 * 1024
+
+# Sends a clips message: ``publish(subject, source, message, stream id, key)``, ``key`` being
+# ``<event frame>/clip-<k>``; it returns at once (the message may wait for NATS).
+ClipPublish = Callable[[str, str, dict[str, Any], str, str], None]
 
 
 def clips_subject(prefix: str, pipeline: str, source: str) -> str:
@@ -117,19 +128,18 @@ class Outputs:
     def __init__(
         self,
         config: PipelineConfig,
-        publish: Any = None,
+        publish: ClipPublish | None = None,
         on_recording_drop: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         # Told the source of each frame a live recording leaves out (metrics and the log).
         self._on_recording_drop = on_recording_drop
         self.relay = FrameRelay()
-        # Sends a clips message: ``await publish(subject, payload)`` (the runtime's NATS connection).
+        # Sends a clips message (the runtime's publisher: outbox or acks, as events go).
         self._publish = publish
         self._sources: dict[str, _SourceOutputs] = {}
         self._clip_writer = ThreadPoolExecutor(1, thread_name_prefix="clips")
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._announcing: set[asyncio.Task[None]] = set()
         # Workers finishing the files of ended sources; close() waits for them.
         self._finishing: list[ThreadPoolExecutor] = []
         self.clips: list[ClipInfo] = []
@@ -137,10 +147,13 @@ class Outputs:
     def _path(self, template: str, source: str) -> Path:
         return (Path(self.config.base_dir) / template.replace("{source}", source)).resolve()
 
-    def add_source(self, source: SourceConfig, *, gives_packets: bool) -> PacketListener | None:
+    def add_source(
+        self, source: SourceConfig, *, gives_packets: bool, stream_id: str = ""
+    ) -> PacketListener | None:
         """Set up the outputs that apply to ``source``; the packet listener to build it with, if any.
 
         ``gives_packets``: whether its class demuxes packets (event clips are cut from them).
+        ``stream_id``: this run of the source, as in its messages' ``Nats-Msg-Id``.
         """
         self._loop = asyncio.get_running_loop()
         sid = source.source_id
@@ -150,10 +163,11 @@ class Outputs:
             for o in self.config.outputs
             if isinstance(o, FileOutputConfig) and _applies(o.sources, sid)
         ]
+        clips_outputs = [o for o in self.config.outputs if isinstance(o, ClipsOutputConfig)]
         clips = [
-            ClipRecorder(o, sid, self._path(o.dir, sid), self._clip_writer, self._clip_written)
-            for o in self.config.outputs
-            if isinstance(o, ClipsOutputConfig) and _applies(o.sources, sid)
+            ClipRecorder(o, sid, self._path(o.dir, sid), self._clip_writer, self._announcer(stream_id, k))
+            for k, o in enumerate(clips_outputs)
+            if _applies(o.sources, sid)
         ]
         if clips and not gives_packets:
             log.warning("source %s: no packets to cut clips from (%s); clips off", sid, source.scheme)
@@ -279,35 +293,53 @@ class Outputs:
         workers, self._finishing = self._finishing, []
         for worker in workers:
             await asyncio.get_running_loop().run_in_executor(None, worker.shutdown, True)
+        # The announcements of the last clips run on the loop before this returns; the
+        # publisher's close waits for their messages.
         await asyncio.get_running_loop().run_in_executor(None, self._clip_writer.shutdown, True)
-        if self._announcing:
-            await asyncio.gather(*self._announcing, return_exceptions=True)
 
     # -- clips -----------------------------------------------------------------------------
 
-    def _clip_written(self, info: ClipInfo) -> None:
-        # On the clip writer thread: the message goes out from the event loop.
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        loop.call_soon_threadsafe(self._announce, info)
+    def _announcer(self, stream_id: str, output: int) -> Callable[[ClipInfo], None]:
+        """What a clip recorder calls, on the clip writer thread, with each clip it wrote."""
 
-    def _announce(self, info: ClipInfo) -> None:
+        def written(info: ClipInfo) -> None:
+            # The message goes out from the event loop.
+            loop = self._loop
+            if loop is None or loop.is_closed():
+                return
+            loop.call_soon_threadsafe(self._announce, info, stream_id, output)
+
+        return written
+
+    def _announce(self, info: ClipInfo, stream_id: str = "", output: int = 0) -> None:
         self.clips.append(info)
         del self.clips[:-100]
         log.info("source %s: clip %s (%s, %.1fs)", info.source, info.path, info.event, info.end - info.start)
         if self._publish is None:
             return
         subject = clips_subject(self.config.nats.subject_prefix, self.config.pipeline, info.source)
-        payload = json.dumps(clip_message(self.config.pipeline, info)).encode()
-        task = asyncio.ensure_future(self._publish(subject, payload))
-        self._announcing.add(task)
-        task.add_done_callback(self._announcing.discard)
+        message = clip_message(self.config.pipeline, info)
+        self._publish(subject, info.source, message, stream_id, clip_key(info.event_frame, output))
+
+
+def clip_key(event_frame: int, output: int) -> str:
+    """The tail of a clip's ``Nats-Msg-Id`` after the stream id: ``<event frame>/clip-<output>``.
+
+    Two clips of one output never open at the same event frame (a later event at that frame
+    is inside the first clip), so the frame and the output's place make the clip unique
+    within a run of its source, and the same on every retry.
+    """
+    return f"{event_frame}/clip-{output}"
+
+
+def _seconds(value: float) -> float:
+    """Seconds to the microsecond, never ``-0.0`` (a first frame at the very start)."""
+    return round(value, 6) + 0.0
 
 
 def clip_message(pipeline: str, info: ClipInfo) -> dict[str, Any]:
     """The ``vidpipe.clips/v1`` payload (docs/outputs.md)."""
-    event: dict[str, Any] = {"type": info.event, "pts": round(info.event_pts, 6), "frame": info.event_frame,
+    event: dict[str, Any] = {"type": info.event, "pts": _seconds(info.event_pts), "frame": info.event_frame,
                              "label": info.label}  # fmt: skip
     if info.track_id is not None:
         event["track_id"] = info.track_id
@@ -321,10 +353,17 @@ def clip_message(pipeline: str, info: ClipInfo) -> dict[str, Any]:
         "pipeline": pipeline,
         "source": info.source,
         "path": str(info.path),
-        "start": round(info.start, 6),
-        "end": round(info.end, 6),
-        "duration": round(info.end - info.start, 6),
+        "start": _seconds(info.start),
+        "end": _seconds(info.end),
+        "duration": _seconds(info.end - info.start),
         "event": event,
         "bytes": info.bytes,
         "created_ts": round(time.time(), 6),
     }
+
+
+def clips_schema() -> dict[str, Any]:
+    """The JSON Schema of the ``vidpipe.clips/v1`` message (``pipeline/schemas/clips.v1.json``)."""
+    text = resources.files("pipeline").joinpath("schemas/clips.v1.json").read_text()
+    schema: dict[str, Any] = json.loads(text)
+    return schema

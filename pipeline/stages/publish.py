@@ -1,5 +1,6 @@
 """Publishing: one message per processed frame to ``vidpipe.<pipeline>.<source>.detections``,
-then one per event found in it to ``vidpipe.<pipeline>.<source>.events``.
+then one per event found in it to ``vidpipe.<pipeline>.<source>.events``; besides, one per
+event clip written to ``vidpipe.<pipeline>.<source>.clips`` (:meth:`Publisher.publish_clip`).
 
 ::
 
@@ -21,10 +22,15 @@ outbox is empty.
 created or verified at start; each message carries ``Nats-Msg-Id:
 <pipeline>/<source>/<run>/<frame>`` (``<run>`` tells apart runs of a source whose
 frame numbers start again at 0; an event adds ``/<n>``, its place among the
-frame's events) so a retry after a lost ack is de-duplicated by the server. A
+frame's events; a clip ``/clip-<k>`` after its event's frame, ``<k>`` its ``clips``
+output's place) so a retry after a lost ack is de-duplicated by the server. A
 message is retried until acknowledged, with :func:`~pipeline.backoff.backoff_delay`
 between tries (0.1 s doubling to 2 s); the per-source publisher waits
 meanwhile, which backs pressure up the graph instead of dropping.
+
+Clips messages take the same way, outbox or acks, and their losses are counted
+alike; each is sent by a task of its own (the clip is written on a worker thread,
+not in a source's publisher), which :meth:`Publisher.close` waits for first.
 
 Without a URL (a program embedding vidpipe without NATS, see docs/embedding.md)
 nothing connects anywhere: each message only goes to ``on_message``. With a URL,
@@ -132,6 +138,8 @@ class Publisher:
         self.unsent: dict[str, int] = {}
         # Messages of each source the full outbox dropped (its oldest) while NATS was away.
         self.overflowed: dict[str, int] = {}
+        # Clips messages on their way (queued or sent in core mode at once; acked in JetStream mode).
+        self._clips: set[asyncio.Task[None]] = set()
         self._warnings = RateLimitedLog(logger=log, level=logging.WARNING)
         # Set while the connection is up; the reconnect callback sets it, which wakes the flusher.
         self.connected = asyncio.Event()
@@ -303,6 +311,44 @@ class Publisher:
             msg_id = f"{self.pipeline}/{source}/{stream_id}/{key}/{n}"
             await self._send(subject, source, payload, msg_id, event.type, f"{event.type} event of {key}")
 
+    def publish_clip(
+        self, subject: str, source: str, message: dict[str, Any], stream_id: str, key: str
+    ) -> None:
+        """Send a clips message of ``source`` the way events go (outbox or acks), without waiting.
+
+        ``stream_id`` and ``key`` (``<event frame>/clip-<k>``) make its de-duplication id.
+        Called on the event loop; :meth:`close` waits for the messages still on their way.
+        """
+        if self.url is None:
+            return  # no NATS: the clip is logged and kept, nothing is sent anywhere
+        payload = encode(message)
+        msg_id = f"{self.pipeline}/{source}/{stream_id}/{key}"
+        task = asyncio.create_task(self._send_clip(subject, source, payload, msg_id), name="nats-clip")
+        self._clips.add(task)
+        task.add_done_callback(self._clips.discard)
+
+    async def _send_clip(self, subject: str, source: str, payload: bytes, msg_id: str) -> None:
+        if self.nc is None:
+            self._unsent(collections.Counter([source]))  # announced after the stop: lost as at it
+            return
+        try:
+            await self._send(subject, source, payload, msg_id, "clips", "clip")
+        except asyncio.CancelledError:
+            # The stop gave up on it (JetStream had not acknowledged it): counted as not sent.
+            self._unsent(collections.Counter([source]))
+            raise
+        except PublishError:
+            pass  # the connection closed: already counted and logged as failed
+
+    async def _finish_clips(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the clips messages on their way; give up on the rest."""
+        if not self._clips:
+            return
+        _, late = await asyncio.wait(set(self._clips), timeout=timeout)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+
     async def _send(
         self, subject: str, source: str, payload: bytes, msg_id: str, kind: str, what: str
     ) -> bool:
@@ -417,7 +463,22 @@ class Publisher:
             "wait for the broker instead)",
         )
 
+    def _unsent(self, lost: collections.Counter[str]) -> None:
+        """Count, and say, the messages of each source the stop gave up on."""
+        for source, n in lost.items():
+            self.metrics.publish_errors.labels(self.pipeline, source, "shutdown").inc(n)
+            self.unsent[source] = self.unsent.get(source, 0) + n
+        if lost:
+            log.warning(
+                "%d message(s) not sent: NATS at %s did not take them before the stop (%s)",
+                sum(lost.values()),
+                self.display_url,
+                ", ".join(f"{source} {n}" for source, n in sorted(lost.items())),
+            )
+
     def _sent(self, source: str, kind: str) -> None:
+        if kind == "clips":
+            return  # vidpipe_events_total counts events only
         if kind != "detections":
             self.metrics.events.labels(self.pipeline, source, kind).inc()
             return
@@ -434,10 +495,12 @@ class Publisher:
 
     async def close(self, timeout: float = 5.0) -> None:
         """Flush what is pending, then close the connection."""
+        deadline = time.monotonic() + timeout
+        # First the clips messages on their way: in core mode they join the outbox now.
+        await self._finish_clips(timeout)
         self._closing = True
         if self.nc is None:
             return
-        deadline = time.monotonic() + timeout
         if self._outbox:
             # Waited for whether the link is up or not: a broker back within the timeout
             # still gets what was accepted.
@@ -450,20 +513,11 @@ class Publisher:
                     timeout,
                 )
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._drained.wait(), timeout)
+                await asyncio.wait_for(self._drained.wait(), max(0.0, deadline - time.monotonic()))
         await cancel_and_wait(self._flusher)
         lost = collections.Counter(source for _, source, _, _ in self._outbox)
         self._outbox.clear()
-        for source, n in lost.items():
-            self.metrics.publish_errors.labels(self.pipeline, source, "shutdown").inc(n)
-            self.unsent[source] = self.unsent.get(source, 0) + n
-        if lost:
-            log.warning(
-                "%d message(s) not sent: NATS at %s did not take them before the stop (%s)",
-                sum(lost.values()),
-                self.display_url,
-                ", ".join(f"{source} {n}" for source, n in sorted(lost.items())),
-            )
+        self._unsent(lost)
         try:
             if self.nc.is_connected:
                 await self.nc.flush(timeout=max(1, int(deadline - time.monotonic())))

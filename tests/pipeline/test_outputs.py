@@ -21,6 +21,7 @@ from typing import Any
 
 import av
 import cv2
+import jsonschema
 import numpy as np
 import pytest
 
@@ -31,7 +32,7 @@ from pipeline.frames import DetectedObject, Frame
 from pipeline.nats_server import EmbeddedNats
 from pipeline.outputs import clips
 from pipeline.outputs.clips import HEADROOM_S, MAX_GOP_S, ClipInfo, ClipRecorder, clip_event, prune_clips
-from pipeline.outputs.manager import clip_message
+from pipeline.outputs.manager import clip_message, clips_schema
 from pipeline.runtime import Runtime
 from pipeline.sources.pattern import pattern_background, pattern_square_box
 from tests.conftest import ROOT, Collector
@@ -156,6 +157,7 @@ async def test_an_event_makes_a_clip_with_pre_and_post_roll_and_announces_it(
     assert collector.subjects == ["vidpipe.clipper.cam.clips"]
     message = collector.messages[0]
     assert message["schema"] == "vidpipe.clips/v1"
+    jsonschema.validate(message, clips_schema())
     assert message["event"]["type"] == "track_start"
     assert message["event"]["pts"] == pytest.approx(event_at, abs=1e-3)
     assert message["start"] <= event_at <= message["end"]
@@ -325,6 +327,7 @@ async def test_each_line_crossing_makes_a_clip_announced_with_its_line_and_direc
     assert [(m["event"]["frame"], m["event"]["direction"]) for m in messages] == CROSSINGS
     for message, (frame, _) in zip(messages, CROSSINGS, strict=True):
         assert message["schema"] == "vidpipe.clips/v1"
+        jsonschema.validate(message, clips_schema())
         assert message["event"]["type"] == "line_cross" and message["event"]["line"] == "door"
         assert message["event"]["label"] == "square" and message["event"]["track_id"] == 1
         assert message["event"]["pts"] == pytest.approx(frame / FPS, abs=1e-3)
@@ -689,6 +692,44 @@ def test_an_event_before_any_keyframe_says_why_it_has_no_clip(
     assert recorder.clips == 0 and not (tmp_path / "clips").exists()
 
 
+def test_an_event_published_after_its_stream_ended_says_that_is_why_it_has_no_clip(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, gop_videos: dict[str, Path]
+) -> None:
+    # A live camera's stream broke: its ring went, while frames decoded before the break were
+    # still on their way to publishing. Keyframes had come: the reason is the stream's end.
+    config = ClipsOutputConfig(type="clips", dir="clips", pre_s=1.0, post_s=1.0, on=["track_start"])
+    with ThreadPoolExecutor(1) as writer:
+        recorder = ClipRecorder(config, "cam", tmp_path / "clips", writer, lambda info: None)
+        with av.open(str(gop_videos["no-b"])) as f:
+            stream = f.streams.video[0]
+            for packet in f.demux(stream):
+                if packet.size:
+                    recorder.on_packet(packet, stream)
+        recorder.stream_ended()
+        image = np.zeros((H, W, 3), np.uint8)
+        recorder.on_frame(Frame("cam", 40, 40 / FPS, 0.0, image, objects=[obj(7)]))
+    assert [r.getMessage() for r in caplog.records] == [
+        "source cam: no clip for track_start at frame 40: the stream ended (a reconnect, the source's "
+        "end) before the frame was published, and its clip ring went with it"
+    ]
+    assert recorder.clips == 0 and not (tmp_path / "clips").exists()
+
+
+def test_a_clip_from_the_start_of_the_stream_says_start_0_and_matches_its_schema() -> None:
+    # The first frame's time less the source's offset can come out a hair below 0.
+    info = ClipInfo(
+        source="cam", path=Path("/srv/clips/cam-20261130T101500-0-track_start.mp4"), event="track_start",
+        event_pts=-1e-9, event_frame=0, label="square", track_id=1, start=-1e-9, end=1.0 - 1e-9,
+        packets=15, bytes=1000,
+    )  # fmt: skip
+    message = clip_message("clips", info)
+    text = json.dumps(message)
+    assert '"start": 0.0' in text and "-0.0" not in text, text
+    times = (message["start"], message["end"], message["duration"], message["event"]["pts"])
+    assert times == (0.0, 1.0, 1.0, 0.0)
+    jsonschema.validate(message, clips_schema())
+
+
 # 60 frames, a keyframe every 30; the second GOP's frames in decode order, as libx264 orders them.
 GOPS: dict[str, tuple[int, bool, list[int]]] = {
     "no-b": (0, False, list(range(30, 60))),
@@ -765,6 +806,42 @@ def test_an_event_inside_the_last_clips_window_is_part_of_it_when_the_file_is_de
         recorder.close()
     assert [(info.event_frame, info.track_id) for info in written] == [(10, 1), (40, 3)]
     assert sorted(p.name for p in (tmp_path / "clips").iterdir()) == sorted(i.path.name for i in written)
+
+
+@pytest.mark.parametrize("behind", [False, True], ids=["live", "decoded-ahead"])
+def test_an_event_at_the_last_clips_end_is_not_in_it_and_has_a_clip_of_its_own(
+    tmp_path: Path, gop_videos: dict[str, Path], behind: bool
+) -> None:
+    # post_s 1 s: the clip of the event at frame 34 (2.266667 s) holds the frames before
+    # 34 + 15 = 49 (3.266667 s). The event at frame 48 is in it; the one at frame 49 is not, so
+    # it opens its own clip (live, while the one before still waits for the packet after its
+    # end), which ends with the stream.
+    config = ClipsOutputConfig(type="clips", dir="clips", pre_s=0.2, post_s=1.0, on=["track_start"])
+    video = gop_videos["no-b"]
+    events = {34: 1, 48: 2, 49: 3}  # frame: track id
+    image = np.zeros((H, W, 3), np.uint8)
+    written: list[ClipInfo] = []
+    with ThreadPoolExecutor(1) as writer:
+        recorder = ClipRecorder(config, "cam", tmp_path / "clips", writer, written.append)
+
+        def publish(index: int) -> None:
+            recorder.on_frame(Frame("cam", index, index / FPS, 0.0, image, objects=[obj(events[index])]))
+
+        with av.open(str(video)) as f:
+            stream = f.streams.video[0]
+            for packet in f.demux(stream):
+                if packet.size:
+                    recorder.on_packet(packet, stream)
+                    shown = round(packet.pts * packet.time_base * FPS)
+                    if not behind and shown in events:
+                        publish(shown)
+        if behind:
+            for index in events:
+                publish(index)
+        recorder.close()
+    assert [(info.event_frame, info.track_id) for info in written] == [(34, 1), (49, 3)]
+    assert_clip_is(written[0], video, 30, 48)
+    assert_clip_is(written[1], video, 30, 59)
 
 
 def assert_clip_is(info: ClipInfo, video: Path, first: int, last: int) -> None:
