@@ -571,3 +571,27 @@ async def test_a_track_that_times_out_leaves_a_later_stages_zone_before_it_ends(
         (3, "track_end", None, 1),
     ]
     assert [stage.end_source("cam") for stage in stages] == [[], []]  # type: ignore[attr-defined]
+
+
+def test_the_schemas_refuse_what_vidpipe_never_sends() -> None:
+    # A text line's polygon is always its 4 corners; times are unix seconds.
+    from pipeline.messages import detections_schema
+
+    obj = {"id": 1, "label": "text", "class_id": 0, "score": 0.9, "bbox": [0.0, 0.0, 4.0, 2.0]}
+    frame = {"schema": "vidpipe.detections/v1", "pipeline": "p", "source": "cam", "frame": 0, "pts": 0.0,
+             "capture_ts": 1.0, "publish_ts": 1.0, "width": 8, "height": 8, "objects": [obj]}  # fmt: skip
+    square = [[0.0, 0.0], [4.0, 0.0], [4.0, 2.0], [0.0, 2.0]]
+    jsonschema.validate({**frame, "objects": [{**obj, "polygon": square}]}, detections_schema())
+    for wrong in (
+        {**frame, "objects": [{**obj, "polygon": square[:3]}]},
+        {**frame, "objects": [{**obj, "polygon": [*square, [1.0, 1.0]]}]},
+        {**frame, "capture_ts": -5.0},
+        {**frame, "publish_ts": -1.0},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, detections_schema())
+    event = {"schema": "vidpipe.events/v1", "type": "track_start", "pipeline": "p", "source": "cam", "frame": 0,
+             "pts": 0.0, "ts": 1.0, "track_id": 1, "label": "text", "bbox": [0.0, 0.0, 4.0, 2.0]}  # fmt: skip
+    jsonschema.validate(event, events_schema())
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**event, "ts": -1.0}, events_schema())
