@@ -103,6 +103,11 @@ def _specs(values: Any, skip: frozenset[str] = frozenset()) -> tuple[TensorSpec,
     return tuple(specs)
 
 
+# A model file of 0 bytes: a copy or download that was cut short, far more often than anything else.
+EMPTY_FILE = "the file is empty (0 bytes), likely a copy cut short"
+EMPTY_FILE_HINT = "copy the model file again"
+
+
 def read_onnx(path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...], dict[str, str]]:
     """The inputs, outputs and ``metadata_props`` an ONNX file declares (weights are not loaded)."""
     import onnx
@@ -110,6 +115,9 @@ def read_onnx(path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...
     path = Path(path)
     if not path.is_file():
         raise ModelIntrospectionError(f"{path}: no such file")
+    if path.stat().st_size == 0:
+        # ONNX reads 0 bytes as a model with nothing in it; what it is, is a copy cut short.
+        raise ModelIntrospectionError(f"{path}: {EMPTY_FILE}; {EMPTY_FILE_HINT}")
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:
@@ -366,8 +374,13 @@ def fill_input_shape(config: ModelConfig, model_path: Path) -> ModelConfig:
     """``config`` with ``input.shape`` taken from the model file when the config leaves it out.
 
     Raises :class:`~inference.config.ModelConfigError` at ``input.shape`` when the
-    file does not declare a fixed image size either.
+    file does not declare a fixed image size either, and at ``model_file.path`` when
+    the file is empty.
     """
+    # Every load reads the file here first (the runtimes' own words for an empty file are
+    # "no inputs" or a parser's trace).
+    if Path(model_path).is_file() and Path(model_path).stat().st_size == 0:
+        raise config.error("model_file.path", f"{model_path}: {EMPTY_FILE}", EMPTY_FILE_HINT)
     if config.input.shape:
         return config
     if Path(model_path).suffix.lower() != ".onnx":

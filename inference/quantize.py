@@ -23,6 +23,7 @@ without the CLI) turns a float model into an INT8 OpenVINO model with NNCF:
          2/model.xml          # INT8 (OpenVINO IR)
          2/model.bin
          2/quantize.txt       # what was measured: agreement, frames, threshold
+         2/config.before.yaml # the config.yaml replaced, serving the float model if copied back
 
 A model that fails the check is refused with :class:`QuantizeRefused`, which carries the
 measured agreement and the threshold; nothing is written. The NNCF package is an
@@ -62,6 +63,7 @@ __all__ = [
     "quantize_model",
     "read_frames",
     "split_frames",
+    "video_file_problem",
 ]
 
 # Under "vidpipe." like the pipeline's loggers: one tree to configure, "vidpipe.inference.*" here.
@@ -144,6 +146,33 @@ class QuantizeResult:
     crops_of: str | None = None
 
 
+def video_file_problem(path: Path) -> tuple[str, str] | None:
+    """Why the file ``path`` cannot give frames, as (problem, hint); None when it can.
+
+    Opens the container only (no frame is decoded), so a typo'd path or a file that is
+    not a video is refused before a camera among the other sources is waited for.
+    """
+    import av
+
+    if not path.exists():
+        return "file not found", "check the path; relative paths start at the current folder"
+    if path.is_dir():
+        return "is a folder, not a video file", "give a video file (mp4, mkv, ...)"
+    if path.stat().st_size == 0:
+        return "the file is empty (0 bytes)", "give a video file (mp4, mkv, ...)"
+    try:
+        with av.open(str(path), timeout=10.0) as container:
+            if not container.streams.video:
+                return "has no video stream", "give a video file (mp4, mkv, ...)"
+    except av.FFmpegError as exc:
+        # FFmpeg's own text without its error code: "Invalid data found when processing input".
+        why = exc.strerror or type(exc).__name__
+        return f"not a video file FFmpeg can read ({why})", "give a video file (mp4, mkv, ...)"
+    except OSError as exc:
+        return f"cannot read it: {exc.strerror or exc}", "check that the file can be read"
+    return None
+
+
 def read_frames(
     urls: Sequence[str], count: int, *, every: int = 1, max_side: int = MAX_SIDE
 ) -> list[np.ndarray]:
@@ -164,7 +193,7 @@ def read_frames(
         try:
             container = av.open(url, options=options, timeout=10.0)
         except (av.FFmpegError, OSError) as exc:
-            raise QuantizeError(f"{url}: cannot open: {exc}") from None
+            raise QuantizeError(f"{url}: cannot open: {exc.strerror or exc}") from None
         taken = 0
         with container:
             for i, frame in enumerate(container.decode(video=0)):
@@ -348,7 +377,55 @@ def _rollback_hint(source: ModelSource, version: int) -> str:
             undo += " and its backend_options"
     if source.version is None:
         undo += " and remove the INT8 version folder"
-    return f"{undo}; or copy {version}/{BEFORE_FILE} over {source.file.name}"
+    kept = f"{version}/{BEFORE_FILE}"
+    if config.version is None and source.version is not None:
+        kept += f" (the previous config with version: {source.version} pinned)"
+    return f"{undo}; or copy {kept} over {source.file.name}"
+
+
+def _before_text(source: ModelSource, version: int) -> str:
+    """The config.yaml the INT8 version replaces, as it must read to serve the float model again.
+
+    Copied back over config.yaml it has to serve what it served before, but the INT8
+    version folder is then the highest: a config that did not pin ``version:`` (as
+    ``models add`` writes it) gets the float version pinned, and a model file that was
+    beside config.yaml (no version folders) is named from the INT8 folder, where
+    relative paths now start. Anything else is the file as it was.
+    """
+    text = source.file.read_text(encoding="utf-8")
+    mf = source.config.model_file
+    if source.config.version is not None:
+        return text
+    flat = source.version is None and mf is not None and not mf.package and not Path(mf.path).is_absolute()
+    if source.version is None and not flat:
+        return text  # a package file or an absolute path: found the same from any folder
+    from ruamel.yaml.comments import CommentedMap
+
+    from inference.tuning import round_trip_yaml
+
+    y = round_trip_yaml()
+    doc = y.load(text)
+    if source.version is not None:
+        why = f"pinned by `vidpipe models quantize`: version {version} is INT8"
+        doc.insert(
+            list(doc).index("name") + 1 if "name" in doc else 0, "version", source.version, comment=why
+        )
+        note = f"version: {source.version} (the float model) pinned"
+    else:
+        assert mf is not None
+        moved = CommentedMap(path=f"../{mf.path}")
+        moved.fa.set_flow_style()
+        doc["model_file"] = moved
+        note = f"model_file: {{path: ../{mf.path}}} (relative paths now start at the folder {version}/)"
+    out = io.StringIO()
+    y.dump(doc, out)
+    head = (
+        f"# The config.yaml that INT8 version {version} replaced, with {note}: "
+        "copied over config.yaml, it serves the float model again.\n"
+    )
+    new_text = head + out.getvalue()
+    build(load_yaml_text(new_text, str(source.file)), ModelConfig, str(source.file))
+    return new_text
 
 
 def _rewrite_config(source: ModelSource, version: int) -> tuple[str, list[str], str]:
@@ -517,7 +594,7 @@ def quantize_model(
             f"to roll back: {rollback}\n",
             encoding="utf-8",
         )
-        shutil.copyfile(source.file, staging / BEFORE_FILE)  # the whole way back
+        (staging / BEFORE_FILE).write_text(_before_text(source, version), encoding="utf-8")  # the way back
         tmp.write_text(new_text, encoding="utf-8")
         staging.rename(target)
         # The last step: until config.yaml is replaced, an interruption (Ctrl-C) leaves nothing.

@@ -159,7 +159,25 @@ def read_source(root: Path, name: str) -> ModelSource:
     else:
         version = versions[-1] if versions else None
     version_dir = folder / str(version) if version is not None else None
+    _check_link(config, version_dir or folder)
     return ModelSource(name, path, data, config, version, version_dir)
+
+
+def _check_link(config: ModelConfig, start: Path) -> None:
+    """A model file that is a symlink (``models add --link``) to a file that is gone: name the
+    missing target, not the link, which is where it belongs."""
+    mf = config.model_file
+    if mf is None or mf.package:
+        return
+    link = Path(mf.path) if Path(mf.path).is_absolute() else start / mf.path
+    if not link.is_symlink() or link.exists():
+        return
+    target = link.resolve()  # through every link of a chain, to the name that is missing
+    raise config.error(
+        "model_file.path",
+        f"{link} is a link to {target}, which does not exist (moved or deleted)",
+        f"put the model file back at {target}, or point the link at where it is now: ln -sfn FILE {link}",
+    )
 
 
 class ModelRepository:
@@ -536,10 +554,12 @@ async def add_model(
     backend: str | None = None,
     instances: int = 1,
     in_place: bool = False,
+    version: int = 1,
 ) -> AddedModel:
-    """Add an ONNX file to the repository as ``root/NAME/1/model.onnx`` with a config written from it.
+    """Add an ONNX file to the repository as ``root/NAME/VERSION/model.onnx`` with a config written from it.
 
-    ``name`` defaults to the file's stem; ``backend`` to the fastest CPU runtime
+    ``name`` defaults to the stem of the file as given (a symlink's own name, not its
+    target's); ``version`` to 1 (a Triton folder's keeps its number); ``backend`` to the fastest CPU runtime
     installed (:func:`~inference.introspect.default_backend`). The model is then loaded through
     :class:`ModelRepository` to prove the config works; if it does not load,
     the folder is removed again and :class:`ModelLoadError` says why; a file it
@@ -548,10 +568,10 @@ async def add_model(
     ``root/NAME/N/model.onnx`` (a Triton-style folder in the repository): only the config
     is written beside it, and only it is removed again if the model does not load.
     """
+    name = name or Path(model).stem  # the name the user sees, not a link's target's
     model = Path(model).resolve()
     root = Path(root)
     desc = describe_model(model)  # before anything is written: an unusable file leaves no trace
-    name = name or model.stem
     if not MODEL_NAME.fullmatch(name):
         raise ModelIntrospectionError(
             f"{name!r} is not a usable model name (1-64 letters, digits, '_', '-' or '.', "
@@ -581,7 +601,7 @@ async def add_model(
         return AddedModel(name, folder, folder / CONFIG_FILE, model, text, desc, status)
     if folder.exists():
         raise ModelIntrospectionError(f"{folder} already exists; pass --name or remove it first")
-    target = folder / "1" / "model.onnx"
+    target = folder / str(version) / "model.onnx"
     target.parent.mkdir(parents=True)
     try:
         if link:

@@ -439,6 +439,7 @@ def cmd_models_add(args: argparse.Namespace) -> int:
     from inference.repository import model_in_folder
 
     model = Path(args.model)
+    version = 1
     if model.is_dir():
         # A model folder (Triton's layout: config.pbtxt, 1/model.onnx): its ONNX file, named
         # after the folder, as Triton names it.
@@ -447,6 +448,8 @@ def cmd_models_add(args: argparse.Namespace) -> int:
             raise ConfigError(str(model), None, "", "is a folder, not a model file", "give the .onnx file")
         if args.name is None:
             args.name = model.resolve().name
+        # Its version number is kept: Triton's "version 10" is vidpipe's version 10 too.
+        version = int(found.parent.name)
         if (model / "config.pbtxt").is_file():
             print(
                 f"note: {model / 'config.pbtxt'} is not read: config.yaml is written from the ONNX file "
@@ -468,15 +471,15 @@ def cmd_models_add(args: argparse.Namespace) -> int:
         raise ConfigError(
             str(repo), None, "", f"cannot create the model repository folder: {exc.strerror or exc}"
         ) from None
-    # The folder add_model makes (it names the model after the file it resolves): a Ctrl-C
+    # The folder add_model makes (it names the model after the file as given): a Ctrl-C
     # before the end removes it, so that the same command can simply be run again.
-    folder = repo / (args.name or model.resolve().stem)
+    folder = repo / (args.name or model.stem)
     made_here = not folder.exists() and not folder.is_symlink()
     # A model folder already in the repository (root/NAME/N/model.onnx) gets its config.yaml
     # beside its versions: nothing is copied.
     in_place = not made_here and model.resolve().parent.parent == folder.resolve()
     try:
-        return _add_model(args, model, repo, in_place)
+        return _add_model(args, model, repo, in_place, version)
     except KeyboardInterrupt:
         if made_here:
             shutil.rmtree(folder, ignore_errors=True)
@@ -486,7 +489,7 @@ def cmd_models_add(args: argparse.Namespace) -> int:
         return _interrupted(args, "nothing was written")
 
 
-def _add_model(args: argparse.Namespace, model: Path, repo: Path, in_place: bool) -> int:
+def _add_model(args: argparse.Namespace, model: Path, repo: Path, in_place: bool, version: int) -> int:
     from inference.introspect import ModelIntrospectionError
     from inference.repository import add_model, read_source
     from inference.tuning import TrialPoint, choose_instances, write_tuned_config
@@ -501,6 +504,7 @@ def _add_model(args: argparse.Namespace, model: Path, repo: Path, in_place: bool
                 backend=args.backend,
                 instances=args.instances or 1,
                 in_place=in_place,
+                version=version,
             )
         )
     except ModelIntrospectionError as exc:
@@ -548,6 +552,7 @@ def cmd_models_quantize(args: argparse.Namespace) -> int:
         quantize_model,
         read_frames,
         split_frames,
+        video_file_problem,
     )
     from pipeline.sources.schemes import check_url
     from pipeline.urls import resolve_url, scheme_name
@@ -578,8 +583,12 @@ def cmd_models_quantize(args: argparse.Namespace) -> int:
                 f"{scheme}:// is not supported",
                 "record a clip from it and give the file",
             )
-        url = resolve_url(source, Path.cwd())
-        urls.append(url.removeprefix("file://"))
+        url = resolve_url(source, Path.cwd()).removeprefix("file://")
+        # A file is opened now (exit 2): a typo'd path is a usage error, not a failed calibration.
+        unreadable = video_file_problem(Path(url)) if scheme == "file" else None
+        if unreadable is not None:
+            raise ConfigError("--from", None, "", f"{url}: {unreadable[0]}", unreadable[1])
+        urls.append(url)
     config_file = repo / args.name / "config.yaml"
     try:
         source, _ = check_quantizable(repo, args.name)

@@ -33,6 +33,7 @@ from inference.config import ModelConfig
 from inference.introspect import ModelIntrospectionError, fill_input_shape, metadata_labels, read_onnx
 from inference.model import load_labels, resolve_model_file
 from inference.processing.tasks import TASKS, ClassifyTask, create_task, finds_objects
+from inference.processing.yolo import resolve_layout
 from inference.repository import CONFIG_FILE, read_source
 from inference.schema import ConfigError, LineDict, build, line_of, load_yaml, raise_errors, shown, spec
 from pipeline.names import NAME_HELP, check_name
@@ -855,8 +856,12 @@ def _check_resources(
             errors.extend(exc.errors)
             continue
         read[name] = (model.config.task.kind, found)
-        # Other models name their classes inside the model file, which validation does not open.
-        for key, problem, hint in model_misfits(stages, name, model.config.task.kind, found):
+        # Other models name their classes inside the model file, which validation does not open,
+        # unless it is an ONNX file that names none: then its classes are numbers.
+        numbers = numbered_classes(model.config, path) if not found else None
+        for key, problem, hint in model_misfits(
+            stages, name, model.config.task.kind, found, class_numbers=numbers
+        ):
             err(key, problem, hint)
         errors.extend(_output_misfits(model.config, path, found))
         # Settings the model ignores: the pipeline still runs as meant otherwise, so a
@@ -901,20 +906,58 @@ def missing_model_hint(repo: Path, name: str) -> str | None:
     return f"did you mean {close[0]!r}?" if close else f"it has: {', '.join(names) or 'no models'}"
 
 
+def numbered_classes(config: ModelConfig, path: Path) -> list[str] | None:
+    """The labels a detector without names gives its objects: its class numbers, as text.
+
+    For a ``yolo`` model whose config has no labels and whose ONNX file names no classes
+    (no ``names`` metadata): ``["0", "1", ...]``, or ``[]`` when the class count is only
+    known once the model runs. None when the names may be in a file validation does not
+    read (not ONNX) or the task labels its objects otherwise.
+    """
+    if config.task.kind != "yolo" or path.suffix.lower() != ".onnx":
+        return None
+    try:
+        _, outputs, metadata = read_onnx(path)
+    except ModelIntrospectionError:
+        return None  # the model file's own check says what is wrong with it
+    if metadata_labels(metadata) or not outputs:
+        return None
+    shape = tuple(outputs[0].shape)
+    if config.max_batch_size == 0 and len(shape) == 2:
+        shape = (1, *shape)  # no batch dimension: one image at a time
+    if len(shape) != 3 or any(d is None or d < 1 for d in shape[1:]):
+        return []  # a class count only a batch tells
+    _, d1, d2 = shape
+    assert d1 is not None and d2 is not None
+    try:
+        layout = resolve_layout((1, d1, d2), getattr(config.task, "layout", "auto"))
+    except ValueError:
+        return []
+    held = d1 - 4 if layout == "yolov8" else d2 - 5
+    return [str(i) for i in range(held)]
+
+
 def model_misfits(
-    stages: Sequence[tuple[int, StageOptions]], name: str, kind: str, labels: Sequence[str] | None
+    stages: Sequence[tuple[int, StageOptions]],
+    name: str,
+    kind: str,
+    labels: Sequence[str] | None,
+    *,
+    class_numbers: Sequence[str] | None = None,
 ) -> list[tuple[str, str, str]]:
     """Why model ``name`` (its task kind, its labels if known) cannot serve the stages that use it.
 
     Each as (key, problem, hint). An ``infer`` stage on whole frames needs a model
     that finds objects; its ``classes:`` must be labels of the model they filter
-    (the stage's own, or in a cascade the one of the stage named by ``on:``).
-    A cascade's ``on:`` stage must run a model that finds objects; an ``upright_by``
-    stage a classifier whose labels are angles.
+    (the stage's own, or in a cascade the one of the stage named by ``on:``); of a
+    model known to have no labels (``class_numbers``, see :func:`numbered_classes`), its
+    class numbers. A cascade's ``on:`` stage must run a model that finds objects; an
+    ``upright_by`` stage a classifier whose labels are angles.
     What ``vidpipe validate`` checks, and a model reload before the new copy serves.
     """
     # Without labels in the config, a text detector says "text".
     known = list(labels or (["text"] if kind == "text_detect" else []))
+    numbered = not known and class_numbers is not None
     by_name = {s.name: s for _, s in stages}
     out: list[tuple[str, str, str]] = []
     for i, stage in stages:
@@ -941,7 +984,13 @@ def model_misfits(
             ))  # fmt: skip
         out.extend(_upright_misfits(i, stage, by_name, name, kind, labels))
         classes = getattr(stage, "classes", None)
-        if not classes or not known or name not in parent.models()[:1]:
+        if not classes or name not in parent.models()[:1]:
+            continue
+        if numbered:
+            assert class_numbers is not None
+            out.extend(_unnumbered_classes(i, name, classes, class_numbers))
+            continue
+        if not known:
             continue
         for c in classes:
             if c not in known:
@@ -949,6 +998,31 @@ def model_misfits(
                 shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
                 hint = f"did you mean {close[0]!r}?" if close else f"its labels: {shown}"
                 out.append((f"stages[{i}].classes", f"{c!r} is not a label of model {name!r}", hint))
+    return out
+
+
+def _unnumbered_classes(
+    i: int, name: str, classes: Sequence[str], numbers: Sequence[str]
+) -> list[tuple[str, str, str]]:
+    """``classes:`` of stage ``i`` that model ``name``, which has no labels, never gives: its
+    objects are labelled by class number, so any name would drop every object without a word."""
+    out: list[tuple[str, str, str]] = []
+    if len(numbers) == 1:
+        which = "0, its only class"
+    elif numbers:
+        which = f"0 to {len(numbers) - 1}"
+    else:
+        which = "0, 1, ..."
+    for c in classes:
+        if (c in numbers) if numbers else c.isdigit():
+            continue
+        out.append((
+            f"stages[{i}].classes",
+            f"{c!r} is not a class of model {name!r}: the model has no labels, so its objects are "
+            f"labelled by class number ({which})",
+            f"name its classes with labels: [...] in {name}/{CONFIG_FILE} (one per class, in class "
+            f"order), or filter by number: classes: ['0']",
+        ))  # fmt: skip
     return out
 
 

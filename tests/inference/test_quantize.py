@@ -118,10 +118,20 @@ def test_quantize_refuses_bad_arguments_and_unreadable_sources(tmp_path: Path) -
         "models", "quantize", "ppocr_det", "--repo", str(repo), "--from", "x.mp4", "--min-agreement", "0"
     )
     assert (proc.returncode, proc.stderr.strip()) == (2, "--min-agreement: must be in (0, 1]")
+    # A file is opened before anything runs: missing, or not a video, is a usage error (exit 2)
+    # naming --from and the file, with FFmpeg's words but not its error code.
     missing = tmp_path / "missing.mp4"
-    proc = run_cli("models", "quantize", "ppocr_det", "--repo", str(repo), "--from", str(missing))
-    assert proc.returncode == 1
-    assert proc.stderr.startswith(f"vidpipe: {missing}: cannot open: ")
+    text = tmp_path / "notes.mp4"
+    text.write_text("not a video\n")
+    video = "give a video file (mp4, mkv, ...)"
+    for source, problem, hint in (
+        (missing, "file not found", "check the path; relative paths start at the current folder"),
+        (text, "not a video file FFmpeg can read (Invalid data found when processing input)", video),
+        (tmp_path, "is a folder, not a video file", video),
+    ):
+        proc = run_cli("models", "quantize", "ppocr_det", "--repo", str(repo), "--from", str(source))
+        assert (proc.returncode, proc.stdout) == (2, "")
+        assert proc.stderr == f"--from: {source}: {problem} (hint: {hint})\n"
     assert sorted(p.name for p in (repo / "ppocr_det").iterdir()) == ["1", "config.yaml"]
 
 
@@ -210,13 +220,49 @@ def test_the_way_back_names_every_key_the_int8_config_changes(tmp_path: Path) ->
     text, changes, rollback = _rewrite_config(read_source(repo, "ppocr_det"), 2)
     assert rollback == (
         "set version: 1 and model_file: {path: model.onnx}, backend: onnxruntime and its backend_options; "
-        "or copy 2/config.before.yaml over config.yaml"
+        "or copy 2/config.before.yaml (the previous config with version: 1 pinned) over config.yaml"
     )
     assert changes[:2] == [
         "backend: onnxruntime -> openvino",
         "backend_options: removed (they were the previous runtime's)",
     ]
     assert text.splitlines()[1:3] == config.read_text().splitlines()[:2]  # its own comments stay
+
+
+def test_the_saved_config_serves_the_float_model_again_when_copied_back(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    """The rollback the header names (copy N/config.before.yaml over config.yaml) serves the float
+    model although the INT8 version folder is now the highest: as `models add` writes a config,
+    no version is pinned, and a model file beside config.yaml is looked for in the INT8 folder."""
+    from inference.model import resolve_model_file
+    from inference.quantize import BEFORE_FILE, _before_text
+    from inference.repository import read_source
+
+    repo = det_repo(tmp_path)
+    shutil.copytree(sample_models / "squares", repo / "squares")
+    # A config that pins its version is kept as it was.
+    pinned = repo / "ppocr_cls"
+    shutil.copytree(repo / "ppocr_det", pinned)
+    (pinned / "config.yaml").write_text(
+        (pinned / "config.yaml").read_text().replace("name: ppocr_det", "name: ppocr_cls\nversion: 1")
+    )
+    assert _before_text(read_source(repo, "ppocr_cls"), 2) == (pinned / "config.yaml").read_text()
+    for name, version, float_file in (
+        ("ppocr_det", 2, repo / "ppocr_det" / "1" / "model.onnx"),
+        ("squares", 1, repo / "squares" / "model.onnx"),
+    ):
+        source = read_source(repo, name)
+        text = _before_text(source, version)
+        int8 = repo / name / str(version)
+        int8.mkdir()
+        (int8 / "model.xml").write_text("<net/>")
+        (int8 / BEFORE_FILE).write_text(text)
+        # The INT8 config.yaml serves version N; copied back, the saved one serves the float file.
+        shutil.copyfile(int8 / BEFORE_FILE, repo / name / "config.yaml")
+        back = read_source(repo, name)
+        assert resolve_model_file(back.config, back.model_dir, back.version_dir).resolve() == float_file
+        assert text.startswith(f"# The config.yaml that INT8 version {version} replaced, with ")
 
 
 @pytest.mark.slow
@@ -242,13 +288,17 @@ def test_quantize_writes_the_int8_detector_as_the_next_version_and_keeps_the_flo
     assert "box agreement 1.000" in proc.stdout
     assert (
         "to roll back: set version: 1 and model_file: {path: model.onnx}; or copy 2/config.before.yaml "
-        "over config.yaml"
+        "(the previous config with version: 1 pinned) over config.yaml"
     ) in proc.stdout
     v2 = repo / "ppocr_det" / "2"
     assert sorted(p.name for p in v2.iterdir()) == [
         "config.before.yaml", "model.bin", "model.xml", "quantize.txt",
     ]  # fmt: skip
-    assert (v2 / "config.before.yaml").read_text() == original  # the whole way back
+    # The whole way back: the file as it was, with the float version it served pinned.
+    kept = (v2 / "config.before.yaml").read_text().splitlines()
+    assert [line for line in kept if not line.startswith(("# The config.yaml", "version: 1 "))] == (
+        original.splitlines()
+    )
     assert digest(float_file) == before
     config = (repo / "ppocr_det" / "config.yaml").read_text()
     assert "model_file: {path: model.xml}" in config

@@ -351,6 +351,42 @@ async def test_missing_model_file_is_reported_at_model_file(tmp_path: Path) -> N
     )
 
 
+async def test_an_empty_model_file_is_said_to_be_empty_by_load_list_and_add(tmp_path: Path) -> None:
+    """0 bytes is a copy cut short; ONNX reads it as a model with no inputs, OpenVINO as a trace."""
+    from inference.introspect import ModelIntrospectionError, describe_model
+
+    path = write_config(tmp_path, "cls")
+    empty = tmp_path / "cls" / "model.onnx"
+    empty.write_bytes(b"")
+    expected = (
+        f"{path}:2: model_file.path: {empty}: the file is empty (0 bytes), likely a copy cut short "
+        "(hint: copy the model file again)"
+    )
+    for backend in ("onnxruntime", "openvino"):
+        path.write_text(CONFIG.format(name="cls") + f"backend: {backend}\n")
+        status = await ModelRepository(tmp_path).load("cls")
+        assert (status.state, status.reason) == (ModelState.UNAVAILABLE, expected), backend
+    assert describe_repository(tmp_path).text.splitlines()[-1] == f"cls: {expected}"
+    with pytest.raises(ModelIntrospectionError) as err:
+        describe_model(empty)
+    assert str(err.value) == (
+        f"{empty}: the file is empty (0 bytes), likely a copy cut short; copy the model file again"
+    )
+
+
+async def test_a_linked_model_file_whose_target_is_gone_names_the_target(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "cls")
+    gone = tmp_path / "training" / "best.onnx"
+    link = tmp_path / "cls" / "model.onnx"
+    link.symlink_to(gone)
+    status = await repo_at(tmp_path).load("cls")
+    assert status.reason == (
+        f"{path}:2: model_file.path: {link} is a link to {gone}, which does not exist (moved or deleted) "
+        f"(hint: put the model file back at {gone}, or point the link at where it is now: "
+        f"ln -sfn FILE {link})"
+    )
+
+
 async def test_wrong_input_shape_is_reported_at_input_shape(tmp_path: Path) -> None:
     text = CONFIG.format(name="cls").replace("[3, 8, 8]", "[3, 16, 8]")
     path, reason = await load_error(tmp_path, text)

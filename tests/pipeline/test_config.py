@@ -276,6 +276,13 @@ def test_validate_refuses_a_model_file_that_is_not_onnx_or_an_input_it_does_not_
         f"{config}:5: model_file: {repo / 'squares' / 'model.onnx'}: not a readable ONNX model"
     )
     assert proc.stderr.strip().endswith("; re-export it")
+    # An empty file is a copy cut short, not a model that "declares no inputs".
+    (repo / "squares" / "model.onnx").write_bytes(b"")
+    proc = run_cli("validate", str(write(tmp_path, GOOD)))
+    assert (proc.returncode, proc.stderr.strip()) == (2, (
+        f"{config}:5: model_file: {repo / 'squares' / 'model.onnx'}: the file is empty (0 bytes), likely a "
+        "copy cut short; copy the model file again"
+    ))  # fmt: skip
 
 
 def test_validate_missing_file_exits_2(tmp_path: Path) -> None:
@@ -616,8 +623,8 @@ async def test_a_fleet_worker_never_starts_a_stored_source_with_nan(
 
 def _model_repo(tmp_path: Path, sample_models: Path) -> Path:
     """The sample models, and made-up ones on their files: ``grid`` (a detector of [cell]),
-    ``color_cls`` (a classifier of [red, green]), ``blank`` (a detector whose labels are in
-    its model file only) and ``urgent`` (squares with two priority levels and timeouts
+    ``color_cls`` (a classifier of [red, green]), ``blank`` (a detector with no labels, in its
+    config or its model file) and ``urgent`` (squares with two priority levels and timeouts
     a request may set)."""
     repo = tmp_path / "models"
     repo.mkdir()
@@ -694,6 +701,18 @@ MODEL_MISFITS = [
     # Labels only in the model file cannot be known without loading it: not checked.
     pytest.param("  - {name: cells, type: infer, model: grid}\n  - {name: any, type: infer, model: blank}\n"
                  "  - {name: track, type: track, classes: [cel]}\n", [], id="track-classes-labels-unknown"),
+    # A model with no labels at all labels its objects by class number: a name would drop them all.
+    pytest.param("  - {name: any, type: infer, model: blank, classes: [square, '0']}\n"
+                 "  - {name: kind, type: infer, model: color_cls, on: any, classes: ['0', '1']}\n",
+                 ["5: stages[0].classes: 'square' is not a class of model 'blank': the model has no labels, so "
+                  "its objects are labelled by class number (0, its only class) (hint: name its classes with "
+                  "labels: [...] in blank/config.yaml (one per class, in class order), or filter by number: "
+                  "classes: ['0'])",
+                  "6: stages[1].classes: '1' is not a class of model 'blank': the model has no labels, so "
+                  "its objects are labelled by class number (0, its only class) (hint: name its classes with "
+                  "labels: [...] in blank/config.yaml (one per class, in class order), or filter by number: "
+                  "classes: ['0'])"],
+                 id="classes-of-a-model-without-labels"),
 ]  # fmt: skip
 
 
@@ -716,6 +735,17 @@ def test_validate_refuses_a_cascade_on_a_classifier_with_exit_2(tmp_path: Path, 
     path = _pipeline(tmp_path, MODEL_MISFITS[3].values[0])
     proc = run_cli("validate", str(path))
     assert (proc.returncode, proc.stderr) == (2, f"{path}:{MODEL_MISFITS[3].values[1][0]}\n")
+
+
+def test_classes_a_model_without_labels_never_gives_are_refused_by_validate_and_run(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    _model_repo(tmp_path, sample_models)
+    path = _pipeline(tmp_path, "  - {name: any, type: infer, model: blank, classes: [square]}\n")
+    expected = f"{path}:{MODEL_MISFITS[-1].values[1][0]}"  # the same words, at the stage's line
+    for command in ("validate", "run"):
+        proc = run_cli(command, str(path))
+        assert (proc.returncode, proc.stderr.splitlines()[-1]) == (2, expected), command
 
 
 def test_validate_warns_of_stage_settings_the_model_ignores(tmp_path: Path, sample_models: Path) -> None:

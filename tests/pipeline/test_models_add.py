@@ -286,8 +286,35 @@ def test_models_add_takes_a_triton_model_folder_from_outside_the_repository(tmp_
     repo = tmp_path / "models"
     added = run_cli("models", "add", str(triton), "--repo", str(repo), "--instances", "1")
     assert added.returncode == 0, added.stderr
-    assert f"model file: {repo / 'gate_detector' / '1' / 'model.onnx'}" in added.stdout
+    # Its version keeps its number: Triton's version 3 is the version served and listed.
+    assert f"model file: {repo / 'gate_detector' / '3' / 'model.onnx'}" in added.stdout
     assert "model gate_detector loads: ready" in added.stdout
-    assert (repo / "gate_detector" / "1" / "model.onnx").read_bytes() == (
+    assert (repo / "gate_detector" / "3" / "model.onnx").read_bytes() == (
         triton / "3" / "model.onnx"
     ).read_bytes()
+    assert sorted(p.name for p in (repo / "gate_detector").iterdir()) == ["3", "config.yaml"]
+
+
+def test_models_add_link_names_the_model_after_the_file_given_and_a_moved_target_is_named(
+    tmp_path: Path,
+) -> None:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    export = ultralytics_export(runs / "run-42.onnx", "yolov8")
+    current = tmp_path / "current.onnx"
+    current.symlink_to(Path("runs") / "run-42.onnx")  # relative, as `ln -s` is mostly used
+    repo = tmp_path / "models"
+    added = run_cli("models", "add", str(current), "--repo", str(repo), "--link", "--instances", "1")
+    assert added.returncode == 0, added.stderr
+    link = repo / "current" / "1" / "model.onnx"
+    assert f"model file: {link}" in added.stdout
+    assert sorted(p.name for p in repo.iterdir()) == ["current"]
+    # The training output is moved away: the error names what is missing, not the link.
+    export.rename(tmp_path / "elsewhere.onnx")
+    proc = run_cli("models", "list", str(repo))
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines()[-1] == (
+        f"current: {repo / 'current' / 'config.yaml'}:6: model_file.path: {link} is a link to {export}, "
+        f"which does not exist (moved or deleted) (hint: put the model file back at {export}, or point "
+        f"the link at where it is now: ln -sfn FILE {link})"
+    )
