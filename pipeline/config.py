@@ -224,6 +224,14 @@ class NatsConfig:
     stream_max_bytes: int = field(
         default=1 << 30, metadata=spec(ge=0, help="bytes the stream keeps, oldest dropped first; 0: no limit")
     )
+    # Off by default: a consumer of vidpipe.<pipeline>.> that takes every message there for
+    # detections, events or clips would otherwise meet a fourth kind.
+    status: bool = field(
+        default=False,
+        metadata=spec(
+            help="publish each source's up, down, failed and stopped to vidpipe.<pipeline>.<source>.status"
+        ),
+    )
 
 
 @dataclass(frozen=True)

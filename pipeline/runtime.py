@@ -16,6 +16,7 @@ bounded: the FrameQueue by ``queue_size``, frames in flight by ``max_in_flight``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import tempfile
 import time
@@ -58,7 +59,7 @@ from pipeline.sources.budget import MIB, FrameMemoryBudget
 from pipeline.sources.live import reader_threads
 from pipeline.sources.registry import class_of, create_source
 from pipeline.stages.base import Stage, StageContext
-from pipeline.stages.publish import Publisher
+from pipeline.stages.publish import STATUS_SCHEMA, Publisher
 from pipeline.stages.registry import create_stage
 from pipeline.stats import (
     LatencyWindow,
@@ -91,6 +92,17 @@ class PipelineStartError(VidpipeError):
 
 class WhipNameTaken(ValueError):
     """A WHIP source's name is used by another running source: publishers could not reach it."""
+
+
+# What a source's status message says of each state (nats.status): whether frames come
+# (up), not now (down, while it retries), never again (failed), or no more (stopped).
+# Connecting says nothing: it is the way to up or to down.
+STATUS_OF = {
+    SourceState.UP: "up",
+    SourceState.BACKOFF: "down",
+    SourceState.FAILED: "failed",
+    SourceState.STOPPED: "stopped",
+}
 
 
 def _ended(run: SourceRun) -> bool:
@@ -203,6 +215,9 @@ class SourceRun:
     max_in_flight: int = 1
     # Of the runtime's graph-wide slots, how many this source's frames hold now.
     graph_held: int = 0
+    # The last state its status messages said (nats.status), and how many they were.
+    status_said: str | None = None
+    status_sent: int = 0
 
     # What the metrics collector reads (pipeline.metrics.CountedSource).
     @property
@@ -325,6 +340,8 @@ class Runtime:
         self._on_published = on_published
         self._published_removed = 0  # by sources no longer here (published_total adds the rest)
         self.source_ids_seen: set[str] = set()  # every source started, also removed ones
+        # The loop the sources' threads hand their state changes to (set as they start).
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._persistent = False
         # Says which source cannot keep up, once per interval (pipeline.overload).
         models = {s.name: s.models()[0] for s in config.stages if s.models()}
@@ -544,7 +561,7 @@ class Runtime:
         if owner is not None:
             raise WhipNameTaken(f"whip name {whip_name(config.url)!r} is already used by source {owner!r}")
         self.source_ids_seen.add(sid)
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         policy: OverflowPolicy = "drop_oldest" if config.live else "block"
         # Every frame of this source is in its queue, in flight, being decoded, or the
         # latest one kept for the snapshot; more buffers than that would never be used.
@@ -660,6 +677,14 @@ class Runtime:
     def _on_source_state(self, source: Source, state: SourceState, reason: str) -> None:
         # Called from the source's thread; logging is thread-safe.
         about = {"source": source.id}
+        said = STATUS_OF.get(state)
+        if said is not None and self.config.nats.status and self._loop is not None:
+            run = self.sources.get(source.id)
+            if run is not None and run.source is source:
+                # A loop that has closed ended the run (and its stop said so): nothing to add.
+                with contextlib.suppress(RuntimeError):
+                    why = reason.removeprefix(f"source {source.id}: ")  # the message names it
+                    self._loop.call_soon_threadsafe(self._say_status, run, said, why, time.time())
         if state == SourceState.FAILED:
             text = reason if reason.startswith("source ") else f"source {source.id}: {reason}"
             log.error("%s", text, extra=about)
@@ -672,6 +697,21 @@ class Runtime:
             after = self._retry_log.recovered(source.id) if state == SourceState.UP else ""
             said = f" ({reason})" if reason else ""
             log.info("source %s: %s%s%s", source.id, state.value, said, after, extra=about)
+
+    def _say_status(self, run: SourceRun, state: str, reason: str, ts: float) -> None:
+        """Publish a source's ``vidpipe.status/v1`` message when its state changed (nats.status).
+
+        Only changes: a camera that stays down retries, and each retry is not news.
+        """
+        if run.status_said == state:
+            return
+        run.status_said = state
+        n, run.status_sent = run.status_sent, run.status_sent + 1
+        sid = run.source.id
+        message = {"schema": STATUS_SCHEMA, "pipeline": self.config.pipeline, "source": sid,
+                   "state": state, "reason": reason, "ts": round(ts, 6)}  # fmt: skip
+        msg_id = f"{self.config.pipeline}/{sid}/{run.stream_id}/status-{n}"
+        self.publisher.publish_status(sid, message, msg_id)
 
     def _on_sent(self, source: str) -> None:
         # A message really left (core: sent or flushed from the outbox; JetStream: acked).

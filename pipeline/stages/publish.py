@@ -28,9 +28,10 @@ message is retried until acknowledged, with :func:`~pipeline.backoff.backoff_del
 between tries (0.1 s doubling to 2 s); the per-source publisher waits
 meanwhile, which backs pressure up the graph instead of dropping.
 
-Clips messages take the same way, outbox or acks, and their losses are counted
-alike; each is sent by a task of its own (the clip is written on a worker thread,
-not in a source's publisher), which :meth:`Publisher.close` waits for first.
+Clips messages (and status messages, ``nats.status``) take the same way, outbox
+or acks, and their losses are counted alike; each is sent by a task of its own
+(a clip is written on a worker thread, a state changes on a source's thread: not in
+a source's publisher), which :meth:`Publisher.close` waits for first.
 
 Without a URL (a program embedding vidpipe without NATS, see docs/embedding.md)
 nothing connects anywhere: each message only goes to ``on_message``. With a URL,
@@ -88,6 +89,14 @@ class MessageTooLarge(PublishError):
 # What a JetStream publish adds to the payload: "NATS/1.0\r\nNats-Msg-Id: <id>\r\n\r\n".
 _HEADER_BYTES = 32
 
+# A source's state changes (nats.status): docs/messages.md, pipeline/schemas/status.v1.json.
+STATUS_SCHEMA = "vidpipe.status/v1"
+
+
+def status_subject(prefix: str, pipeline: str, source: str) -> str:
+    """``vidpipe.<pipeline>.<source>.status``."""
+    return f"{prefix}.{pipeline}.{source}.status"
+
 
 class Fence(Protocol):
     """Who may publish for a source right now (a fleet worker's leases)."""
@@ -138,8 +147,8 @@ class Publisher:
         self.unsent: dict[str, int] = {}
         # Messages of each source the full outbox dropped (its oldest) while NATS was away.
         self.overflowed: dict[str, int] = {}
-        # Clips messages on their way (queued or sent in core mode at once; acked in JetStream mode).
-        self._clips: set[asyncio.Task[None]] = set()
+        # Clips and status messages on their way (core: sent or queued at once; JetStream: till acked).
+        self._aside: set[asyncio.Task[None]] = set()
         self._warnings = RateLimitedLog(logger=log, level=logging.WARNING)
         # Set while the connection is up; the reconnect callback sets it, which wakes the flusher.
         self.connected = asyncio.Event()
@@ -321,18 +330,40 @@ class Publisher:
         """
         if self.url is None:
             return  # no NATS: the clip is logged and kept, nothing is sent anywhere
-        payload = encode(message)
         msg_id = f"{self.pipeline}/{source}/{stream_id}/{key}"
-        task = asyncio.create_task(self._send_clip(subject, source, payload, msg_id), name="nats-clip")
-        self._clips.add(task)
-        task.add_done_callback(self._clips.discard)
+        self._send_aside(subject, source, encode(message), msg_id, "clips", "clip")
 
-    async def _send_clip(self, subject: str, source: str, payload: bytes, msg_id: str) -> None:
+    def publish_status(self, source: str, message: dict[str, Any], msg_id: str) -> None:
+        """Send a source's status message (``nats.status``) the way clips go, without waiting.
+
+        In a fleet it carries the publishing worker's fence, as events do.
+        """
+        if self.url is None:
+            return
+        owner = self.fence.owner(source) if self.fence is not None else None
+        if owner is not None:
+            message["worker"], message["epoch"], message["lease"] = owner
+        subject = status_subject(self.config.subject_prefix, self.pipeline, source)
+        self._send_aside(subject, source, encode(message), msg_id, "status", f"{message['state']} status")
+
+    def _send_aside(
+        self, subject: str, source: str, payload: bytes, msg_id: str, kind: str, what: str
+    ) -> None:
+        """A message outside a source's frame order (clips, status) sent by a task of its own."""
+        task = asyncio.create_task(
+            self._deliver_aside(subject, source, payload, msg_id, kind, what), name="nats-aside"
+        )
+        self._aside.add(task)
+        task.add_done_callback(self._aside.discard)
+
+    async def _deliver_aside(
+        self, subject: str, source: str, payload: bytes, msg_id: str, kind: str, what: str
+    ) -> None:
         if self.nc is None:
             self._unsent(collections.Counter([source]))  # announced after the stop: lost as at it
             return
         try:
-            await self._send(subject, source, payload, msg_id, "clips", "clip")
+            await self._send(subject, source, payload, msg_id, kind, what)
         except asyncio.CancelledError:
             # The stop gave up on it (JetStream had not acknowledged it): counted as not sent.
             self._unsent(collections.Counter([source]))
@@ -340,11 +371,11 @@ class Publisher:
         except PublishError:
             pass  # the connection closed: already counted and logged as failed
 
-    async def _finish_clips(self, timeout: float) -> None:
-        """Wait up to ``timeout`` s for the clips messages on their way; give up on the rest."""
-        if not self._clips:
+    async def _finish_aside(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the clips and status messages on their way; give up on the rest."""
+        if not self._aside:
             return
-        _, late = await asyncio.wait(set(self._clips), timeout=timeout)
+        _, late = await asyncio.wait(set(self._aside), timeout=timeout)
         for task in late:
             task.cancel()
         await asyncio.gather(*late, return_exceptions=True)
@@ -477,7 +508,7 @@ class Publisher:
             )
 
     def _sent(self, source: str, kind: str) -> None:
-        if kind == "clips":
+        if kind in ("clips", "status"):
             return  # vidpipe_events_total counts events only
         if kind != "detections":
             self.metrics.events.labels(self.pipeline, source, kind).inc()
@@ -496,8 +527,8 @@ class Publisher:
     async def close(self, timeout: float = 5.0) -> None:
         """Flush what is pending, then close the connection."""
         deadline = time.monotonic() + timeout
-        # First the clips messages on their way: in core mode they join the outbox now.
-        await self._finish_clips(timeout)
+        # First the clips and status messages on their way: in core mode they join the outbox now.
+        await self._finish_aside(timeout)
         self._closing = True
         if self.nc is None:
             return

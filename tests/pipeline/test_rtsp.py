@@ -599,3 +599,51 @@ async def test_an_outage_ends_the_tracks_of_the_stream_and_a_reconnect_starts_ne
     ids = {m["frame"]: m["objects"][0]["track_id"] for m in messages if "type" not in m}
     assert {ids[f] for f in ids if f <= last_before} == {1}
     assert {ids[f] for f in ids if f >= first_after} == {2}
+
+
+@needs_gstreamer
+async def test_status_messages_say_each_change_of_a_source_once(
+    rtsp_server: RtspTestServer, nats_server: EmbeddedNats, collector: Collector, tmp_path: Path
+) -> None:
+    import json
+    from importlib import resources
+
+    import jsonschema
+
+    cfg = make_config(
+        tmp_path,
+        [
+            {"id": "cam", "url": rtsp_server.url(), **FAST},
+            {"id": "short", "url": "test://?width=64&height=48&frames=10"},
+            {"id": "gone", "url": str(tmp_path / "missing.mp4")},
+        ],
+        nats={"status": True},
+    )
+    await collector.start(nats_server.url, "vidpipe.cams.*.status")
+
+    def said(source: str) -> list[str]:
+        return [m["state"] for m in collector.by_source(source)]
+
+    async with running(cfg, nats_server.url) as runtime:
+        await until(lambda: said("cam") == ["up"], 10, "cam up")
+        await until(lambda: said("short") == ["up", "stopped"], 10, "short ended")
+        await until(lambda: said("gone") == ["failed"], 10, "gone failed")
+        rtsp_server.kill()
+        await until(lambda: said("cam") == ["up", "down"], 5, "cam down")
+        # It retries, refused each time: each retry is not news.
+        await until(
+            lambda: metric(runtime, "vidpipe_source_reconnects_total", source="cam", reason="refused") >= 3,
+            10,
+            "three refused retries",
+        )
+        assert said("cam") == ["up", "down"]
+        rtsp_server.start()
+        await until(lambda: said("cam") == ["up", "down", "up"], 10, "cam up again")
+    await until(lambda: said("cam") == ["up", "down", "up", "stopped"], 5, "cam stopped")
+    schema = json.loads(resources.files("pipeline").joinpath("schemas/status.v1.json").read_text())
+    for message in collector.messages:
+        jsonschema.validate(message, schema)
+    by_state = {(m["source"], m["state"]): m for m in collector.messages}
+    assert by_state[("gone", "failed")]["reason"].startswith("file not found")
+    assert by_state[("cam", "down")]["reason"] != ""
+    assert set(collector.subjects) == {f"vidpipe.cams.{s}.status" for s in ("cam", "short", "gone")}
