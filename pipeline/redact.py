@@ -32,21 +32,34 @@ _MIN_PIECE = 4
 _MASK = "***"
 # Query keys whose values are credentials, alone or as the end of a longer key
 # (``api_key``, ``access_token``, ``X-Amz-Signature``), in any case.
+# ``loginuse``/``loginpas``: the CGI of many low-cost cameras (Foscam and its clones).
 QUERY_SECRET_KEYS = (
     "user", "username", "usr", "pass", "passwd", "password", "passphrase", "pwd", "token",
     "key", "apikey", "secret", "auth", "sig", "signature", "credential", "credentials",
+    "loginuse", "loginpas",
 )  # fmt: skip
 # Of those, the ones that name someone rather than hold a secret: masked in URLs, but
 # not hunted through the rest of a message (an "admin" there is usually just a word).
-_QUERY_USER_KEYS = frozenset({"user", "username", "usr"})
+_QUERY_USER_KEYS = frozenset({"user", "username", "usr", "loginuse"})
 _QUERY_SECRET_RE = re.compile(
     r"([?&;](?:[A-Za-z0-9_.-]*[_.-])?(" + "|".join(QUERY_SECRET_KEYS) + r")=)([^&;#\s'\"<>]*)",
+    re.IGNORECASE,
+)
+# Credentials in a URL's path, as many DVRs and NVRs take them (XMEye, some Dahua
+# firmware): ``rtsp://nvr:554/user=admin_password=S3cret_channel=1_stream=0.sdp``. The
+# value ends at the ``_`` that starts the next pair, or where a path segment does.
+PATH_SECRET_KEYS = ("user", "username", "password", "passwd", "pwd", "pass")
+_PATH_SECRET_RE = re.compile(
+    r"([/_](" + "|".join(PATH_SECRET_KEYS) + r")=)([^_&;/?#\s'\"<>]*)",
     re.IGNORECASE,
 )
 
 
 def _redact_query(text: str) -> str:
-    return _QUERY_SECRET_RE.sub(lambda m: m.group(1) + _MASK if m.group(3) else m.group(0), text)
+    def masked(m: re.Match[str]) -> str:
+        return m.group(1) + _MASK if m.group(3) else m.group(0)
+
+    return _PATH_SECRET_RE.sub(masked, _QUERY_SECRET_RE.sub(masked, text))
 
 
 def redact_url(url: str) -> str:
@@ -62,11 +75,8 @@ def _userinfo(url: str) -> str:
 
 def _query_secrets(url: str) -> list[str]:
     """The values of ``url``'s credential query keys, user names aside."""
-    return [
-        m.group(3)
-        for m in _QUERY_SECRET_RE.finditer(url)
-        if m.group(3) and m.group(2).lower() not in _QUERY_USER_KEYS
-    ]
+    found = [m for r in (_QUERY_SECRET_RE, _PATH_SECRET_RE) for m in r.finditer(url)]
+    return [m.group(3) for m in found if m.group(3) and m.group(2).lower() not in _QUERY_USER_KEYS]
 
 
 def _secrets(url: str) -> list[str]:

@@ -133,6 +133,27 @@ def test_credentials_in_a_query_are_redacted_like_user_info() -> None:
     assert derive_id(url) == "video"
 
 
+def test_camera_firmware_credential_forms_are_redacted_and_stay_out_of_ids() -> None:
+    # Foscam-style CGI keys, and an NVR's credentials in the path (XMEye, some Dahua).
+    cgi = "http://cam:88/videostream.cgi?loginuse=admin&loginpas=F0scamPw1&resolution=32"
+    assert redact_url(cgi) == "http://cam:88/videostream.cgi?loginuse=***&loginpas=***&resolution=32"
+    assert redact_text(f"401 for {cgi} (F0scamPw1)", cgi) == (
+        "401 for http://cam:88/videostream.cgi?loginuse=***&loginpas=***&resolution=32 (***)"
+    )
+    nvr = "rtsp://10.0.0.9:554/user=admin_password=S3cretUnd_channel=1_stream=0.sdp?real_stream"
+    shown = "rtsp://10.0.0.9:554/user=***_password=***_channel=1_stream=0.sdp?real_stream"
+    assert redact_url(nvr) == shown
+    assert redact_text(f"{nvr}: 5XX Server Error; retrying S3cretUnd", nvr) == (
+        f"{shown}: 5XX Server Error; retrying ***"
+    )
+    assert redact_text(f"Could not open {nvr}") == f"Could not open {shown}"
+    for url in (cgi, nvr):
+        assert "F0scamPw1" not in derive_id(url) and "S3cretUnd" not in derive_id(url)
+        assert "admin" not in derive_id(url)
+    # A path that only looks like a key stays as it is.
+    assert redact_url("rtsp://cam/live/user_guide=1") == "rtsp://cam/live/user_guide=1"
+
+
 async def test_query_passwords_show_nowhere_through_a_live_server(
     tmp_path: Path, nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
 ) -> None:
