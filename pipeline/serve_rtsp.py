@@ -38,7 +38,7 @@ from typing import Any
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 DEFAULT_PORT = 8554
-KEYFRAME_EVERY = 30  # frames: about one a second, so a client starts within a second or two
+KEYFRAME_EVERY = 30  # frames, where a file's frame rate is unknown: about one a second at 30 fps
 DEBIAN_PACKAGES = (
     "python3-gi gir1.2-gst-rtsp-server-1.0 gstreamer1.0-plugins-good gstreamer1.0-plugins-bad "
     "gstreamer1.0-plugins-ugly gstreamer1.0-libav"
@@ -64,6 +64,19 @@ def mount_names(files: list[Path]) -> list[str]:
     return out
 
 
+def keyframe_interval(path: Path) -> int:
+    """Frames between keyframes for one a second at ``path``'s own frame rate (a client
+    starts at the next one), or :data:`KEYFRAME_EVERY` where the file does not say."""
+    import av  # vidpipe's Python only: the server half of this module runs without it
+
+    try:
+        with av.open(str(path)) as container:
+            rate = container.streams.video[0].average_rate
+    except (av.FFmpegError, IndexError):
+        return KEYFRAME_EVERY  # the server says what is wrong with the file
+    return max(1, round(float(rate))) if rate else KEYFRAME_EVERY
+
+
 def serve_rtsp(files: list[str], port: int = DEFAULT_PORT, host: str = "127.0.0.1") -> int:
     """Serve ``files`` until Ctrl-C or SIGTERM; prints one URL per file. Returns the exit code.
 
@@ -79,7 +92,7 @@ def serve_rtsp(files: list[str], port: int = DEFAULT_PORT, host: str = "127.0.0.
     names = mount_names(paths)
     cmd = [SYSTEM_PYTHON, "-I", str(Path(__file__).resolve()), "--host", host, "--port", str(port)]
     for name, path in zip(names, paths, strict=True):
-        cmd += ["--mount", f"/{name}={path}"]
+        cmd += ["--mount", f"/{name}={path}", "--keyint", f"/{name}={keyframe_interval(path)}"]
     from pipeline.nats_server import die_with_parent
 
     # The same process group: a terminal's Ctrl-C reaches the server too, and it dies with us.
@@ -158,8 +171,13 @@ SESSION = (
 )
 
 
-def gst_serve(host: str, port: int, mounts: dict[str, str]) -> int:  # pragma: no cover - system Python
-    """Run the RTSP server with one looping camera per mount; READY <port> on stdout once it listens."""
+def gst_serve(
+    host: str, port: int, mounts: dict[str, str], keyints: dict[str, int] | None = None
+) -> int:  # pragma: no cover - system Python
+    """Run the RTSP server with one looping camera per mount; READY <port> on stdout once it listens.
+
+    ``keyints``: frames between keyframes per mount (:data:`KEYFRAME_EVERY` where absent).
+    """
     try:
         import gi
 
@@ -179,7 +197,7 @@ def gst_serve(host: str, port: int, mounts: dict[str, str]) -> int:  # pragma: n
     for mount, path in mounts.items():
         # appsrc -> whether it has had its first keyframe (a client starts on one).
         sessions: dict[Any, bool] = {}
-        player = Gst.parse_launch(ENCODE.format(keyint=KEYFRAME_EVERY))
+        player = Gst.parse_launch(ENCODE.format(keyint=(keyints or {}).get(mount, KEYFRAME_EVERY)))
         player.get_by_name("file").set_property("location", path)
 
         def on_sample(sink: Any, sessions: dict[Any, bool] = sessions) -> Any:
@@ -260,13 +278,19 @@ def _mount(text: str) -> tuple[str, str]:
     return path, file
 
 
+def _keyint(text: str) -> tuple[str, int]:
+    path, _, frames = text.partition("=")
+    return path, int(frames)
+
+
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - system Python
     parser = argparse.ArgumentParser(description="The serve-rtsp server (run by vidpipe serve-rtsp).")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--mount", type=_mount, action="append", default=[], metavar="/NAME=FILE")
+    parser.add_argument("--keyint", type=_keyint, action="append", default=[], metavar="/NAME=FRAMES")
     args = parser.parse_args(argv)
-    return gst_serve(args.host, args.port, dict(args.mount))
+    return gst_serve(args.host, args.port, dict(args.mount), dict(args.keyint))
 
 
 if __name__ == "__main__":

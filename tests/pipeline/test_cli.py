@@ -128,6 +128,31 @@ async def test_serve_rtsp_loops_a_file_as_a_live_camera_until_ctrl_c(tmp_path: P
     assert sum(1 for a, b in itertools.pairwise(indices) if b < a) >= 2
 
 
+@pytest.mark.skipif(not gstreamer_available(), reason="needs /usr/bin/python3 with gst-rtsp-server")
+def test_serve_rtsp_sends_a_keyframe_a_second_at_the_files_own_frame_rate(tmp_path: Path) -> None:
+    import av
+
+    clip = level_clip(tmp_path / "door.mp4", frames=10, fps=12)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "serve-rtsp", str(clip), "--port", str(port)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "no URL within 60 s"
+        url = proc.stdout.readline().strip()
+        with av.open(url, options={"rtsp_transport": "tcp"}, timeout=30) as container:
+            packets = list(itertools.islice((p for p in container.demux(video=0) if p.size), 40))
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=30)
+    # One keyframe every 12 frames: a second at 12 fps (the default of 30 frames was 2.5 s).
+    keys = [i for i, p in enumerate(packets) if p.is_keyframe]
+    assert len(keys) >= 3 and {b - a for a, b in itertools.pairwise(keys)} == {12}, keys
+
+
 def test_serve_rtsp_of_a_missing_file_is_a_usage_error(tmp_path: Path) -> None:
     proc = run_cli("serve-rtsp", str(tmp_path / "nope.mp4"))
     assert (proc.returncode, proc.stderr) == (2, f"{tmp_path / 'nope.mp4'}: file not found\n")
