@@ -214,6 +214,12 @@ class ModelRepository:
         """The validated config of ``name`` (raises :class:`ConfigError` with FILE:LINE)."""
         return read_source(self.root, name).config
 
+    def holds(self, name: str) -> bool:
+        """Whether a copy of ``name`` is held: loaded, loading, or failed to load (what
+        :meth:`unload` releases); False once unloaded, or before it was ever loaded."""
+        model = self._models.get(name)
+        return name in self._failed or (model is not None and model.state is not ModelState.UNLOADED)
+
     # -- lifecycle ---------------------------------------------------------
 
     def _lock(self, name: str) -> asyncio.Lock:

@@ -21,7 +21,7 @@ import difflib
 import logging
 import os
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -772,18 +772,43 @@ def _check_graph(
 
 
 # What a recording's file name may end in: the formats FFmpeg writes video to, by extension.
+# Which of them a recording may use depends on its codec (.webm holds no H.264): see
+# pipeline.outputs.video_file.format_problem.
 RECORDING_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".ts", ".flv", ".nut")
 
 
+def _recording_problem(out: FileOutputConfig) -> tuple[str, str] | None:
+    """Why a recording's file cannot hold its codec's video: no video extension, or a
+    format that refuses the codec (tried for real, so that run never finds out instead)."""
+    from pipeline.outputs.video_file import format_problem
+
+    suffix = Path(out.path).suffix.lower()
+    known = suffix in RECORDING_SUFFIXES
+    refused = format_problem(suffix, out.codec) if known else None
+    if known and refused is None:
+        return None
+    # Only a refused file pays for trying the other endings (a trial is tens of ms).
+    works = [s for s in RECORDING_SUFFIXES if format_problem(s, out.codec) is None]
+    choices = (
+        f"end it in one of {', '.join(works)}, e.g. out/{{source}}{works[0]}"
+        if works
+        else "choose another codec, e.g. codec: libx264"
+    )
+    if not known:
+        return f"{out.path!r} does not end in a video file extension FFmpeg writes", choices
+    hint = f"with codec {out.codec}, {choices}" if works else choices
+    if suffix == ".webm":
+        hint += ", or use codec: libvpx-vp9 (WebM holds VP8, VP9 and AV1 only)"
+    return f"a {suffix} file cannot hold {out.codec} video: {refused}", hint
+
+
 def _output_problem(cfg: PipelineConfig, out: OutputConfig) -> tuple[str, str] | None:
-    """Why ``run`` could not write an output there (checked without making anything):
-    a file where its folder should be, a folder it may not write, a file name with no format."""
+    """Why ``run`` could not write an output there (checked without making anything but a
+    scratch file elsewhere): a file where its folder should be, a folder it may not write,
+    a file name with no format, a format that cannot hold the codec."""
     template = out.path if isinstance(out, FileOutputConfig) else out.dir.rstrip("/") + "/x"
-    if isinstance(out, FileOutputConfig) and Path(template).suffix.lower() not in RECORDING_SUFFIXES:
-        return (
-            f"{template!r} does not end in a video file extension FFmpeg writes",
-            f"end it in one of {', '.join(RECORDING_SUFFIXES)}, e.g. out/{{source}}.mp4",
-        )
+    if isinstance(out, FileOutputConfig) and (unrecordable := _recording_problem(out)) is not None:
+        return unrecordable
     # The folder up to the first placeholder; what follows is made per source.
     fixed = template.split("{", 1)[0]
     folder = Path(cfg.base_dir) / fixed.rsplit("/", 1)[0] if "/" in fixed else Path(cfg.base_dir)
@@ -819,10 +844,15 @@ def _check_resources(
     stages: list[tuple[int, StageOptions]],
     source_index: list[int] | None,
     outputs: list[tuple[int, OutputConfig]],
+    loose: Mapping[int, tuple[str, ...]] | None = None,
 ) -> list[ConfigError]:
     """What ``run`` would refuse once it looks outside the file: source files, the model
     repository, each model's own config.yaml, its model and labels files, and ``classes:``
-    that no model's labels contain. Nothing is loaded."""
+    that no model's labels contain. Nothing is loaded.
+
+    ``loose`` holds the models of entries left out of ``stages`` for a wrong key the graph's
+    checks read (by index): each model's own files are still checked.
+    """
     errors: list[ConfigError] = []
 
     def err(key: str, problem: str, hint: str = "") -> None:
@@ -841,6 +871,9 @@ def _check_resources(
             key = f"outputs[{i}].path" if isinstance(out, FileOutputConfig) else f"outputs[{i}].dir"
             err(key, *unwritable)
     used = {name: i for i, s in reversed(stages) for name in s.models()}
+    for i, names in (loose or {}).items():
+        for name in names:
+            used[name] = min(i, used.get(name, i))
     root = cfg.models_path()
     if not used or root is None:
         return errors
@@ -849,8 +882,10 @@ def _check_resources(
             "models", f"repository folder {root} not found", "relative paths start at the folder of this file"
         )
         return errors
-    # Task kind and labels of each model read, for checks across models (track classes).
+    # Task kind and labels of each model read, for checks across models (track classes);
+    # the class numbers of those that have no labels.
     read: dict[str, tuple[str, list[str]]] = {}
+    numbered: dict[str, list[str]] = {}
     for name, i in sorted(used.items(), key=lambda kv: kv[1]):
         hint = missing_model_hint(root, name)
         if hint is not None:
@@ -867,6 +902,8 @@ def _check_resources(
         # Other models name their classes inside the model file, which validation does not open,
         # unless it is an ONNX file that names none: then its classes are numbers.
         numbers = numbered_classes(model.config, path) if not found else None
+        if numbers is not None:
+            numbered[name] = numbers
         for key, problem, hint in model_misfits(
             stages, name, model.config.task.kind, found, class_numbers=numbers
         ):
@@ -877,7 +914,7 @@ def _check_resources(
         for key, problem, hint in model_warnings(stages, name, model.config):
             line = cfg.line(key) or cfg.line(key.rsplit(".", 1)[0]) or None
             log.warning("%s", ConfigError(cfg.file, line, key, problem, hint).render())
-    for key, problem, hint in track_misfits(stages, read):
+    for key, problem, hint in track_misfits(stages, read, numbered=numbered):
         err(key, problem, hint)
     return errors
 
@@ -1070,38 +1107,56 @@ def _upright_misfits(
 
 
 def track_misfits(
-    stages: Sequence[tuple[int, StageOptions]], models: dict[str, tuple[str, list[str]]]
+    stages: Sequence[tuple[int, StageOptions]],
+    models: dict[str, tuple[str, list[str]]],
+    *,
+    numbered: Mapping[str, Sequence[str]] | None = None,
 ) -> list[tuple[str, str, str]]:
     """A ``track`` stage's ``classes:`` that no detector before it can label.
 
-    ``models`` holds each model's task kind and labels as read from its config; a
-    detector model not in it, or whose labels are only in its model file, makes the
-    check impossible, and it is skipped. Each as (key, problem, hint).
+    ``models`` holds each model's task kind and labels as read from its config;
+    ``numbered`` the class numbers of those known to have no labels at all (see
+    :func:`numbered_classes`), which label their objects "0", "1", ... A detector model
+    in neither, or whose labels are only in its model file, makes the check impossible,
+    and it is skipped. Each as (key, problem, hint).
     """
+    numbered = numbered or {}
     out: list[tuple[str, str, str]] = []
     earlier: list[str] = []  # the models of the stages before, in order
     for i, stage in stages:
         classes = getattr(stage, "classes", None) if stage.type == "track" else None
         if classes:
             labels: dict[str, list[str]] = {}
+            any_number = False  # a model without labels whose class count is unknown here
             for model in dict.fromkeys(earlier):
                 kind, found = models.get(model, ("", []))
                 if kind and not finds_objects(kind):
                     continue  # a classifier adds attributes, not objects to track
                 known = list(found or (["text"] if kind == "text_detect" else []))
+                if not known and model in numbered:
+                    known = list(numbered[model])
+                    any_number = any_number or not known
+                    labels[model] = known
+                    continue
                 if not known:
                     labels = {}  # a detector whose labels are unknown here: any class may be one of them
                     break
                 labels[model] = known
             union = list(dict.fromkeys(label for found in labels.values() for label in found))
             named = " or ".join(repr(m) for m in labels)
-            for c in classes if union else ():
-                if c not in union:
-                    close = difflib.get_close_matches(c, union, n=1)
-                    shown = ", ".join(union[:12]) + (", ..." if len(union) > 12 else "")
-                    hint = f"did you mean {close[0]!r}?" if close else f"the detectors' labels: {shown}"
-                    what = "model" if len(labels) == 1 else "models"
-                    out.append((f"stages[{i}].classes", f"{c!r} is not a label of {what} {named}", hint))
+            only = next(iter(labels)) if len(labels) == 1 else None
+            for c in classes if labels else ():
+                if c in union or (any_number and c.isdigit()):
+                    continue
+                if only is not None and only in numbered:
+                    # Its only detector labels objects by number: a name would track none of them.
+                    out.extend(_unnumbered_classes(i, only, [c], numbered[only]))
+                    continue
+                close = difflib.get_close_matches(c, union, n=1)
+                shown = ", ".join(union[:12]) + (", ..." if len(union) > 12 else "")
+                hint = f"did you mean {close[0]!r}?" if close else f"the detectors' labels: {shown}"
+                what = "model" if len(labels) == 1 else "models"
+                out.append((f"stages[{i}].classes", f"{c!r} is not a label of {what} {named}", hint))
         earlier.extend(stage.models()[:1])
     return out
 
@@ -1268,13 +1323,21 @@ def _misspelt_type(item: dict[str, Any], file: str, path: str) -> ConfigError | 
 
 
 def _build_stages(
-    raw: Any, file: str, errors: list[ConfigError], line: int | None, unchecked: set[int]
+    raw: Any,
+    file: str,
+    errors: list[ConfigError],
+    line: int | None,
+    unchecked: set[int],
+    loose: dict[int, tuple[str, ...]] | None = None,
 ) -> list[tuple[int, StageOptions]]:
     """Each ``stages[]`` entry validated against the options of its ``type``, with its index.
 
     An entry with wrong keys that its kind's checks do not read (``problem_keys``,
     ``graph_keys``) is returned too, built without them, so the graph is still checked
     with it; its index goes into ``unchecked`` when its own ``problems()`` cannot be judged.
+    One with a wrong key the graph's checks read is left out, and the models it names
+    (when its ``model`` is not what is wrong) go into ``loose``: their own files can still
+    be checked.
     """
     if raw is None:
         return []
@@ -1344,12 +1407,17 @@ def _build_stages(
             continue
         # A key the kind does not take is read by no check; one it takes (or meant) may be.
         judged = _meant(wrong, [f.name for f in dataclasses.fields(options)])
-        if judged and (options.graph_keys is None or judged & options.graph_keys):
-            continue  # the graph's checks would judge a stand-in's defaults, not the file
         try:
-            out.append((i, build(_without(rest, wrong), options, file, path=path)))
+            stand_in = build(_without(rest, wrong), options, file, path=path)
         except ConfigError:
             continue
+        if judged and (options.graph_keys is None or judged & options.graph_keys):
+            # The graph's checks would judge a stand-in's defaults, not the file; the models
+            # it names are the file's own (a wrong model key leaves none), and so are their files.
+            if loose is not None and stand_in.models():
+                loose[i] = stand_in.models()
+            continue
+        out.append((i, stand_in))
         if judged and (options.problem_keys is None or judged & options.problem_keys):
             unchecked.add(i)
     return out
@@ -1402,6 +1470,51 @@ def _build_outputs(
         with contextlib.suppress(ConfigError):
             out.append((i, build(_without(item, wrong), cls, file, path=path)))
     return out
+
+
+def _near_source(name: str, ids: Collection[str]) -> str | None:
+    """The file's source id ``name`` is a typo of: the same in another case, or a close
+    match, unless it differs from a source only in its numbers (``cam2`` beside ``cam1``
+    is another camera, maybe one to be added)."""
+    same_case = [sid for sid in ids if sid.lower() == name.lower()]
+    if same_case:
+        return same_case[0]
+    if any(re.sub(r"\d", "", sid) == re.sub(r"\d", "", name) for sid in ids):
+        return None
+    close = difflib.get_close_matches(name, list(ids), n=1)
+    return close[0] if close else None
+
+
+def _output_source_problems(
+    cfg: PipelineConfig, outputs: list[tuple[int, OutputConfig]]
+) -> list[ConfigError]:
+    """``outputs[].sources`` ids that name no source of the file: a near miss of one is an
+    error (it would record nothing, silently); any other is logged as a warning, since a
+    source of that id may still be added later (the HTTP API, a fleet)."""
+    errors: list[ConfigError] = []
+    ids = [s.source_id for s in cfg.sources]
+    shown = ", ".join(ids[:6]) + (", ..." if len(ids) > 6 else "") if ids else "(none)"
+    for i, out in outputs:
+        for j, name in enumerate(out.sources):
+            if name in ids:
+                continue
+            key = f"outputs[{i}].sources"
+            line = cfg.line(f"{key}[{j}]") or cfg.line(key) or cfg.line(f"outputs[{i}]")
+            near = _near_source(name, ids)
+            if near is not None:
+                hint = f"did you mean {near!r}?"
+                errors.append(ConfigError(cfg.file, line, key, f"no source {name!r}", hint))
+                continue
+            warning = ConfigError(
+                cfg.file,
+                line,
+                key,
+                f"no source {name!r} in this file: the output applies only to a source added later "
+                "with that id (through the HTTP API or a fleet)",
+                f"the file's sources: {shown}",
+            )
+            log.warning("%s", warning.render())
+    return errors
 
 
 # Stands in for a pipeline name that is missing or wrong, so the file's other checks still
@@ -1511,7 +1624,8 @@ def load_config(
         raw.get("sources"), file, p.parent.resolve(), errors, line_of(raw, "sources")
     )
     unchecked: set[int] = set()
-    stages = _build_stages(raw.get("stages"), file, errors, line_of(raw, "stages"), unchecked)
+    loose: dict[int, tuple[str, ...]] = {}
+    stages = _build_stages(raw.get("stages"), file, errors, line_of(raw, "stages"), unchecked, loose)
     outputs = _build_outputs(raw.get("outputs"), file, errors, line_of(raw, "outputs"))
     if cfg is None:
         raise_errors(errors)
@@ -1540,6 +1654,10 @@ def load_config(
     # Where each source is in the file (an entry that did not build is not among them).
     source_index = [i for i, _ in file_sources] if sources is None else list(range(len(cfg.sources)))
     errors.extend(_check_graph(cfg, raw, file, stages, source_index, outputs, unchecked, replaced))
+    if sources is None and not any(e.path.startswith("sources") for e in errors):
+        # Against the file's own sources (--source ones replace them; a source entry that
+        # did not build has no id to compare with).
+        errors.extend(_output_source_problems(cfg, outputs))
     if (
         require_sources
         and not cfg.sources
@@ -1561,6 +1679,8 @@ def load_config(
             )
         )
     if check_resources:
-        errors.extend(_check_resources(cfg, stages, source_index if sources is None else None, outputs))
+        errors.extend(
+            _check_resources(cfg, stages, source_index if sources is None else None, outputs, loose)
+        )
     raise_errors(errors)
     return cfg

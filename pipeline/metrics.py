@@ -239,6 +239,12 @@ class Metrics:
         return self.collector.model(model)
 
     def on_state(self, model: str, state: str, reason: str) -> None:
+        if state.upper() == "UNLOADED":
+            # Unloaded is not down: no series, so a `vidpipe_model_ready == 0` alert stays quiet
+            # for a model let go on purpose (DELETE /v1/models/{name}, a failed forced load).
+            with contextlib.suppress(KeyError):
+                self.model_ready.remove(model)
+            return
         self.model_ready.labels(model).set(1.0 if state.upper() == "READY" else 0.0)
 
     def render(self) -> bytes:

@@ -44,7 +44,13 @@ from pipeline.admission import (
 )
 from pipeline.backoff import RetryLog
 from pipeline.cancel import cancel_and_wait
-from pipeline.config import FileOutputConfig, PipelineConfig, SourceConfig, model_misfits
+from pipeline.config import (
+    FileOutputConfig,
+    PipelineConfig,
+    SourceConfig,
+    model_misfits,
+    numbered_classes,
+)
 from pipeline.counters import SourceCounters
 from pipeline.fleet.fence import LeaseFence, default_worker_id
 from pipeline.fleet.metrics import FleetMetrics
@@ -605,11 +611,16 @@ class Runtime:
 
         The checks of ``vidpipe validate`` (:func:`~pipeline.config.model_misfits`):
         a new task kind that finds no objects under a whole-frame stage, labels
-        that no longer hold a stage's ``classes``.
+        that no longer hold a stage's ``classes`` (or no labels, when a stage filters by name).
         """
         cfg = self.config
         stages = list(enumerate(cfg.stages))
-        problems = model_misfits(stages, model.name, model.config.task.kind, model.labels)
+        # A copy without labels labels its objects by class number, as validate reads it.
+        path = model.model_path
+        numbers = numbered_classes(model.config, path) if not model.labels and path is not None else None
+        problems = model_misfits(
+            stages, model.name, model.config.task.kind, model.labels, class_numbers=numbers
+        )
         if not problems:
             return None
         errors = [ConfigError(cfg.file, cfg.line(key), key, problem, hint) for key, problem, hint in problems]

@@ -43,6 +43,7 @@ from inference.config import (
     TASK_OPTIONS,
     ClassifyOptions,
     ModelConfig,
+    ModelConfigError,
     TextDetectOptions,
     TextRecognizeOptions,
     YoloOptions,
@@ -166,7 +167,42 @@ class YoloTask(_ImageTask):
             with contextlib.suppress(ValueError):
                 if other is not None and resolve_layout((1, d1, d2), other, classes):
                     hint = f"the output fits {other}: set task.layout: {other}"
+            # The layout reads the output, only with another class count: the labels are what
+            # is wrong (unless the other layout fits them, or it is an end-to-end export).
+            wrong_count = None if hint else self._labels_misfit(outputs[0], d1, d2)
+            if wrong_count is not None:
+                raise wrong_count from None
             raise self.config.error("task.layout", str(exc), hint) from None
+
+    def _labels_misfit(self, spec: TensorSpec, d1: int, d2: int) -> ModelConfigError | None:
+        """The error at ``labels`` (or ``labels_file``) when the configured layout reads the
+        output ``[N, d1, d2]`` with another class count than the labels list; None when the
+        layout does not read it at all, or it is an end-to-end export ([N, K, 6])."""
+        try:
+            layout = resolve_layout((1, d1, d2), self.options.layout)
+        except ValueError:
+            return None
+        held = d1 - 4 if layout == "yolov8" else d2 - 5
+        n = len(self.labels)
+        if held < 1 or (d2 == 6 and n > 1):
+            return None
+        shown = ", ".join(self.labels[:5]) + (", ..." if n > 5 else "")
+        if self.config.labels_file:
+            key, source = "labels_file", f"labels_file {self.config.labels_file} has {n}"
+            hint = f"give the file one line per class, {held} in class order"
+        elif self.config.labels:
+            key, source = "labels", f"labels has {n}"
+            hint = f"list one label per class, {held} in class order, or leave labels out for class numbers"
+        else:
+            # The names came from the file's metadata: labels: in config.yaml overrides them.
+            key, source = "labels", f"the model file's names metadata has {n}"
+            hint = f"set labels: [...] with one label per class, {held} in class order"
+        return self.config.error(
+            key,
+            f"{_file_name(self.config)}: output {spec.name!r} (shape {_shown(spec.shape)}) read as "
+            f"{layout} holds {held} class(es) but {source} ({shown})",
+            hint,
+        )
 
     def postprocess(self, outputs: Mapping[str, np.ndarray], metas: Sequence[Any]) -> list[Result]:
         out = self._output(outputs, 3, len(metas))

@@ -28,6 +28,7 @@ of its concern:
 ``GET /v1/fleet``                          in a fleet: workers, sources (owner, since)      ``fleet``
 ``GET /v1/models``                         the model repository's status                    ``models``
 ``POST /v1/models/{name}/reload``          swap in a model's new config and files (JSON)    ``models``
+``DELETE /v1/models/{name}``               unload a model no stage uses                     ``models``
 ``POST /whip/{id}``                        WHIP: SDP offer in, answer out                   ``webrtc``
 ``DELETE /whip/{id}/{session}``            WHIP: end a session                              ``webrtc``
 ``POST /whep/{id}``                        WHEP: live annotated view over WebRTC            ``webrtc``

@@ -1,8 +1,10 @@
-"""The model repository over HTTP: ``GET /v1/models`` and ``POST /v1/models/{name}/reload``.
+"""The model repository over HTTP: ``GET /v1/models``, ``POST /v1/models/{name}/reload``
+and ``DELETE /v1/models/{name}``.
 
 A reload re-reads the model's ``config.yaml`` and files and swaps the new copy in
 once it is ready; the body is ``{}`` or ``{"force": true}`` (to reload a model the
-pipeline does not use). docs/models.md.
+pipeline does not use). A model no stage uses, loaded that way, is unloaded with
+``DELETE``; one whose forced load fails is unloaded at once. docs/api.md.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from inference.model import ModelState
+from inference.repository import ModelRepository, ModelStatus
 from pipeline.api.answers import error, jsonable
 from pipeline.api.bodies import parse_json, read_body
 from pipeline.runtime import Runtime
@@ -35,6 +38,7 @@ class ModelRoutes:
     def add_to(self, router: web.UrlDispatcher) -> None:
         router.add_get("/v1/models", self.models)
         router.add_post("/v1/models/{name}/reload", self.reload_model)
+        router.add_delete("/v1/models/{name}", self.unload_model)
 
     async def models(self, request: web.Request) -> web.Response:
         repo = self._runtime.models
@@ -64,6 +68,13 @@ class ModelRoutes:
         force = force or request.query.get("force") in ("1", "true")
         repo = self._runtime.models
         if repo is None or name not in repo.names():
+            serving = _serving(repo, name)
+            if serving is not None:
+                # Its folder went away while it serves: as every failed reload, the log says so.
+                log.warning(
+                    "model %s: reload failed, still serving %s: no model %r in the repository %s",
+                    name, serving, name, repo.root if repo is not None else "",
+                )  # fmt: skip
             return error(404, f"no model {name!r} in the repository")
         if name not in self._runtime.config.models_used() and not force:
             # Loading a model nobody uses costs memory and time for nothing; ask for it explicitly.
@@ -87,5 +98,48 @@ class ModelRoutes:
         body = jsonable(status)
         if status.state is not ModelState.READY or status.reason:
             body["error"] = status.reason or f"model {name} is {status.state.value}"
+            if status.state is not ModelState.READY and name not in self._runtime.config.models_used():
+                # A forced load no stage needs that failed: nothing serves, so nothing is kept
+                # (a vidpipe_model_ready of 0 would page for a model nobody uses).
+                await repo.unload(name)
+                log.info("model %s unloaded: its forced load failed and no stage uses it", name)
             return 422, body
         return 200, body
+
+    async def unload_model(self, request: web.Request) -> web.Response:
+        """Unload a model no stage uses (one loaded with a forced reload): 204.
+
+        409 while a stage uses it, 404 when no copy of it is loaded.
+        """
+        name = request.match_info["name"]
+        cfg = self._runtime.config
+        users = [s.name for s in cfg.stages if name in s.models()]
+        if users:
+            return error(
+                409,
+                f"model {name!r} is used by stage {users[0]!r} of this pipeline; only a model no stage "
+                "uses can be unloaded",
+            )
+        repo = self._runtime.models
+        running = self._reloads.get(name)
+        if running is not None:
+            # A reload of it under way ends first: its answer is for the copy unloaded here.
+            await asyncio.shield(running)
+        if repo is None or not repo.holds(name):
+            return error(404, f"model {name!r} is not loaded")
+        was = _serving(repo, name) or "a copy that did not load"
+        await repo.unload(name)
+        log.info("model %s unloaded: %s (no stage uses it)", name, was)
+        return web.Response(status=204)
+
+
+def _serving(repo: ModelRepository | None, name: str) -> str | None:
+    """``version 2 on openvino``: the copy of ``name`` that serves, as the reload log names it;
+    None when none does."""
+    if repo is None or not repo.holds(name):
+        return None
+    status: ModelStatus | None = next((s for s in repo.status() if s.name == name), None)
+    if status is None or status.state is not ModelState.READY:
+        return None
+    version = f"version {status.version}" if status.version is not None else "the model file"
+    return f"{version} on {status.backend}"

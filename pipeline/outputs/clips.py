@@ -55,10 +55,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import io
 import itertools
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -68,6 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inference.ratelimit import RateLimitedLog
 from pipeline.config import ClipsOutputConfig
 from pipeline.events import Event
 from pipeline.frames import DetectedObject, Frame
@@ -78,6 +81,7 @@ log = logging.getLogger("vidpipe.clips")
 __all__ = [
     "CLIP_MAX_BYTES",
     "MAX_GOP_S",
+    "PRUNE_GRACE_S",
     "RING_MAX_BYTES",
     "ClipInfo",
     "ClipRecorder",
@@ -100,6 +104,12 @@ CLIP_MAX_BYTES = 256 * 1024 * 1024
 MAX_REORDER = 32
 # Timestamps closer than this are the same time (pts and event times are floats).
 SAME_TIME_S = 1e-6
+# Failures of the clips folder, not of the clip: said as the OS says them, with what to do.
+FOLDER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS})
+# Retention keeps every clip changed this recently: one being muxed, or written and not yet
+# announced, by any recorder of the folder. Muxing writes the file all along, and a clip is
+# announced right after it is closed, so a minute covers a slow disk many times over.
+PRUNE_GRACE_S = 60.0
 # Track ids remembered per source to tell a new track from a known one.
 KNOWN_TRACKS = 4096
 CLIP_NAME = re.compile(r"^[A-Za-z0-9_.-]+-\d{8}T\d{6}-\d+-[a-z_]+(\.\d+)?\.mp4$")  # .N: a name taken twice
@@ -309,6 +319,8 @@ class ClipRecorder:
         self._warned_gone_at = -math.inf
         self._known: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._warned_at = -math.inf
+        # Clips that fail are logged once a minute per reason, with a count of the rest.
+        self._failures = RateLimitedLog(interval=60.0, logger=log)
         self._closed = False  # the source ended: packets still on their way are not kept
         self.clips = 0
         self.failed = 0
@@ -560,6 +572,31 @@ class ClipRecorder:
 
     # -- writer thread ---------------------------------------------------------------------
 
+    def _failed(self, exc: Exception, clip: _Clip, path: Path) -> None:
+        """Log a clip that could not be written: at most once a minute per source and reason.
+
+        A full disk fails every clip of every camera (about one a second each): the line
+        says it once, with the count of the rest. A folder that refuses writes says so; any
+        other failure is FFmpeg's, in its own words.
+        """
+        code = exc.errno if isinstance(exc, OSError) else None
+        if code in FOLDER_ERRNOS:
+            assert code is not None
+            if code in (errno.ENOSPC, errno.EDQUOT):
+                what = "free space there, or lower max_size_mb"
+            else:
+                what = "make the folder writable for vidpipe, or choose another dir"
+            message = (
+                f"source {self.source}: clips not written to {self.folder}: {os.strerror(code)} "
+                f"(clip {path.name}); {what}. Clips resume once a write succeeds"
+            )
+        else:
+            message = (
+                f"source {self.source}: clip {path} not written: {type(exc).__name__}: {exc} "
+                f"(FFmpeg: {_mux_error(clip)})"
+            )
+        self._failures(f"{self.source}:{code or type(exc).__name__}", message, extra={"source": self.source})
+
     def _write(self, clip: _Clip) -> None:
         _settle(clip)
         if not clip.packets:
@@ -578,11 +615,8 @@ class ClipRecorder:
             joins = _mux(clip, str(path))
         except Exception as exc:
             self.failed += 1
-            log.error(
-                "source %s: clip %s not written: %s: %s (FFmpeg: %s)", self.source, path,
-                type(exc).__name__, exc, _mux_error(clip),
-            )  # fmt: skip
             path.unlink(missing_ok=True)
+            self._failed(exc, clip, path)
             return
         if joins:
             log.warning(
@@ -694,8 +728,10 @@ def prune_clips(
 ) -> list[Path]:
     """Delete clips older than ``max_age_s``, then the oldest until the rest fit ``max_bytes``.
 
-    Only files named like the clips vidpipe writes are touched, and never ``keep`` (the
-    clip just written, about to be announced: one clip over the budget alone stays).
+    Only files named like the clips vidpipe writes are touched, never ``keep`` (the clip
+    just written, about to be announced: one clip over the budget alone stays), and never
+    a clip changed in the last ``PRUNE_GRACE_S``: another recorder sharing the folder (a
+    source, an output, another pipeline) may be writing it or about to announce it.
     Returns what was deleted.
     """
     now = time.time() if now is None else now
@@ -713,7 +749,7 @@ def prune_clips(
     for mtime, size, path in clips:
         if now - mtime <= max_age_s and total <= max_bytes:
             break
-        if path == keep:
+        if path == keep or now - mtime < PRUNE_GRACE_S:
             continue
         path.unlink(missing_ok=True)
         deleted.append(path)

@@ -19,7 +19,10 @@ path that exists all the same gets ``.1``, ``.2``, ... before its extension.
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
+import tempfile
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -29,7 +32,7 @@ import numpy as np
 
 log = logging.getLogger("vidpipe.outputs")
 
-__all__ = ["FRAGMENT_S", "RecordingError", "VideoFileWriter", "recording_path"]
+__all__ = ["FRAGMENT_S", "RecordingError", "VideoFileWriter", "format_problem", "recording_path"]
 
 
 class RecordingError(Exception):
@@ -77,8 +80,9 @@ class VideoFileWriter:
     and opens the next one (a new :attr:`path`, which is the file being written).
     """
 
-    def __init__(self, template: Path, codec: str = "libx264", crf: int = 23) -> None:
+    def __init__(self, template: Path, codec: str = "libx264", crf: int = 23, quiet: bool = False) -> None:
         self.template = template
+        self.quiet = quiet  # no "recording to" line: a trial (format_problem), not a recording
         self.path: Path | None = None
         self.codec = codec
         self.crf = crf
@@ -131,7 +135,8 @@ class VideoFileWriter:
             path.unlink(missing_ok=True)
             raise RecordingError(f"cannot record to {path}: {_reason(exc)}") from None
         self._stream = stream
-        log.info("recording to %s", path)
+        if not self.quiet:
+            log.info("recording to %s", path)
 
     def _abandon(self) -> None:
         self.failed = True
@@ -229,6 +234,33 @@ class VideoFileWriter:
         self._mux(self._stream.encode(None))
         self._container.close()
         self._container = None
+
+
+@functools.lru_cache(maxsize=64)
+def format_problem(suffix: str, codec: str) -> str | None:
+    """Why a recording ending in ``suffix`` cannot hold ``codec`` video; None when it can.
+
+    Tried for real: a few frames are recorded into a scratch file exactly as a recording
+    is, so every refusal (``'webm' format does not support 'libx264' codec``, a muxer
+    that takes the codec but not its timing) is found before a run, not during it.
+    """
+    with tempfile.TemporaryDirectory(prefix="vidpipe-format-") as folder:
+        trial = Path(folder) / f"trial{suffix}"
+        writer = VideoFileWriter(trial, codec=codec, quiet=True)
+        try:
+            for i in range(3):
+                writer.write(np.zeros((48, 64, 3), np.uint8), i / 25)
+            writer.close()
+        except RecordingError as exc:
+            if writer.path is None:
+                return None  # the scratch folder, not the format: nothing to say about the config
+            reason = str(exc).split(": ", 1)[-1]
+        except Exception as exc:  # a muxer that fails at its end (PyAV raises what FFmpeg gave)
+            reason = _reason(exc)
+        else:
+            return None
+    # The scratch file's name means nothing to the caller.
+    return re.sub(rf": '{re.escape(str(trial))}' returned (-?\d+)", r" (FFmpeg returned \1)", reason)
 
 
 def _reason(exc: BaseException) -> str:

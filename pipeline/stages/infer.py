@@ -93,6 +93,15 @@ PREVIOUS_TIMEOUT = 10.0
 class InferOptions(StageOptions):
     """``type: infer``: a model on whole frames, or with ``on:`` on crops of earlier objects."""
 
+    # What problems() reads; and what the graph's checks read (references, order_problems, a
+    # track stage's later_problems) and the models' (model_misfits, model_warnings in
+    # pipeline.config). A wrong confidence, min_size, max_objects, crop or reinfer_iou leaves
+    # the rest checked, the stage's model and its files included.
+    problem_keys = frozenset({"model", "on", "upright_by", "interval", "reinfer_interval"})
+    graph_keys = frozenset(
+        {"model", "on", "classes", "upright_by", "interval", "reinfer_interval", "priority", "timeout_ms"}
+    )
+
     model: str = field(default="", metadata=spec(help="a model name in the repository"))
     on: str | None = field(default=None, metadata=spec(help="an earlier stage whose objects to crop"))
     classes: list[str] = field(default_factory=list, metadata=spec(help="labels to keep / to crop"))

@@ -48,6 +48,12 @@ from pipeline.tracking.iou import IouTracker
 class TrackOptions(StageOptions):
     """``type: track``: which tracker, which objects, and its thresholds."""
 
+    # What problems() reads; the graph's checks read only classes (track_misfits in
+    # pipeline.config). A wrong tracker, match, iou, new_score, min_hits or max_age leaves
+    # the rest checked.
+    problem_keys = frozenset({"low_score", "high_score"})
+    graph_keys = frozenset({"classes"})
+
     tracker: Literal["bytetrack", "iou"] = field(default="bytetrack", metadata=spec(help="bytetrack or iou"))
     classes: list[str] = field(default_factory=list, metadata=spec(help="labels to track; all when empty"))
     match: Literal["label", "any"] = field(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +265,38 @@ async def test_a_labels_file_with_too_few_lines_is_refused_at_labels_file(tmp_pa
     assert reason == (
         f"{path}:6: labels_file: model.onnx: output 'y' (shape [?, 3]) has 3 classes but labels_file "
         "labels.txt has 2 (cat, dog) (hint: give the file one line per class, 3 in class order)"
+    )
+
+
+@pytest.mark.parametrize("given", ["labels: [a, b]", "labels_file: labels.txt"])
+async def test_a_yolo_model_with_another_label_count_is_refused_at_its_labels(
+    tmp_path: Path, sample_models: Path, given: str
+) -> None:
+    # The squares detector holds 1 class ([N, 4+1, A]): its layout is right, its labels are not.
+    shutil.copytree(sample_models / "squares", tmp_path / "squares")
+    path = tmp_path / "squares" / "config.yaml"
+    (tmp_path / "squares" / "labels.txt").write_text("a\nb\n")
+    text = path.read_text()
+    path.write_text(text.replace("labels: [square]", given))
+    line = text.splitlines().index("labels: [square]") + 1
+    status = await ModelRepository(tmp_path).load("squares")
+    assert status.state is ModelState.UNAVAILABLE
+    key, source, hint = (
+        (
+            "labels",
+            "labels has 2",
+            "list one label per class, 1 in class order, or leave labels out for class numbers",
+        )
+        if given.startswith("labels:")
+        else (
+            "labels_file",
+            "labels_file labels.txt has 2",
+            "give the file one line per class, 1 in class order",
+        )
+    )
+    assert status.reason == (
+        f"{path}:{line}: {key}: model.onnx: output 'output0' (shape [?, 5, 1]) read as yolov8 holds 1 "
+        f"class(es) but {source} (a, b) (hint: {hint})"
     )
 
 

@@ -222,6 +222,8 @@ async def test_bearer_token_is_enforced(tmp_path: Path, nats_server: EmbeddedNat
                 assert resp.status == 401
             async with anonymous.delete("/v1/sources/a") as resp:
                 assert resp.status == 401
+            async with anonymous.delete("/v1/models/squares") as resp:
+                assert resp.status == 401
             # Paths that normalise to an API route are still API routes.
             for path in (
                 "/web/../v1/sources",

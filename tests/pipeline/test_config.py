@@ -216,7 +216,7 @@ def test_validate_refuses_outputs_run_cannot_write(tmp_path: Path) -> None:
     assert proc.stderr.splitlines() == [
         f"{path}:4: outputs[0].path: {tmp_path / 'afile'} is a file, not a folder (hint: choose another folder)",
         f"{path}:5: outputs[1].path: 'out/{{source}}' does not end in a video file extension FFmpeg writes "
-        "(hint: end it in one of .mp4, .m4v, .mov, .mkv, .webm, .avi, .ts, .flv, .nut, e.g. out/{source}.mp4)",
+        "(hint: end it in one of .mp4, .m4v, .mov, .mkv, .avi, .ts, .flv, .nut, e.g. out/{source}.mp4)",
         f"{path}:6: outputs[2].dir: {tmp_path / 'afile'} is a file, not a folder (hint: choose another folder)",
     ]
 
@@ -624,8 +624,10 @@ async def test_a_fleet_worker_never_starts_a_stored_source_with_nan(
 def _model_repo(tmp_path: Path, sample_models: Path) -> Path:
     """The sample models, and made-up ones on their files: ``grid`` (a detector of [cell]),
     ``color_cls`` (a classifier of [red, green]), ``blank`` (a detector with no labels, in its
-    config or its model file) and ``urgent`` (squares with two priority levels and timeouts
-    a request may set)."""
+    config or its model file), ``named`` (one whose labels are in its model file only) and
+    ``urgent`` (squares with two priority levels and timeouts a request may set)."""
+    import onnx
+
     repo = tmp_path / "models"
     repo.mkdir()
     for name in ("squares", "ppocr_cls"):
@@ -646,6 +648,13 @@ def _model_repo(tmp_path: Path, sample_models: Path) -> Path:
         (repo / name).mkdir()
         first = "squares" if "squares" in text else "ppocr_cls"
         (repo / name / "config.yaml").write_text(text.replace(f"name: {first}", f"name: {name}", 1))
+    # The squares file with an Ultralytics export's class names in its metadata.
+    (repo / "named").mkdir()
+    graph = onnx.load(str(sample_models / "squares" / "model.onnx"))
+    onnx.helper.set_model_props(graph, {"names": "{0: 'square'}"})
+    onnx.save(graph, str(repo / "named" / "model.onnx"))
+    text = (sample_models / "squares" / "config.yaml").read_text().replace("labels: [square]\n", "")
+    (repo / "named" / "config.yaml").write_text(text.replace("name: squares", "name: named", 1))
     return repo
 
 
@@ -698,9 +707,20 @@ MODEL_MISFITS = [
                  "  - {name: turned, type: infer, model: color_cls, on: cells, upright_by: orient}\n"
                  "  - {name: colour, type: infer, model: color_cls, on: sq}\n"
                  "  - {name: track, type: track, classes: [cell, square]}\n", [], id="fine"),
-    # Labels only in the model file cannot be known without loading it: not checked.
-    pytest.param("  - {name: cells, type: infer, model: grid}\n  - {name: any, type: infer, model: blank}\n"
+    # Labels only in the model file are not read by validate: not checked.
+    pytest.param("  - {name: cells, type: infer, model: grid}\n  - {name: any, type: infer, model: named}\n"
                  "  - {name: track, type: track, classes: [cel]}\n", [], id="track-classes-labels-unknown"),
+    # A detector with no labels labels its objects by class number: a name would track none.
+    pytest.param("  - {name: any, type: infer, model: blank}\n  - {name: track, type: track, classes: [square, '0']}\n",
+                 ["6: stages[1].classes: 'square' is not a class of model 'blank': the model has no labels, so "
+                  "its objects are labelled by class number (0, its only class) (hint: name its classes with "
+                  "labels: [...] in blank/config.yaml (one per class, in class order), or filter by number: "
+                  "classes: ['0'])"],
+                 id="track-classes-of-a-model-without-labels"),
+    pytest.param("  - {name: cells, type: infer, model: grid}\n  - {name: any, type: infer, model: blank}\n"
+                 "  - {name: track, type: track, classes: [cel, cell, '0']}\n",
+                 ["7: stages[2].classes: 'cel' is not a label of models 'grid' or 'blank' (hint: did you mean "
+                  "'cell'?)"], id="track-classes-of-a-model-without-labels-and-another"),
     # A model with no labels at all labels its objects by class number: a name would drop them all.
     pytest.param("  - {name: any, type: infer, model: blank, classes: [square, '0']}\n"
                  "  - {name: kind, type: infer, model: color_cls, on: any, classes: ['0', '1']}\n",
@@ -773,3 +793,69 @@ def test_validate_warns_of_stage_settings_the_model_ignores(tmp_path: Path, samp
     assert proc.returncode == 0, proc.stderr
     assert "stages[0].priority: model 'urgent' has no priority level 3" in proc.stderr
     assert "timeout_ms" not in proc.stderr
+
+
+def test_an_output_source_that_is_a_typo_is_refused_and_one_no_source_resembles_is_warned(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ids.yaml"
+    path.write_text(
+        "pipeline: shop\nsources:\n  - {url: 'test://?frames=3', id: cam}\n  - {url: 'test://?frames=3', id: gate1}\n"
+        "outputs:\n"
+        '  - {type: file, path: "rec/{source}.mp4", sources: [Cam]}\n'  # 6: another case
+        "  - {type: clips, dir: clips, sources: [cma, nope, gate2]}\n"  # 7: a typo; two a later source may have
+    )
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 2
+    errors = [ln for ln in proc.stderr.splitlines() if " warning " not in ln]
+    assert errors == [
+        f"{path}:6: outputs[0].sources: no source 'Cam' (hint: did you mean 'cam'?)",
+        f"{path}:7: outputs[1].sources: no source 'cma' (hint: did you mean 'cam'?)",
+    ]
+    warnings = [ln.split(" ", 1)[1].split(None, 1)[1] for ln in proc.stderr.splitlines() if " warning " in ln]
+    assert warnings == [
+        f"{path}:7: outputs[1].sources: no source {name!r} in this file: the output applies only to a source "
+        "added later with that id (through the HTTP API or a fleet) (hint: the file's sources: cam, gate1)"
+        for name in ("nope", "gate2")
+    ]
+    # Without the typos the file is fine; the ids no source has are still said by validate and by run.
+    path.write_text(path.read_text().replace("[Cam]", "[cam]").replace("cma, ", ""))
+    for command in ("validate", "run"):
+        proc = run_cli(command, str(path))
+        assert proc.returncode == 0, proc.stderr
+        assert sum("no source 'nope' in this file" in ln for ln in proc.stderr.splitlines()) == 1, command
+
+
+def test_validate_refuses_a_recording_whose_format_cannot_hold_its_codec(tmp_path: Path) -> None:
+    path = tmp_path / "rec.yaml"
+    path.write_text(
+        "pipeline: shop\nsources: [{url: 'test://?frames=3'}]\noutputs:\n"
+        '  - {type: file, path: "out/{source}.webm"}\n'  # 4: libx264, which WebM cannot hold
+        '  - {type: file, path: "out/{source}.m4v", codec: libx265}\n'  # 5: nor can .m4v H.265
+        '  - {type: file, path: "out/{source}-vp9.webm", codec: libvpx-vp9}\n'  # 6: fine
+        '  - {type: file, path: "out/{source}.mkv"}\n'  # 7: fine
+    )
+    proc = run_cli("validate", str(path))
+    assert proc.returncode == 2
+    x264 = ".mp4, .m4v, .mov, .mkv, .avi, .ts, .flv, .nut"
+    assert proc.stderr.splitlines() == [
+        f"{path}:4: outputs[0].path: a .webm file cannot hold libx264 video: 'webm' format does not support "
+        f"'libx264' codec (hint: with codec libx264, end it in one of {x264}, e.g. out/{{source}}.mp4, or use "
+        "codec: libvpx-vp9 (WebM holds VP8, VP9 and AV1 only))",
+        f"{path}:5: outputs[1].path: a .m4v file cannot hold libx265 video: 'ipod' format does not support "
+        "'libx265' codec (hint: with codec libx265, end it in one of .mp4, .mov, .mkv, .ts, .flv, .nut, "
+        "e.g. out/{source}.mp4)",
+    ]
+    # What validate lets through, run records: the WebM with VP9 and the Matroska file play.
+    import av
+
+    path.write_text(
+        "pipeline: shop\nsources: [{url: 'test://?frames=5', id: cam}]\noutputs:\n"
+        '  - {type: file, path: "out/{source}-vp9.webm", codec: libvpx-vp9}\n'
+        '  - {type: file, path: "out/{source}.mkv"}\n'
+    )
+    proc = run_cli("run", str(path))
+    assert proc.returncode == 0, proc.stderr
+    for name in ("cam-vp9.webm", "cam.mkv"):
+        with av.open(str(tmp_path / "out" / name)) as f:
+            assert sum(1 for _ in f.decode(video=0)) == 5, name

@@ -343,6 +343,7 @@ async def test_cross_site_requests_cannot_change_state(
             ("DELETE", "/whip/cam/x"),
             ("POST", "/whep/cam"),
             ("DELETE", "/whep/cam/x"),
+            ("DELETE", "/v1/models/spare"),
         ):
             status, body = await stack.json(method, path, json={"url": "test://"}, headers={"Origin": "null"})
             assert status == 403, (method, path, body)

@@ -87,6 +87,14 @@ async def test_reload_swaps_a_model_without_stopping_the_stream(
                 f"{pipeline_file}:8: stages[0].classes: 'square' is not a label of model 'squares' "
                 "(hint: its labels: box)",
             ),
+            (
+                # Without labels its objects are labelled "0": classes: [square] would match none.
+                good.replace("labels: [square]\n", ""),
+                f"{pipeline_file}:8: stages[0].classes: 'square' is not a class of model 'squares': the "
+                "model has no labels, so its objects are labelled by class number (0, its only class) "
+                "(hint: name its classes with labels: [...] in squares/config.yaml (one per class, in "
+                "class order), or filter by number: classes: ['0'])",
+            ),
         ]:
             assert change != good
             config.write_text(change)
@@ -109,7 +117,7 @@ async def test_reload_swaps_a_model_without_stopping_the_stream(
         # model that never stopped serving.
         logged = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("vidpipe")]
         warnings = [m for level, m in logged if level == "WARNING"]
-        assert len(warnings) == 4 and all(
+        assert len(warnings) == 5 and all(
             m.startswith("model squares: reload failed, still serving the model file on openvino: ")
             for m in warnings
         ), warnings
@@ -121,5 +129,80 @@ async def test_reload_swaps_a_model_without_stopping_the_stream(
 
         status, body = await stack.json("POST", "/v1/models/nope/reload", json={})
         assert (status, body) == (404, {"error": "no model 'nope' in the repository"})
+    finally:
+        await stack.close()
+
+
+async def test_a_model_no_stage_uses_is_unloaded_and_leaves_no_ready_series(
+    tmp_path: Path, sample_models: Path, nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="vidpipe")
+    repo = tmp_path / "models"
+    shutil.copytree(sample_models / "squares", repo / "squares")
+    shutil.copytree(sample_models / "squares", repo / "spare")
+    spare = repo / "spare" / "config.yaml"
+    good = spare.read_text().replace("name: squares", "name: spare")
+    stack = await Stack.start(tmp_path, PIPELINE.format(models=repo), nats_server.url)
+    registry = stack.runtime.metrics.registry
+
+    def ready(model: str) -> float | None:
+        return registry.get_sample_value("vidpipe_model_ready", {"model": model})
+
+    def logged(start: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith(start)]
+
+    try:
+        assert ready("squares") == 1.0
+        # A forced load that fails keeps nothing: no copy, and no ready series at 0 that the
+        # `vidpipe_model_ready == 0` alert would page for.
+        spare.write_text(good.replace("max_batch_size: 8", "max_batch_size: lots"))
+        status, body = await stack.json("POST", "/v1/models/spare/reload", json={"force": True})
+        assert (status, body["state"]) == (422, "unavailable"), body
+        assert "max_batch_size: expected an integer, got 'lots'" in body["error"]
+        assert ready("spare") is None
+        assert logged("model spare unloaded: ") == [
+            "model spare unloaded: its forced load failed and no stage uses it"
+        ]
+        status, models = await stack.json("GET", "/v1/models")
+        assert [(m["name"], m["state"]) for m in models] == [("spare", "unloaded"), ("squares", "ready")]
+        assert (await stack.json("DELETE", "/v1/models/spare")) == (
+            404,
+            {"error": "model 'spare' is not loaded"},
+        )
+
+        # One that loads serves until it is unloaded; a model a stage uses cannot be.
+        spare.write_text(good)
+        status, body = await stack.json("POST", "/v1/models/spare/reload", json={"force": True})
+        assert (status, body["state"]) == (200, "ready"), body
+        assert ready("spare") == 1.0
+        assert (await stack.json("DELETE", "/v1/models/squares")) == (
+            409,
+            {
+                "error": "model 'squares' is used by stage 'objects' of this pipeline; only a model no "
+                "stage uses can be unloaded"
+            },
+        )
+        assert (await stack.json("DELETE", "/v1/models/spare"))[0] == 204
+        assert ready("spare") is None and ready("squares") == 1.0
+        assert logged("model spare unloaded: ")[-1] == (
+            "model spare unloaded: the model file on openvino (no stage uses it)"
+        )
+        status, models = await stack.json("GET", "/v1/models")
+        assert [(m["name"], m["state"]) for m in models] == [("spare", "unloaded"), ("squares", "ready")]
+        assert (await stack.json("DELETE", "/v1/models/spare"))[0] == 404
+        assert (await stack.json("DELETE", "/v1/models/nope")) == (
+            404,
+            {"error": "model 'nope' is not loaded"},
+        )
+
+        # A model whose folder went away while it serves: 404, and the log says it still serves.
+        (repo / "squares").rename(tmp_path / "squares.moved")
+        status, body = await stack.json("POST", "/v1/models/squares/reload", json={})
+        assert (status, body) == (404, {"error": "no model 'squares' in the repository"})
+        assert logged("model squares: reload failed") == [
+            f"model squares: reload failed, still serving the model file on openvino: no model 'squares' "
+            f"in the repository {repo}"
+        ]
+        assert ready("squares") == 1.0
     finally:
         await stack.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import errno
 import itertools
 import json
 import math
@@ -31,7 +33,15 @@ from pipeline.events import Event
 from pipeline.frames import DetectedObject, Frame
 from pipeline.nats_server import EmbeddedNats
 from pipeline.outputs import clips
-from pipeline.outputs.clips import HEADROOM_S, MAX_GOP_S, ClipInfo, ClipRecorder, clip_event, prune_clips
+from pipeline.outputs.clips import (
+    HEADROOM_S,
+    MAX_GOP_S,
+    PRUNE_GRACE_S,
+    ClipInfo,
+    ClipRecorder,
+    clip_event,
+    prune_clips,
+)
 from pipeline.outputs.manager import clip_message, clips_schema
 from pipeline.runtime import Runtime
 from pipeline.sources.pattern import pattern_background, pattern_square_box
@@ -361,9 +371,84 @@ def test_the_clip_just_written_is_never_pruned_even_over_the_budget(tmp_path: Pa
     newest = tmp_path / "cam-20261130T100001-1-track_start.mp4"
     older.write_bytes(b"x" * 1000)
     newest.write_bytes(b"x" * 5000)  # over the budget on its own
-    os.utime(older, (now - 10, now - 10))
+    os.utime(older, (now - PRUNE_GRACE_S - 10, now - PRUNE_GRACE_S - 10))
     deleted = prune_clips(tmp_path, max_bytes=2000, max_age_s=3600, now=now, keep=newest)
     assert deleted == [older] and [p.name for p in tmp_path.iterdir()] == [newest.name]
+
+
+def events_on(recorder: ClipRecorder, video: Path, seconds: Collection[float]) -> None:
+    """Every packet of ``video`` through ``recorder`` (a file decodes ahead), then a detection
+    at each of ``seconds``: a clip each when they are further apart than its ``post_s``."""
+    with av.open(str(video)) as f:
+        stream = f.streams.video[0]
+        for packet in f.demux(stream):
+            recorder.on_packet(packet, stream)
+    for at in seconds:
+        image = np.zeros((H, W, 3), np.uint8)
+        recorder.on_frame(Frame(recorder.source, round(at * FPS), at, 0.0, image, objects=[obj(None)]))
+
+
+def test_retention_never_deletes_a_clip_another_recorder_of_the_folder_just_wrote(tmp_path: Path) -> None:
+    video = write_pattern_clip(tmp_path / "in.mp4", frames=60, gop=FPS)
+    folder = tmp_path / "clips"
+    roomy = ClipsOutputConfig(type="clips", dir="clips", pre_s=0.5, post_s=0.5, on=["detection"])
+    tiny = dataclasses.replace(roomy, max_size_mb=0.001)  # smaller than any clip
+    written: list[tuple[str, Path, bool]] = []
+
+    def announce(info: ClipInfo) -> None:
+        # What a subscriber checks when the announcement arrives: every clip so far is there.
+        written.append(
+            (info.source, info.path, all(p.exists() for _, p, _ in written) and info.path.exists())
+        )
+
+    with ThreadPoolExecutor(1) as writer:
+        door = ClipRecorder(roomy, "door", folder, writer, announce)
+        yard = ClipRecorder(tiny, "yard", folder, writer, announce)
+        events_on(door, video, [1.0])
+        writer.submit(lambda: None).result()  # door's clip is written and announced
+        events_on(yard, video, [1.0])
+        writer.submit(lambda: None).result()
+    assert [(source, there) for source, _, there in written] == [("door", True), ("yard", True)]
+    assert all(path.exists() for _, path, _ in written)  # door's clip outlived yard's retention
+    # Once past the grace, retention does delete it: the folder keeps to yard's budget.
+    door_clip = written[0][1]
+    old = time.time() - PRUNE_GRACE_S - 1
+    os.utime(door_clip, (old, old))
+    with ThreadPoolExecutor(1) as writer:
+        yard = ClipRecorder(tiny, "yard", folder, writer, announce)
+        events_on(yard, video, [2.5])
+    assert not door_clip.exists() and written[2][1].exists()
+
+
+def test_clips_on_a_full_disk_are_logged_once_a_minute_per_source_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    video = write_pattern_clip(tmp_path / "in.mp4", frames=60, gop=FPS)
+    folder = tmp_path / "clips"
+
+    def disk_full(clip: Any, target: Any, format: str | None = None) -> int:
+        # As PyAV raises it when FFmpeg's write finds no space (a tmpfs filled to the brim).
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), target)
+
+    monkeypatch.setattr(clips, "_mux", disk_full)
+    config = ClipsOutputConfig(type="clips", dir="clips", pre_s=0.5, post_s=0.5, on=["detection"])
+    recorders = []
+    with ThreadPoolExecutor(1) as writer:
+        for source in ("door", "yard"):
+            recorder = ClipRecorder(config, source, folder, writer, lambda info: None)
+            events_on(recorder, video, [0.5, 1.5, 2.5])
+            recorders.append(recorder)
+    assert [r.failed for r in recorders] == [3, 3] and list(folder.iterdir()) == []
+    lines = [r for r in caplog.records if "not written" in r.getMessage()]
+    # One line per source for its three failures, with the reason and what to do.
+    assert [(r.levelname, getattr(r, "source", None)) for r in lines] == [
+        ("ERROR", "door"),
+        ("ERROR", "yard"),
+    ]
+    for record, source in zip(lines, ("door", "yard"), strict=True):
+        message = record.getMessage()
+        assert message.startswith(f"source {source}: clips not written to {folder}: No space left on device")
+        assert "free space there, or lower max_size_mb" in message and "FFmpeg" not in message
 
 
 def vidpipe_run(config: Path, *args: str) -> subprocess.Popen[str]:

@@ -230,7 +230,7 @@ def test_an_output_with_two_wrong_keys_is_still_checked_where_it_writes(tmp_path
           - {type: file, path: out/one.mp4, sorces: [test]}
         """,
     )
-    video = ".mp4, .m4v, .mov, .mkv, .webm, .avi, .ts, .flv, .nut"
+    video = ".mp4, .m4v, .mov, .mkv, .avi, .ts, .flv, .nut"
     assert problems(path, check_resources=True) == [
         f"{path}:7: outputs[0].path: 2 sources (test, test_2) would record to the one file 'out/all.txt' "
         "(hint: put {source} in the path, e.g. out/all-{source}.txt, or name one source in outputs[0].sources)",
@@ -257,9 +257,43 @@ def test_an_output_s_problem_names_its_own_entry_after_one_that_is_wrong(tmp_pat
           - {type: file, path: out/b.txt}
         """,
     )
-    video = ".mp4, .m4v, .mov, .mkv, .webm, .avi, .ts, .flv, .nut"
+    video = ".mp4, .m4v, .mov, .mkv, .avi, .ts, .flv, .nut"
     assert problems(path, check_resources=True) == [
         f"{path}:3: outputs[0].sorces: unknown key (hint: did you mean 'sources'?)",
         f"{path}:4: outputs[1].path: 'out/b.txt' does not end in a video file extension FFmpeg writes "
         f"(hint: end it in one of {video}, e.g. out/{{source}}.mp4)",
+    ]
+
+
+def test_a_wrong_key_of_an_infer_or_track_stage_hides_no_model_problem(
+    tmp_path: Path, sample_models: Path
+) -> None:
+    import shutil
+
+    repo = tmp_path / "models"
+    shutil.copytree(sample_models / "squares", repo / "squares")
+    shutil.copytree(sample_models / "squares", repo / "det")
+    det = repo / "det" / "config.yaml"
+    det.write_text(det.read_text().replace("name: squares", "name: det") + "task_kind: yolo\n")
+    path = write(
+        tmp_path,
+        f"""\
+        pipeline: shop
+        models: {repo}
+        stages:
+          - {{name: a, type: infer, model: det, intervall: 2}}
+          - {{name: b, type: infer, model: squares, confidance: 0.3, classes: [sqare]}}
+          - {{name: t, type: track, tracker: bytetrak, classes: [sqare]}}
+        """,
+    )
+    # A key the graph's checks read (interval) leaves stage a out of them, but not its model's
+    # own config; keys no check reads leave stages b and t checked whole.
+    assert problems(path, check_resources=True) == [
+        f"{det}:23: task_kind: unknown key (hint: did you mean 'task'?)",
+        f"{path}:4: stages[0].intervall: unknown key (hint: did you mean 'interval'?)",
+        f"{path}:5: stages[1].confidance: unknown key (hint: did you mean 'confidence'?)",
+        f"{path}:5: stages[1].classes: 'sqare' is not a label of model 'squares' (hint: did you mean 'square'?)",
+        f"{path}:6: stages[2].tracker: expected one of 'bytetrack', 'iou', got 'bytetrak' "
+        "(hint: did you mean 'bytetrack'?)",
+        f"{path}:6: stages[2].classes: 'sqare' is not a label of model 'squares' (hint: did you mean 'square'?)",
     ]
