@@ -97,7 +97,7 @@ class InferOptions(StageOptions):
     # track stage's later_problems) and the models' (model_misfits, model_warnings in
     # pipeline.config). A wrong confidence, min_size, max_objects, crop or reinfer_iou leaves
     # the rest checked, the stage's model and its files included.
-    problem_keys = frozenset({"model", "on", "upright_by", "interval", "reinfer_interval"})
+    problem_keys = frozenset({"model", "on", "upright_by", "upright_score", "interval", "reinfer_interval"})
     graph_keys = frozenset(
         {"model", "on", "classes", "upright_by", "interval", "reinfer_interval", "priority", "timeout_ms"}
     )
@@ -115,6 +115,12 @@ class InferOptions(StageOptions):
     )
     upright_by: str | None = field(
         default=None, metadata=spec(help="a stage whose label ('0'/'180') says how to rotate the crop")
+    )
+    # PP-OCR's own pipeline turns a line only when its classifier is this sure (cls_thresh):
+    # below it, an upright line the classifier doubts would be read upside down.
+    upright_score: float = field(
+        default=0.9,
+        metadata=spec(ge=0, le=1, help="turn a crop only when the upright_by stage is at least this sure"),
     )
     priority: int | None = field(default=None, metadata=spec(ge=1))
     timeout_ms: float | None = field(default=None, metadata=spec(gt=0))
@@ -146,6 +152,8 @@ class InferOptions(StageOptions):
             out.append(("type", "an infer stage needs 'model'"))
         if self.upright_by is not None and self.on is None:
             out.append(("upright_by", "upright_by only applies to a stage with 'on'"))
+        if self.upright_score != 0.9 and self.upright_by is None:
+            out.append(("upright_score", "upright_score only applies with upright_by"))
         if self.interval and self.on is not None:
             out.append(
                 (
@@ -445,6 +453,8 @@ class InferStage(Stage):
             return 0
         for attr in obj.attributes:
             if attr.model == self._upright_model:
+                if attr.score < self.opts.upright_score:
+                    return 0  # not sure enough to turn it: as it stands is the better bet
                 try:
                     return int(float(attr.label)) % 360
                 except ValueError:

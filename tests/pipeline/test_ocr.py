@@ -70,3 +70,61 @@ async def test_ocr_cascade_reads_known_text_at_known_places(
     }
     exit_ids.discard(None)  # its first sighting, before confirmation
     assert len(exit_ids) == 1
+
+
+def _upright_plate_clip(path: Path) -> Path:
+    """Three frames of one upright plate, "XY99 ZZZ" in Hershey Complex: a line PP-OCR's
+    orientation classifier calls "180", though at well under 0.9."""
+    import av
+    import cv2
+    import numpy as np
+
+    img = np.full((360, 640, 3), (40, 44, 52), np.uint8)
+    font, text = cv2.FONT_HERSHEY_COMPLEX, "XY99 ZZZ"
+    (w, h), base = cv2.getTextSize(text, font, 1.0, 2)
+    cv2.rectangle(img, (20, 200), (48 + w, 224 + h + base), (250, 215, 40), -1)
+    cv2.putText(img, text, (34, 212 + h), font, 1.0, (15, 15, 15), 2, cv2.LINE_AA)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 640, 360, "yuv420p"
+        for i in range(3):
+            frame = av.VideoFrame.from_ndarray(img, format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return path
+
+
+async def test_a_line_the_classifier_is_unsure_of_is_read_as_it_stands(
+    tmp_path: Path, nats_server: EmbeddedNats, collector: Collector
+) -> None:
+    clip = _upright_plate_clip(tmp_path / "plate.mp4")
+    config = (
+        (ROOT / "configs" / "ocr.yaml")
+        .read_text()
+        .replace("../samples/models", str(ROOT / "samples" / "models"))
+    )
+    await collector.start(nats_server.url, "vidpipe.ocr.>")
+    read: dict[str, list[tuple[str, str, float]]] = {}
+    for score in ("0.9", "0.5"):  # the default, and one under the classifier's doubt
+        path = tmp_path / f"ocr-{score}.yaml"
+        path.write_text(
+            config.replace("upright_by: orientation", f"upright_by: orientation\n    upright_score: {score}")
+        )
+        before = len(collector.messages)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pipeline.cli", "run", str(path), "--source", str(clip), "--nats", nats_server.url,
+            cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(proc.communicate(), 240)
+        assert proc.returncode == 0, err.decode()
+        await collector.wait_for(before + 3)
+        read[score] = [
+            (o["text"], o["attributes"][0]["label"], o["attributes"][0]["score"])
+            for m in collector.messages[before:]
+            for o in m["objects"]
+        ]
+    # The classifier says "180", unsure: by default the line is read upright; turned, backwards.
+    assert len(read["0.9"]) == 3 and all(label == "180" and 0.5 < s < 0.9 for _, label, s in read["0.9"])
+    assert all(text.upper() == "XY99 ZZZ" for text, _, _ in read["0.9"]), read
+    assert all(text.upper().startswith("ZZZ") for text, _, _ in read["0.5"]), read
