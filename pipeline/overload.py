@@ -44,18 +44,23 @@ class OverloadMonitor:
     """Finds overloaded sources in successive reports; logs each one once per ``interval``.
 
     ``models`` maps an infer stage's name to its model (the stages' ``models()``),
-    so the warning can name the model and the knob that belongs to it.
+    so the warning can name the model and the knob that belongs to it; ``intervals``
+    a whole-frame detector's name to its ``interval`` (a number, or ``"auto"``), so the
+    knob suggested is one the stage does not have already.
     """
 
     def __init__(
         self,
         models: Mapping[str, str],
         *,
+        intervals: Mapping[str, int | str] | None = None,
         interval: float = 10.0,
         threshold: float = 0.1,
         logger: logging.Logger = log,
     ) -> None:
         self.models = dict(models)
+        # None: not told, every stage taken for a whole-frame detector without an interval.
+        self.intervals = dict(intervals) if intervals is not None else None
         self.interval = interval
         self.threshold = threshold
         self.logger = logger
@@ -112,9 +117,11 @@ class OverloadMonitor:
         report = models.get(model) if model else None
         if report is not None and report.queue_ms.p50 is not None and report.compute_ms.p50 is not None:
             waiting = "queue" if report.queue_ms.p50 > report.compute_ms.p50 else "compute"
-        # The stage keeps up with what is decoded now when it runs on one frame in
-        # 1 / (1 - rate): `interval` is the frames skipped between two runs.
-        skip = max(1, math.ceil(1 / max(1e-6, 1 - rate)) - 1)
+        # The stage keeps up with what is decoded now when it runs on 1 / (1 - rate) times
+        # fewer frames than it does: `interval` is the frames skipped between two runs.
+        current = self.intervals.get(bottleneck) if self.intervals is not None else 0
+        now_every = current + 1 if isinstance(current, int) else 1
+        skip = max(now_every, math.ceil(now_every / max(1e-6, 1 - rate)) - 1)
         return Overload(
             source=src.id,
             interval_s=self.interval,
@@ -125,17 +132,26 @@ class OverloadMonitor:
             stage_ms=round(per_frame[bottleneck] * 1000, 1) if bottleneck else None,
             model=model,
             waiting=waiting,
-            hint=_hint(bottleneck, model, waiting, skip),
+            hint=_hint(bottleneck, model, waiting, skip, current),
         )
 
 
-def _hint(stage: str, model: str | None, waiting: str, skip: int) -> str:
-    """The knob to turn, in the config's words (docs/operations.md, "Overload")."""
+def _hint(stage: str, model: str | None, waiting: str, skip: int, current: int | str | None = 0) -> str:
+    """The knob to turn, in the config's words (docs/operations.md, "Overload").
+
+    ``current``: the stage's own ``interval`` (None for a cascade, which has none).
+    """
     if not stage:
         return "lower the source's max_fps or give the graph more CPU"
     if model is None:
         return f"stage {stage} is the slowest; lower the source's max_fps or make the stage cheaper"
-    interval = f"interval: {skip} on stage {stage} (run it on one frame in {skip + 1})"
+    if current is None:  # a cascade: it runs on each object, and skipping frames is its tracker's
+        interval = f"reinfer_interval or a lower max_objects on stage {stage}"
+    elif current == "auto":  # it runs only when the scene needs it already
+        interval = "a lower max_fps on the source (interval: auto already skips what it can)"
+    else:
+        was = f", was {current}" if current else ""
+        interval = f"interval: {skip} on stage {stage} (run it on one frame in {skip + 1}{was})"
     instances = f"more instances of {model} (instance_group: [{{count: N}}] in its config.yaml)"
     smaller = f"a smaller input size for {model} (export it at e.g. 320x320)"
     if waiting == "queue":

@@ -351,7 +351,13 @@ class Runtime:
         self._persistent = False
         # Says which source cannot keep up, once per interval (pipeline.overload).
         models = {s.name: s.models()[0] for s in config.stages if s.models()}
-        self.overload = OverloadMonitor(models, interval=overload_interval)
+        # A whole-frame detector's interval (a cascade, with on:, has none).
+        intervals = {
+            s.name: getattr(s, "interval", 0)
+            for s in config.stages
+            if s.models() and not getattr(s, "on", None)
+        }
+        self.overload = OverloadMonitor(models, intervals=intervals, interval=overload_interval)
         self._overload_task: asyncio.Task[None] | None = None
         # /metrics reads the running sources' counters at scrape time.
         self.metrics.collector.watch(config.pipeline, lambda: list(self.sources.values()))

@@ -396,6 +396,23 @@ async def test_an_overloaded_source_is_named_with_its_drop_rate_and_bottleneck_o
     first = OverloadMonitor({"objects": "squares"}, interval=1.0, logger=logging.getLogger("first-look"))
     (found,) = first.check(report)
     assert (found.source, found.decoded) == ("cam", report.sources[0].decoded)
+    # A detector that skips frames already is told a larger interval, not its own again; one
+    # on interval: auto, that it already skips what it can; a cascade, its own knobs.
+    quiet = logging.getLogger("hints")
+    (found,) = OverloadMonitor({"objects": "squares"}, intervals={"objects": 3}, logger=quiet).check(report)
+    hinted = re.search(
+        r"interval: (\d+) on stage objects \(run it on one frame in (\d+), was 3\)", found.hint
+    )
+    assert hinted, found.hint
+    assert int(hinted.group(1)) > 3 and int(hinted.group(2)) >= 4 / (1 - found.drop_rate), found
+    (found,) = OverloadMonitor({"objects": "squares"}, intervals={"objects": "auto"}, logger=quiet).check(
+        report
+    )
+    assert found.hint.startswith(
+        "try a lower max_fps on the source (interval: auto already skips what it can)"
+    )
+    (found,) = OverloadMonitor({"objects": "squares"}, intervals={}, logger=quiet).check(report)
+    assert "reinfer_interval or a lower max_objects on stage objects" in found.hint
 
     s = samples(text)
     decoded_total = value(s, "vidpipe_frames_decoded_total", pipeline="m", source="cam")
