@@ -44,6 +44,10 @@ from inference.model import Model, ModelState, ModelUnavailable
 from inference.processing.base import Task
 from inference.results import Classification, Result
 
+# What the fake backends are given as a model file: they read none of it, and the loader
+# refuses an empty one (a copy cut short).
+FAKE_MODEL_FILE = b"not read: the backend is a fake"
+
 WAIT = 5.0  # seconds; only ever reached when something is broken
 
 
@@ -145,7 +149,7 @@ class Harness:
         observer: Recorder | None = None,
         **batching: Any,
     ) -> None:
-        (tmp_path / "m.onnx").write_bytes(b"")
+        (tmp_path / "m.onnx").write_bytes(FAKE_MODEL_FILE)
         self.config = ModelConfig(
             name="m",
             model_file=ModelFile(path="m.onnx"),
@@ -614,7 +618,7 @@ async def test_async_rejection_and_bad_images(make: Callable[..., Harness]) -> N
 
 
 def test_a_model_whose_backend_fails_to_load_is_unavailable(tmp_path: Path) -> None:
-    (tmp_path / "m.onnx").write_bytes(b"")
+    (tmp_path / "m.onnx").write_bytes(FAKE_MODEL_FILE)
     rec = Recorder()
     cfg = ModelConfig(
         name="m",

@@ -19,6 +19,10 @@ from inference.model import INPUT_PLANS, Model, ModelState
 from inference.processing.resize import ImagePreprocessor, ImageResizer
 from inference.results import Classification
 
+# What the fake backends are given as a model file: they read none of it, and the loader
+# refuses an empty one (a copy cut short).
+FAKE_MODEL_FILE = b"not read: the backend is a fake"
+
 H, W = 4, 6
 
 
@@ -43,7 +47,7 @@ def model_on(
     tmp_path: Path, location: InputLocation, backend: str = "tensorrt"
 ) -> tuple[Model, list[RecordingBackend]]:
     """A one-instance classifier served by a :class:`RecordingBackend`; ``backend`` is only its name."""
-    (tmp_path / "m.onnx").write_bytes(b"")
+    (tmp_path / "m.onnx").write_bytes(FAKE_MODEL_FILE)
     config = ModelConfig(
         name="m",
         backend=backend,
