@@ -764,7 +764,19 @@ def _check_graph(
                 )
                 err(*at(ref_key), f"unknown stage {ref!r}", hint)
             elif not kinds[seen[ref].type].finds_objects:
-                err(*at(ref_key), f"stage {ref!r} is a {seen[ref].type} stage and finds no objects")
+                # What to name instead: the infer stages before this one.
+                infer = ", ".join(n for n, s in seen.items() if s.type == "infer")
+                if ref_key == "upright_by":
+                    problem = (
+                        f"stage {ref!r} is a {seen[ref].type} stage: upright_by names the classifier "
+                        "stage whose label says how to turn each crop"
+                    )
+                    hint = "a classifier stage with the same on: as this one"
+                else:
+                    problem = f"stage {ref!r} is a {seen[ref].type} stage and finds no objects"
+                    hint = "an infer stage whose model finds objects (a detector)"
+                where = f"name one of: {infer}" if infer else "add one before this stage"
+                err(*at(ref_key), problem, f"{hint}; {where}")
         seen.setdefault(stage.name, stage)
     if cfg.models is None and cfg.models_used() and not _replaced(replaced, "models"):
         err("models", line_of(raw), "infer stages need a model repository", "add models: <folder>")

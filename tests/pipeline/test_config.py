@@ -93,7 +93,12 @@ BROKEN = [
     pytest.param(GOOD + "  - {name: t, type: track, on: det}\n" + "  - {name: c, type: infer, model: c, on: t}\n",
                  7, "does not apply", id="first-error-wins"),
     pytest.param(GOOD + "  - {name: t, type: track}\n  - {name: c, type: infer, model: c, on: t}\n", 8,
-                 "stages[2].on: stage 't' is a track stage and finds no objects", id="on-a-track-stage"),
+                 "stages[2].on: stage 't' is a track stage and finds no objects (hint: an infer stage whose "
+                 "model finds objects (a detector); name one of: det)", id="on-a-track-stage"),
+    pytest.param(GOOD + "  - {name: t, type: track}\n  - {name: c, type: infer, model: c, on: det, upright_by: t}\n",
+                 8, "stages[2].upright_by: stage 't' is a track stage: upright_by names the classifier stage whose "
+                 "label says how to turn each crop (hint: a classifier stage with the same on: as this one; name "
+                 "one of: det)", id="upright-by-a-track-stage"),
     pytest.param(GOOD.replace("sources:\n  - url: test://?frames=3", "sources: clip.mp4"), 3,
                  "sources: expected a list, got 'clip.mp4' (hint: e.g. sources: [{url: clip.mp4}], or one "
                  "'- url: ...' line per source)", id="sources-not-a-list"),

@@ -200,7 +200,8 @@ def test_a_zones_stage_with_wrong_keys_still_has_its_zones_and_its_place_checked
         "'bottom_left', 'bottom_right', 'top_left', 'top_right', got 'feet' "
         "(hint: the point of the box that counts)",
         f"{path}:10: stages[0].lines[1].name: duplicate name 'door'",
-        f"{path}:11: stages[1].on: stage 'gate' is a zones stage and finds no objects",
+        f"{path}:11: stages[1].on: stage 'gate' is a zones stage and finds no objects (hint: an infer "
+        "stage whose model finds objects (a detector); add one before this stage)",
         f"{path}:14: stages[2].hysteresis: must be at least 0, got -1.0 "
         "(hint: px: dead band along lines and zone edges)",
         f"{path}:16: stages[2].zones[0].polygon: {CROSSING}",
