@@ -95,12 +95,13 @@ class InferOptions(StageOptions):
 
     # What problems() reads; and what the graph's checks read (references, order_problems, a
     # track stage's later_problems) and the models' (model_misfits, model_warnings in
-    # pipeline.config). A wrong confidence, min_size, max_objects, crop or reinfer_iou leaves
-    # the rest checked, the stage's model and its files included.
+    # pipeline.config) where a stand-in default would judge wrongly. A wrong interval or
+    # reinfer_interval stands in as 0, which asks nothing of the graph (it can only hide an
+    # order problem, never make one up); priority stays, since timeout_ms is judged by its
+    # level. A wrong confidence, min_size, max_objects, crop or reinfer_iou leaves the rest
+    # checked, the stage's model and its files included.
     problem_keys = frozenset({"model", "on", "upright_by", "upright_score", "interval", "reinfer_interval"})
-    graph_keys = frozenset(
-        {"model", "on", "classes", "upright_by", "interval", "reinfer_interval", "priority", "timeout_ms"}
-    )
+    graph_keys = frozenset({"model", "on", "classes", "upright_by", "priority", "timeout_ms"})
 
     model: str = field(default="", metadata=spec(help="a model name in the repository"))
     on: str | None = field(default=None, metadata=spec(help="an earlier stage whose objects to crop"))

@@ -287,8 +287,9 @@ def test_a_wrong_key_of_an_infer_or_track_stage_hides_no_model_problem(
           - {{name: t, type: track, tracker: bytetrak, classes: [sqare]}}
         """,
     )
-    # A key the graph's checks read (interval) leaves stage a out of them, but not its model's
-    # own config; keys no check reads leave stages b and t checked whole.
+    # A wrong interval stands in as 0 and a wrong confidence or tracker is read by no check:
+    # every stage is checked, and the models' own configs too. The track stage's classes
+    # are not judged: they may be labels of det, whose config does not load.
     assert problems(path, check_resources=True) == [
         f"{det}:23: task_kind: unknown key (hint: did you mean 'task'?)",
         f"{path}:4: stages[0].intervall: unknown key (hint: did you mean 'interval'?)",
@@ -296,5 +297,26 @@ def test_a_wrong_key_of_an_infer_or_track_stage_hides_no_model_problem(
         f"{path}:5: stages[1].classes: 'sqare' is not a label of model 'squares' (hint: did you mean 'square'?)",
         f"{path}:6: stages[2].tracker: expected one of 'bytetrack', 'iou', got 'bytetrak' "
         "(hint: did you mean 'bytetrack'?)",
-        f"{path}:6: stages[2].classes: 'sqare' is not a label of model 'squares' (hint: did you mean 'square'?)",
+    ]
+
+
+def test_a_wrong_reinfer_interval_hides_no_graph_problem(tmp_path: Path, sample_models: Path) -> None:
+    path = write(
+        tmp_path,
+        f"""\
+        pipeline: ocr
+        models: {sample_models}
+        sources: [{{url: "test://?frames=3"}}]
+        stages:
+          - {{name: text, type: infer, model: ppocr_det}}
+          - {{name: track, type: track}}
+          - {{name: read, type: infer, model: ppocr_rec, on: text, reinfer_interval: -1}}
+          - {{name: read, type: infer, model: ppocr_rec, on: txt}}
+        """,
+    )
+    assert problems(path, check_resources=True) == [
+        f"{path}:7: stages[2].reinfer_interval: must be at least 0, got -1 "
+        "(hint: cascades after a track stage: re-run on a track every N frames)",
+        f"{path}:8: stages[3].name: duplicate stage name 'read' (hint: stage names must be unique)",
+        f"{path}:8: stages[3].on: unknown stage 'txt' (hint: name an earlier stage: text, track, read)",
     ]
