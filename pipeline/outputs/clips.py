@@ -315,12 +315,11 @@ class ClipRecorder:
         self._stream_gone = False
         # A keyframe that came without timestamps, and its stream: stamped by the next packet.
         self._unstamped: tuple[Any, Any] | None = None
-        self._warned_empty_at = -math.inf
-        self._warned_gone_at = -math.inf
         self._known: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._warned_at = -math.inf
-        # Clips that fail are logged once a minute per reason, with a count of the rest.
+        # Clips that fail, and those that cannot be cut, are logged once a minute per reason,
+        # with a count of the rest.
         self._failures = RateLimitedLog(interval=60.0, logger=log)
+        self._warnings = RateLimitedLog(interval=60.0, logger=log, level=logging.WARNING)
         self._closed = False  # the source ended: packets still on their way are not kept
         self.clips = 0
         self.failed = 0
@@ -423,16 +422,13 @@ class ClipRecorder:
             ring.clear()
             self._ring_bytes = 0
             self._starved = True
-            now = time.monotonic()
-            if now - self._warned_at >= 60:
-                self._warned_at = now
-                log.warning(
-                    "source %s: no keyframe in %.0f s (%.0f MB) of stream: the clip pre-roll was "
-                    "dropped (%d packets, %.0f MB so far); clips start at the next keyframe. "
-                    "Set the camera's keyframe interval (GOP) to a few seconds",
-                    self.source, span, ring_mb, self.dropped_packets,
-                    self.dropped_bytes / 1e6,
-                )  # fmt: skip
+            self._warnings(
+                "no-keyframe",
+                f"source {self.source}: no keyframe in {span:.0f} s ({ring_mb:.0f} MB) of stream: the clip "
+                f"pre-roll was dropped ({self.dropped_packets} packets, {self.dropped_bytes / 1e6:.0f} MB so "
+                "far); clips start at the next keyframe. Set the camera's keyframe interval (GOP) to a "
+                "few seconds",
+            )
 
     def _end_stream(self, keep: bool = False) -> list[_Clip]:
         """Under the lock: the stream ended; its ring goes, its clip is finished.
@@ -503,25 +499,19 @@ class ClipRecorder:
                 # decodes ahead): part of that clip. At its end or later, the frame is not in
                 # it (a clip holds the frames before its end), so it gets a clip of its own.
                 return
-            if not ring and ended is None and self._stream_gone:
-                now = time.monotonic()
-                if now - self._warned_gone_at >= 60:
-                    self._warned_gone_at = now
-                    log.warning(
-                        "source %s: no clip for %s at frame %d: the stream ended (a reconnect, the "
-                        "source's end) before the frame was published, and its clip ring went with it",
-                        self.source, event, at_frame,
-                    )  # fmt: skip
-                return
             if not ring:
-                now = time.monotonic()
-                if now - self._warned_empty_at >= 60:
-                    self._warned_empty_at = now
-                    log.warning(
-                        "source %s: no clip for %s at frame %d: no keyframe with timestamps "
-                        "has come from the stream yet (clips start at a keyframe)",
-                        self.source, event, at_frame,
-                    )  # fmt: skip
+                gone = ended is None and self._stream_gone
+                why = (
+                    "the stream ended (a reconnect, the source's end) before the frame was published, "
+                    "and its clip ring went with it"
+                    if gone
+                    else "no keyframe with timestamps has come from the stream yet (clips start at a "
+                    "keyframe)"
+                )
+                self._warnings(
+                    "stream-gone" if gone else "no-ring",
+                    f"source {self.source}: no clip for {event} at frame {at_frame}: {why}",
+                )
                 return
             start_target = event_s - self.config.pre_s
             start = 0
