@@ -94,20 +94,29 @@ def step_of(shown: int) -> int:
     return index
 
 
-@pytest.mark.skipif(not gstreamer_available(), reason="needs /usr/bin/python3 with gst-rtsp-server")
-async def test_serve_rtsp_loops_a_file_as_a_live_camera_until_ctrl_c(tmp_path: Path) -> None:
-    clip = level_clip(tmp_path / "door.mp4", frames=10, fps=10)  # one second, frame i at level(i)
+def _serve_rtsp(clip: Path) -> tuple[subprocess.Popen[str], str]:
+    """``vidpipe serve-rtsp CLIP`` in its own session, and the URL it printed."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "serve-rtsp", str(clip), "--port", str(port)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    if not ready:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError("no URL within 60 s")
+    url = proc.stdout.readline().strip()
+    assert url == f"rtsp://127.0.0.1:{port}/{clip.stem}"
+    return proc, url
+
+
+@pytest.mark.skipif(not gstreamer_available(), reason="needs /usr/bin/python3 with gst-rtsp-server")
+async def test_serve_rtsp_loops_a_file_as_a_live_camera_until_ctrl_c(tmp_path: Path) -> None:
+    clip = level_clip(tmp_path / "door.mp4", frames=10, fps=10)  # one second, frame i at level(i)
+    proc, url = _serve_rtsp(clip)
     try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        assert ready, "no URL within 60 s"
-        url = proc.stdout.readline().strip()
-        assert url == f"rtsp://127.0.0.1:{port}/door"
         source = create_source(timed_config(url))
         assert isinstance(source, RtspSource)
         frames = await take(source, 35, timeout=60)  # three and a half clip lengths
@@ -133,16 +142,8 @@ def test_serve_rtsp_sends_a_keyframe_a_second_at_the_files_own_frame_rate(tmp_pa
     import av
 
     clip = level_clip(tmp_path / "door.mp4", frames=10, fps=12)
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "serve-rtsp", str(clip), "--port", str(port)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+    proc, url = _serve_rtsp(clip)
     try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        assert ready, "no URL within 60 s"
-        url = proc.stdout.readline().strip()
         with av.open(url, options={"rtsp_transport": "tcp"}, timeout=30) as container:
             packets = list(itertools.islice((p for p in container.demux(video=0) if p.size), 40))
     finally:
